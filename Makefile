@@ -1,0 +1,28 @@
+# The two commands a newcomer needs:
+#   make test    build everything, run every test this machine can run (GPU tests skip without a GPU)
+#   make bench   build, then benchmark the forward pass on the GPU beside PyTorch SDPA's backends
+#                (no GPU: the CPU backend on a small problem, and it says so)
+# Knobs: PRESET=default|hopper|dev|cpu (see CMakePresets.json), JOBS=N.
+PRESET ?= default
+JOBS ?= $(shell nproc)
+BUILD_DIR = $(shell python3 scripts/preset_dir.py $(PRESET))
+
+.PHONY: all build test bench deps clean
+
+all: build
+
+deps:
+	@bash scripts/check_deps.sh
+
+build: deps
+	cmake --preset $(PRESET)
+	cmake --build $(BUILD_DIR) -j $(JOBS)
+
+test: build
+	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
+
+bench: build
+	bash bench/run_bench.sh $(BUILD_DIR)
+
+clean:
+	rm -rf build build-hopper build-dev build-cpu

@@ -1,0 +1,21 @@
+// flashkit/api.h
+// \brief The entry points. Each validates its arguments (throwing flashkit::Error), then runs on the
+// backend that owns the data: views on a CUDA device run the GPU kernels on `stream`, views on the
+// CPU run the fp64-accumulating reference. Nothing is allocated behind the caller's back.
+#pragma once
+
+#include "flashkit/params.h"
+
+namespace flashkit {
+
+// `stream` is a cudaStream_t (nullptr: the legacy default stream); ignored for CPU views.
+// Both calls return once the work is enqueued (GPU) or done (CPU).
+void mha_fwd(const MhaFwdParams& params, void* stream = nullptr);
+void mha_varlen_fwd(const MhaVarlenFwdParams& params, void* stream = nullptr);
+
+// The head dims the CUDA kernels of this build were compiled for are rounded up to one of these
+// families; a head dim whose family was left out of the build is rejected with an error that says
+// how to rebuild. Returns true when `head_dim` (a multiple of 8, at most 256) is served on CUDA.
+bool cuda_head_dim_built(int head_dim);
+
+}  // namespace flashkit

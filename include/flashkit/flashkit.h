@@ -1,0 +1,7 @@
+// flashkit/flashkit.h: the whole public C++ API.
+#pragma once
+
+#include "flashkit/api.h"
+#include "flashkit/error.h"
+#include "flashkit/params.h"
+#include "flashkit/tensor.h"

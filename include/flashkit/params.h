@@ -1,0 +1,63 @@
+// flashkit/params.h
+// \brief The arguments of each attention operation, named after what they mean.
+//
+// These structs are the whole boundary between a caller (C++ program, PyTorch glue) and flashkit.
+// Every tensor is a caller-owned TensorView; optional tensors are left as empty views.
+#pragma once
+
+#include <cstdint>
+
+#include "flashkit/tensor.h"
+
+namespace flashkit {
+
+// Which keys a query may attend to. Query row i of a sequence (seqlen_q rows, seqlen_k keys) may see
+// key j iff
+//     i + (seqlen_k - seqlen_q) - window_left <= j <= i + (seqlen_k - seqlen_q) + window_right,
+// where a negative window side is unbounded. `causal` is window_right = 0 (bottom-right aligned when
+// seqlen_q != seqlen_k, the FlashAttention >= 2.1 convention).
+struct MaskSpec {
+  bool causal = false;
+  int window_left = -1;
+  int window_right = -1;
+};
+
+// Dropout on the attention probabilities, with a counter-based RNG (Philox) keyed by (seed, offset) so
+// that the backward pass can regenerate the same mask. Not yet implemented by any backend: a
+// dropout_p > 0 is rejected with a clear error until the dropout issue lands.
+struct DropoutSpec {
+  float p = 0.0f;
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+};
+
+// Arguments shared by the fixed-length and the variable-length forward pass.
+struct FwdCommon {
+  TensorView q;  // [batch, seqlen_q, heads_q, head_dim]       (varlen: [total_q, heads_q, head_dim])
+  TensorView k;  // [batch, seqlen_k, heads_kv, head_dim]      (varlen: [total_k, heads_kv, head_dim])
+  TensorView v;  // [batch, seqlen_k, heads_kv, head_dim]      (varlen: [total_k, heads_kv, head_dim])
+  TensorView out;          // same shape and dtype as q; written
+  TensorView softmax_lse;  // fp32 [batch, heads_q, seqlen_q] (varlen: [batch, heads_q, max_seqlen_q]);
+                           // natural log of the softmax denominator per row, -inf for a row that sees
+                           // no key (its output row is zero). Written; the backward pass reads it.
+  TensorView alibi_slopes;  // optional fp32 [heads_q] or [batch, heads_q]; adds
+                            // -slope * |i + seqlen_k - seqlen_q - j| to the score of (i, j).
+  float softmax_scale = 0.0f;  // multiplies q.k; 0 means 1/sqrt(head_dim)
+  float softcap = 0.0f;        // > 0: score = softcap * tanh(score / softcap), after scaling
+  MaskSpec mask{};
+  DropoutSpec dropout{};
+};
+
+// mha_fwd: every sequence of the batch has the same lengths.
+struct MhaFwdParams : FwdCommon {};
+
+// mha_varlen_fwd: sequences packed along the token dimension.
+struct MhaVarlenFwdParams : FwdCommon {
+  TensorView cu_seqlens_q;  // int32 [batch + 1], prefix sums of the query lengths, starting at 0
+  TensorView cu_seqlens_k;  // int32 [batch + 1], prefix sums of the key lengths, starting at 0
+  TensorView seqused_k;     // optional int32 [batch]: use only the first seqused_k[b] keys of sequence b
+  int max_seqlen_q = 0;     // >= every query length (sizes softmax_lse and the grid)
+  int max_seqlen_k = 0;     // >= every key length
+};
+
+}  // namespace flashkit

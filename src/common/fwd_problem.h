@@ -1,0 +1,60 @@
+// src/common/fwd_problem.h
+// \brief The forward problem after validation: plain pointers, 64-bit strides and resolved options.
+//
+// src/api/ builds one FwdProblem from the public params (defaults applied, causal folded into the
+// window, dtypes and shapes checked); every backend (src/cpu/ reference, src/cuda/ kernels) consumes
+// only this. It holds no torch and no CUDA types, so it can cross into .cu files unchanged.
+#pragma once
+
+#include <cstdint>
+
+#include "flashkit/tensor.h"
+
+namespace flashkit {
+
+struct FwdProblem {
+  DType dtype = DType::kBFloat16;  // of q, k, v and out
+  int batch = 0;
+  int heads_q = 0;
+  int heads_kv = 0;  // heads_q % heads_kv == 0; query head h reads kv head h / (heads_q / heads_kv)
+  int head_dim = 0;  // a multiple of 8, at most 256
+  // Fixed-length: the lengths of every sequence. Varlen: the max_seqlen_* bounds.
+  int seqlen_q = 0;
+  int seqlen_k = 0;
+
+  // Element pointers and strides (in elements). For varlen, *_batch_stride is 0 and the token
+  // offset of sequence b comes from cu_seqlens_*.
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  int64_t k_batch_stride = 0, k_row_stride = 0, k_head_stride = 0;
+  int64_t v_batch_stride = 0, v_row_stride = 0, v_head_stride = 0;
+  int64_t out_batch_stride = 0, out_row_stride = 0, out_head_stride = 0;
+
+  float* lse = nullptr;  // [batch, heads_q, seqlen_q], row stride 1
+  int64_t lse_batch_stride = 0, lse_head_stride = 0;
+
+  // Variable length (all null for mha_fwd).
+  const int* cu_seqlens_q = nullptr;
+  const int* cu_seqlens_k = nullptr;
+  const int* seqused_k = nullptr;
+
+  const float* alibi_slopes = nullptr;  // slope of (b, h) = alibi_slopes[b * alibi_batch_stride + h]
+  int64_t alibi_batch_stride = 0;       // 0 for [heads_q] slopes
+
+  float softmax_scale = 0.0f;  // resolved: never 0
+  float softcap = 0.0f;        // 0: off
+  int window_left = -1;        // resolved: causal sets window_right = 0; -1 is unbounded
+  int window_right = -1;
+  bool causal = false;         // kept for heuristics; the window already encodes it
+
+  float dropout_p = 0.0f;
+  uint64_t dropout_seed = 0;
+  uint64_t dropout_offset = 0;
+
+  bool is_varlen() const { return cu_seqlens_q != nullptr; }
+};
+
+}  // namespace flashkit
