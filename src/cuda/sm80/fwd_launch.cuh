@@ -1,0 +1,47 @@
+// src/cuda/sm80/fwd_launch.cuh
+// \brief Host side of the sm80 forward kernel: tile choice for a family, grid, shared memory,
+// launch. Included only by the generated per-(dtype, family) instance files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/cuda_check.h"
+#include "cuda/sm80/fwd_kernel.cuh"
+#include "cuda/sm80/fwd_sm80.h"
+#include "cuda/sm80/fwd_tile_config.h"
+#include "flashkit/error.h"
+
+namespace flashkit::sm80 {
+
+template <DType kDType> struct ElementOf;
+template <> struct ElementOf<DType::kBFloat16> { using type = __nv_bfloat16; };
+template <> struct ElementOf<DType::kFloat16> { using type = __half; };
+
+template <DType kDType, int kHeadDimFamily>
+void run_fwd(const FwdProblem& problem, void* stream) {
+  constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
+  static_assert(kTile.block_m > 0, "no tile configuration for this head-dim family");
+  using Traits = FwdKernelTraits<typename ElementOf<kDType>::type, kHeadDimFamily, kTile.block_m,
+                                 kTile.block_n, kTile.warps, kTile.q_in_registers>;
+
+  const int64_t num_m_blocks = (problem.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t num_blocks = num_m_blocks * problem.batch * problem.heads_q;
+  if (num_blocks == 0) return;
+  if (num_blocks > INT32_MAX) {
+    throw Error("mha_fwd: batch * heads_q * ceil(seqlen_q / " + std::to_string(Traits::kBlockM) +
+                ") = " + std::to_string(num_blocks) + " exceeds the 2^31 - 1 CTAs one launch can run");
+  }
+
+  auto kernel = fwd_kernel<Traits>;
+  cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   Traits::kSmemBytes),
+              "cudaFuncSetAttribute(fwd_kernel, max dynamic shared memory)");
+  kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes,
+           static_cast<cudaStream_t>(stream)>>>(problem);
+  cuda::check_last_launch("sm80 fwd_kernel");
+}
+
+}  // namespace flashkit::sm80
