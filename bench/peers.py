@@ -1,0 +1,285 @@
+#!/usr/bin/env python3
+"""bench/peers.py: times PyTorch's attention backends on flashkit_bench's forward grid.
+
+Runs on the GPU machine (PyTorch with CUDA). For each case of the grid (same flags and defaults as
+flashkit_bench: batch = 16384 / seqlen, heads = 2048 / hdim) it times
+  sdpa_flash      scaled_dot_product_attention under SDPBackend.FLASH_ATTENTION (FlashAttention-2)
+  sdpa_cudnn      ... under SDPBackend.CUDNN_ATTENTION
+  sdpa_efficient  ... under SDPBackend.EFFICIENT_ATTENTION
+  flex            flex_attention compiled with torch.compile (static shapes; a causal block mask)
+on [b, h, s, d] views made by transposing [b, s, h, d] tensors, so memory is laid out as flashkit's.
+The method mirrors flashkit_bench: inputs uniform in [-1, 1), rotated among enough sets to exceed twice
+the L2; warm-up in batches until 25 ms (at least two batches, so compilation stays out of the estimate);
+CUDA events around each call, median of >= 20 calls and >= 100 ms. A backend that fails a case gets
+tflops null and a note (the exception's first line). The JSON (docs/DESIGN.md format) is rewritten after
+every case; cases run backend by backend, flex last, since its compiles cost the most time.
+
+usage: peers.py [--dtype bf16,fp16] [--hdim 64,128,256] [--seqlen 512,1k,...,16k]
+                [--causal both|yes|no] [--quick] [--impls sdpa_flash,...,flex] [--json PATH]
+Environment: FLASHKIT_GIT_COMMIT, FLASHKIT_DRIVER (as for flashkit_bench).
+"""
+import argparse
+import datetime
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import warnings
+
+TOTAL_TOKENS = 16384  # batch * seqlen of every grid shape
+MODEL_DIM = 2048      # heads * head_dim of every grid shape
+WARMUP_MS = 25.0
+MIN_WARMUP_CALLS = 3
+MIN_TIMED_MS = 100.0
+MIN_REPS, MAX_REPS = 20, 2000
+IMPLS = ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
+METHOD_NOTE = (
+    "tflops = 4*b*h*sq*sk*d / time, halved for causal (the FlashAttention convention, not the exact "
+    "count of unmasked pairs); time = median of CUDA-event-timed calls after warm-up (>= 20 calls and "
+    ">= 100 ms), inputs uniform in [-1, 1) in [b, h, s, d] views of [b, s, h, d] memory, rotated past "
+    "2x L2; outputs checked for NaN/inf")
+
+
+def parse_seqlen(text):
+    value = int(text[:-1]) * 1024 if text[-1:] in ("k", "K") else int(text)
+    if value <= 0:
+        raise ValueError(text)
+    return value
+
+
+def parse_args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--dtype", help="comma-separated: bf16,fp16")
+    p.add_argument("--hdim", help="comma-separated head dims, e.g. 64,128,256")
+    p.add_argument("--seqlen", help="comma-separated, k suffix allowed, e.g. 512,1k,16k")
+    p.add_argument("--causal", default="both", choices=["both", "yes", "no", "1", "0", "true", "false"])
+    p.add_argument("--quick", action="store_true",
+                   help="bf16, hdim 64 and 128, seqlen 2k and 8k (explicit flags still override)")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+    p.add_argument("--json", help="write the results (docs/DESIGN.md format) to this path")
+    args = p.parse_args()
+    try:
+        args.dtypes = (args.dtype or ("bf16" if args.quick else "bf16,fp16")).split(",")
+        args.hdims = [int(x) for x in (args.hdim or ("64,128" if args.quick else "64,128,256")).split(",")]
+        args.seqlens = [parse_seqlen(x) for x in
+                        (args.seqlen or ("2k,8k" if args.quick else "512,1k,2k,4k,8k,16k")).split(",")]
+    except ValueError as e:
+        p.error(f"bad number in a list: {e}")
+    args.causals = {"both": [False, True], "yes": [True], "1": [True], "true": [True]}.get(args.causal, [False])
+    args.impl_list = args.impls.split(",")
+    for bad in [d for d in args.dtypes if d not in ("bf16", "fp16")]:
+        p.error(f"dtype '{bad}' is not bf16 or fp16")
+    for bad in [i for i in args.impl_list if i not in IMPLS]:
+        p.error(f"impl '{bad}' is not one of {', '.join(IMPLS)}")
+    return args
+
+
+def make_grid(args):
+    """The cases in flashkit_bench's order: dtype, head dim, causal, seqlen."""
+    return [dict(dtype=dt, batch=max(1, TOTAL_TOKENS // s), heads=max(1, MODEL_DIM // d), seqlen=s,
+                 head_dim=d, causal=causal)
+            for dt in args.dtypes for d in args.hdims for causal in args.causals for s in args.seqlens]
+
+
+def case_flops(c):
+    return 4.0 * c["batch"] * c["heads"] * c["seqlen"] ** 2 * c["head_dim"] * (0.5 if c["causal"] else 1.0)
+
+
+def first_line(text):
+    lines = str(text).strip().splitlines()
+    return lines[0] if lines else ""
+
+
+def driver_version():
+    """nvidia-smi's driver version: FLASHKIT_DRIVER, else nvidia-smi, else the kernel module's file."""
+    if os.environ.get("FLASHKIT_DRIVER"):
+        return os.environ["FLASHKIT_DRIVER"]
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30)
+        if out.returncode == 0 and out.stdout.strip():
+            return out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    try:
+        with open("/proc/driver/nvidia/version") as f:
+            return f.readline().split("Kernel Module")[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
+class Bench:
+    """Times callables on the current CUDA device with flashkit_bench's method."""
+
+    def __init__(self, torch):
+        self.torch = torch
+        props = torch.cuda.get_device_properties(0)
+        self.l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
+
+    def input_sets(self, c):
+        """Sets of (q, k, v) as [b, h, s, d] views of [b, s, h, d] memory, enough to exceed 2x L2."""
+        torch = self.torch
+        dtype = torch.bfloat16 if c["dtype"] == "bf16" else torch.float16
+        shape = (c["batch"], c["seqlen"], c["heads"], c["head_dim"])
+        set_bytes = 3 * math.prod(shape) * 2
+        sets = max(1, math.ceil(2 * self.l2_bytes / set_bytes))
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        return [tuple(torch.empty(shape, dtype=dtype, device="cuda").uniform_(-1, 1, generator=gen)
+                      .transpose(1, 2) for _ in range(3)) for _ in range(sets)]
+
+    def time_ms(self, fn, sets):
+        """Median ms of fn(i % sets) calls; returns (ms, the last call's output)."""
+        torch = self.torch
+        calls, warm_ms, batch, rnd = 0, 0.0, MIN_WARMUP_CALLS, 0
+        while True:
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(batch):
+                fn(calls % sets)
+                calls += 1
+            end.record()
+            end.synchronize()
+            ms = begin.elapsed_time(end)
+            warm_ms += ms
+            estimate = max(ms / batch, 1e-3)  # from the last batch: the first may include compilation
+            if rnd >= 1 and warm_ms >= WARMUP_MS:
+                break
+            batch = max(MIN_WARMUP_CALLS, math.ceil((WARMUP_MS - warm_ms) / estimate))
+            rnd += 1
+        reps = min(MAX_REPS, max(MIN_REPS, math.ceil(MIN_TIMED_MS / estimate)))
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(reps)]
+        out = None
+        for i, (b, e) in enumerate(events):
+            b.record()
+            out = fn(i % sets)
+            e.record()
+        torch.cuda.synchronize()
+        return statistics.median(b.elapsed_time(e) for b, e in events), out
+
+
+def impl_runner(torch, impl):
+    """Returns run(case, qkv_sets, bench) -> (ms, out) for one implementation."""
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if impl != "flex":
+        backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+                   "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[impl]
+
+        def run_sdpa(c, qkv, bench):
+            with sdpa_kernel([backend]):
+                return bench.time_ms(
+                    lambda i: F.scaled_dot_product_attention(*qkv[i], is_causal=c["causal"]), len(qkv))
+        return run_sdpa
+
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+    # One compiled kernel per shape (static shapes, as flex is benchmarked upstream): let dynamo keep
+    # them all instead of falling back to eager after its default limit of 8.
+    for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
+                 "accumulated_cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 1024)
+    flex = torch.compile(flex_attention, dynamic=False)
+
+    def causal_mask(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    def run_flex(c, qkv, bench):
+        s = c["seqlen"]
+        block_mask = create_block_mask(causal_mask, None, None, s, s, device="cuda") if c["causal"] else None
+        return bench.time_ms(lambda i: flex(*qkv[i], block_mask=block_mask), len(qkv))
+    return run_flex
+
+
+def failing_runner(error):
+    """A runner for an implementation that could not be set up: each case reports `error`."""
+    def run(c, qkv, bench):
+        raise error
+    return run
+
+
+def run_case(torch, bench, impl, runner, c):
+    """One record of the results format."""
+    record = dict(op="fwd", impl=impl, dtype=c["dtype"], batch=c["batch"], heads_q=c["heads"],
+                  heads_kv=c["heads"], seqlen_q=c["seqlen"], seqlen_k=c["seqlen"], head_dim=c["head_dim"],
+                  causal=c["causal"], window=[-1, -1], ms=None, tflops=None, tbps=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            qkv = bench.input_sets(c)
+            ms, out = runner(c, qkv, bench)
+            record["ms"] = round(ms, 6)
+            if not bool(torch.isfinite(out).all()):
+                record["note"] = "output has NaN/inf"
+            else:
+                record["tflops"] = round(case_flops(c) / (ms * 1e9), 2)
+        except Exception as e:  # any failure of a backend on a case is a result, not a crash
+            note = f"{type(e).__name__}: {first_line(e)}"
+            reasons = [first_line(w.message) for w in caught if issubclass(w.category, UserWarning)]
+            if reasons:
+                note += f" (warning: {reasons[0]})"
+            record["note"] = note
+    return record
+
+
+def write_json(path, header, records):
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(dict(header, records=records), f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def main():
+    args = parse_args()
+    try:
+        import torch
+    except ImportError:
+        sys.exit("peers.py: PyTorch is not installed; it runs on the GPU machine")
+    if not torch.cuda.is_available():
+        sys.exit("peers.py: no CUDA device visible to PyTorch")
+
+    header = dict(
+        gpu=torch.cuda.get_device_name(0), driver=driver_version(), cuda=torch.version.cuda,
+        torch=torch.__version__,
+        date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        git_commit=os.environ.get("FLASHKIT_GIT_COMMIT") or "unknown",
+        cudnn=torch.backends.cudnn.version(), triton=None, note=METHOD_NOTE)
+    try:
+        import triton
+        header["triton"] = triton.__version__
+    except ImportError:
+        pass
+    print(f"peers.py: {header['gpu']}, driver {header['driver']}, CUDA {header['cuda']}, torch "
+          f"{header['torch']}, cuDNN {header['cudnn']}, triton {header['triton']}", flush=True)
+
+    bench = Bench(torch)
+    grid = make_grid(args)
+    records = []
+    print(f"{'impl':<15} {'dtype':<5} {'hdim':>4} {'seqlen':>6} {'batch':>5} {'heads':>5} {'causal':>6} "
+          f"{'ms':>10} {'TFLOP/s':>8}", flush=True)
+    for impl in args.impl_list:
+        try:
+            runner = impl_runner(torch, impl)
+        except Exception as e:  # e.g. a torch without flex_attention: every case gets the note
+            runner = failing_runner(e)
+        for c in grid:
+            r = run_case(torch, bench, impl, runner, c)
+            records.append(r)
+            ms = "-" if r["ms"] is None else f"{r['ms']:.4f}"
+            tf = "-" if r["tflops"] is None else f"{r['tflops']:.1f}"
+            print(f"{impl:<15} {c['dtype']:<5} {c['head_dim']:>4} {c['seqlen']:>6} {c['batch']:>5} "
+                  f"{c['heads']:>5} {'yes' if c['causal'] else 'no':>6} {ms:>10} {tf:>8}"
+                  + (f"  note: {r['note']}" if r.get("note") else ""), flush=True)
+            if args.json:
+                write_json(args.json, header, records)
+    failed = sum(r["tflops"] is None for r in records)
+    print(f"{failed} of {len(records)} (impl, case) pairs have no number"
+          + (f"; results in {args.json}" if args.json else ""))
+
+
+if __name__ == "__main__":
+    main()
