@@ -61,6 +61,10 @@ const char* const kMethodNote =
     "launches and >= 100 ms), inputs uniform in [-1, 1) rotated past 2x L2; outputs poisoned with NaN "
     "and checked, a few rows compared with the CPU reference";
 
+const char* const kCpuMethodNote =
+    "CPU reference backend on a small problem, not GPU numbers: tflops = 4*b*h*sq*sk*d / time, halved "
+    "for causal; time = median host wall-clock time of >= 5 calls and >= 100 ms after one warm-up call";
+
 const char* const kUsage =
     "usage: flashkit_bench [--dtype bf16,fp16] [--hdim 64,128,256] [--seqlen 512,1k,2k,4k,8k,16k]\n"
     "                      [--causal both|yes|no] [--quick] [--json PATH]\n"
@@ -275,6 +279,7 @@ struct RunInfo {
   std::string date;
   std::string git_commit;
   std::string impl;    // "flashkit", or "flashkit_cpu" for the CPU backend
+  const char* method_note = kMethodNote;
 };
 
 std::string utc_now_iso() {
@@ -326,7 +331,7 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
      << json_string_or_null(info.driver) << ",\n  \"cuda\": " << json_string_or_null(info.cuda)
      << ",\n  \"torch\": null,\n  \"date\": " << json_string(info.date)
      << ",\n  \"git_commit\": " << json_string(info.git_commit)
-     << ",\n  \"note\": " << json_string(kMethodNote) << ",\n  \"records\": [";
+     << ",\n  \"note\": " << json_string(info.method_note) << ",\n  \"records\": [";
   for (size_t i = 0; i < results.size(); ++i) {
     const Result& r = results[i];
     const Case& c = r.c;
@@ -408,6 +413,7 @@ int run_cpu_mode(const std::string& why, const Options& opt, RunInfo info) {
               "numbers are not GPU numbers (grid options ignored)\n", why.c_str());
   info.gpu = "none (CPU reference backend)";
   info.impl = "flashkit_cpu";
+  info.method_note = kCpuMethodNote;
   const flashkit::Device cpu{flashkit::DeviceKind::kCpu, 0};
 
   std::vector<Case> cases;
