@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# bench/run_bench.sh BUILD_DIR [GRID FLAGS...]: what `make bench` runs.
+#
+# With a GPU: runs BUILD_DIR/bench/flashkit_bench, then bench/peers.py (PyTorch SDPA backends and
+# FlexAttention) on the same grid when python3 has CUDA-enabled PyTorch, then bench/report.py, which
+# writes <results>/<gpu>-<yyyy-mm-dd>-fwd.json and .md (printed at the end). Without a GPU: runs
+# flashkit_bench, which times the CPU backend on a small problem and says so; nothing is written.
+#
+# Grid flags (--dtype, --hdim, --seqlen, --causal) go to both tools, from the arguments and from
+# FLASHKIT_BENCH_ARGS. Environment:
+#   FLASHKIT_BENCH_QUICK=1   the quick subset (bf16, hdim 64 and 128, seqlen 2k and 8k)
+#   FLASHKIT_RESULTS_DIR     where the merged results go (default bench/results)
+#   FLASHKIT_GIT_COMMIT      recorded in the results (default: git describe of this checkout)
+# Exits non-zero when a tool failed (flashkit_bench fails when any case failed its checks).
+set -euo pipefail
+
+if [ $# -lt 1 ]; then
+  echo "usage: bench/run_bench.sh BUILD_DIR [--dtype ...] [--hdim ...] [--seqlen ...] [--causal ...]" >&2
+  exit 2
+fi
+build_dir=$(cd "$1" && pwd)
+shift
+cd "$(dirname "$0")/.."
+bench="$build_dir/bench/flashkit_bench"
+if [ ! -x "$bench" ]; then
+  echo "run_bench.sh: $bench not found; build first (make build)" >&2
+  exit 1
+fi
+read -r -a grid <<<"${FLASHKIT_BENCH_ARGS:-}"
+grid+=("$@")
+if [ "${FLASHKIT_BENCH_QUICK:-0}" = 1 ]; then
+  grid=(--quick "${grid[@]}")
+fi
+results=${FLASHKIT_RESULTS_DIR:-bench/results}
+export FLASHKIT_GIT_COMMIT=${FLASHKIT_GIT_COMMIT:-$(git describe --always --dirty --abbrev=12 2>/dev/null || echo unknown)}
+
+if ! nvidia-smi -L >/dev/null 2>&1; then
+  echo "run_bench.sh: no GPU found (nvidia-smi lists none): the CPU backend only, nothing written"
+  exec "$bench" "${grid[@]}"
+fi
+export FLASHKIT_DRIVER=${FLASHKIT_DRIVER:-$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)}
+
+raw=$(mktemp -d)
+trap 'rm -rf "$raw"' EXIT
+status=0
+"$bench" "${grid[@]}" --json "$raw/flashkit.json" || status=$?
+if python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  python3 bench/peers.py "${grid[@]}" --json "$raw/peers.json" || status=$?
+else
+  echo "run_bench.sh: python3 has no CUDA-enabled PyTorch: no peers in this run"
+fi
+
+inputs=()
+for name in flashkit peers; do
+  if [ -s "$raw/$name.json" ]; then inputs+=("$raw/$name.json"); fi
+done
+if [ ${#inputs[@]} -eq 0 ]; then
+  echo "run_bench.sh: no results to report" >&2
+  exit 1
+fi
+written=$(python3 bench/report.py --out-dir "$results" "${inputs[@]}")
+echo
+cat "$(sed -n 2p <<<"$written")"
+echo
+echo "run_bench.sh: wrote" $written
+exit "$status"
