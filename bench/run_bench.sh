@@ -62,5 +62,5 @@ written=$(python3 bench/report.py --out-dir "$results" "${inputs[@]}")
 echo
 cat "$(sed -n 2p <<<"$written")"
 echo
-echo "run_bench.sh: wrote" $written
+echo "run_bench.sh: wrote $(tr '\n' ' ' <<<"$written")"
 exit "$status"
