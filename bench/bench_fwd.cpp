@@ -7,9 +7,9 @@
 // d128, seqlen 2k and 8k.
 //
 // The method (docs/GPU.md, "Time properly"): inputs uniform in [-1, 1) filled on the host; warm-up of
-// at least 3 launches and 25 ms; then CUDA events around every launch, median of at least 20 launches
-// and at least 100 ms, rotating among enough input sets that they exceed twice the L2 when one set is
-// smaller. The output and LSE are poisoned with 0xFF bytes (NaN) before the timed launches and checked
+// at least 25 ms in two or more batches of >= 3 launches (the last batch sizes the timed loop); then
+// CUDA events around every launch, median of at least 20 launches and at least 100 ms, rotating among
+// enough input sets that they exceed twice the L2 when one set is smaller. The output and LSE are poisoned with 0xFF bytes (NaN) before the timed launches and checked
 // after; a few rows are compared with the CPU reference (flashkit's own CPU backend). A case that
 // throws, leaves NaN or disagrees with the reference gets tflops null and a note; the exit status is 1
 // if any case failed (a head dim left out of the build is reported, not counted as a failure).
@@ -249,7 +249,7 @@ int64_t count_nonfinite(const float* values, int64_t n) {
   return bad;
 }
 
-// The check after the timed launches: every output and LSE value written and finite.
+// The check after the runs: every output and LSE value written (no poison left) and finite.
 std::string nonfinite_note(const Case& c, const uint16_t* out, const float* lse) {
   const int64_t out_n = c.tensor_elems();
   const int64_t lse_n = int64_t(c.batch) * c.heads * c.seqlen;
@@ -258,7 +258,7 @@ std::string nonfinite_note(const Case& c, const uint16_t* out, const float* lse)
   if (bad_out == 0 && bad_lse == 0) return "";
   return std::to_string(bad_out) + " of " + std::to_string(out_n) + " output and " +
          std::to_string(bad_lse) + " of " + std::to_string(lse_n) +
-         " LSE values are NaN/inf (unwritten or overflowed) after the timed launches";
+         " LSE values are NaN/inf (unwritten or overflowed)";
 }
 
 double median(std::vector<double> v) {
