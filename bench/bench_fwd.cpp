@@ -9,10 +9,11 @@
 // The method (docs/GPU.md, "Time properly"): inputs uniform in [-1, 1) filled on the host; warm-up of
 // at least 25 ms in two or more batches of >= 3 launches (the last batch sizes the timed loop); then
 // CUDA events around every launch, median of at least 20 launches and at least 100 ms, rotating among
-// enough input sets that they exceed twice the L2 when one set is smaller. The output and LSE are poisoned with 0xFF bytes (NaN) before the timed launches and checked
-// after; a few rows are compared with the CPU reference (flashkit's own CPU backend). A case that
-// throws, leaves NaN or disagrees with the reference gets tflops null and a note; the exit status is 1
-// if any case failed (a head dim left out of the build is reported, not counted as a failure).
+// enough input sets that they exceed twice the L2 when one set is smaller. The output and LSE are
+// poisoned with 0xFF bytes (NaN) before the timed launches and checked after; a few rows are compared
+// with the CPU reference (flashkit's own CPU backend). A case that throws, leaves NaN or disagrees
+// with the reference gets tflops null and a note; the exit status is 1 if any case failed (a head dim
+// left out of the build is reported, not counted as a failure).
 //
 // Without a CUDA device (or in a build without CUDA) it times the CPU backend on one small problem and
 // says so: those numbers are not GPU numbers.
