@@ -1,22 +1,22 @@
 // bench/bench_fwd.cpp
-// \brief flashkit_bench: times the forward pass (flashkit::mha_fwd, public API only) on the standard
-// grid and writes the results format of docs/DESIGN.md.
+// \brief flashkit_bench: times the forward pass (flashkit::mha_fwd, public API only) on the
+// standard grid and writes the results format of docs/DESIGN.md.
 //
-// The grid: dtypes bf16, fp16; head dims 64, 128, 256; seqlen 512 ... 16k with batch = 16384 / seqlen
-// (16k tokens) and heads = 2048 / head_dim (model dim 2048); causal and not. --quick: bf16, d64 and
-// d128, seqlen 2k and 8k.
+// The grid: dtypes bf16, fp16; head dims 64, 128, 256; seqlen 512 ... 16k with batch = 16384 /
+// seqlen (16k tokens) and heads = 2048 / head_dim (model dim 2048); causal and not. --quick: bf16,
+// d64 and d128, seqlen 2k and 8k.
 //
-// The method (docs/GPU.md, "Time properly"): inputs uniform in [-1, 1) filled on the host; warm-up of
-// at least 25 ms in two or more batches of >= 3 launches (the last batch sizes the timed loop); then
-// CUDA events around every launch, median of at least 20 launches and at least 100 ms, rotating among
-// enough input sets that they exceed twice the L2 when one set is smaller. The output and LSE are
-// poisoned with 0xFF bytes (NaN) before the timed launches and checked after; a few rows are compared
-// with the CPU reference (flashkit's own CPU backend). A case that throws, leaves NaN or disagrees
-// with the reference gets tflops null and a note; the exit status is 1 if any case failed (a head dim
-// left out of the build is reported, not counted as a failure).
+// The method (docs/GPU.md, "Time properly"): inputs uniform in [-1, 1) filled on the host; warm-up
+// of at least 25 ms in two or more batches of >= 3 launches (the last batch sizes the timed loop);
+// then CUDA events around every launch, median of at least 20 launches and at least 100 ms,
+// rotating among enough input sets that they exceed twice the L2 when one set is smaller. The
+// output and LSE are poisoned with 0xFF bytes (NaN) before the timed launches and checked after; a
+// few rows are compared with the CPU reference (flashkit's own CPU backend). A case that throws,
+// leaves NaN or disagrees with the reference gets tflops null and a note; the exit status is 1 if
+// any case failed (a head dim left out of the build is reported, not counted as a failure).
 //
-// Without a CUDA device (or in a build without CUDA) it times the CPU backend on one small problem and
-// says so: those numbers are not GPU numbers.
+// Without a CUDA device (or in a build without CUDA) it times the CPU backend on one small problem
+// and says so: those numbers are not GPU numbers.
 
 #include <algorithm>
 #include <chrono>
@@ -57,14 +57,15 @@ constexpr int kSpotRows = 4;  // query rows per block compared with the CPU refe
 const double kNaN = std::numeric_limits<double>::quiet_NaN();
 
 const char* const kMethodNote =
-    "tflops = 4*b*h*sq*sk*d / time, halved for causal (the FlashAttention convention, not the exact "
-    "count of unmasked pairs); time = median of CUDA-event-timed launches after warm-up (>= 20 "
-    "launches and >= 100 ms), inputs uniform in [-1, 1) rotated past 2x L2; outputs poisoned with NaN "
-    "and checked, a few rows compared with the CPU reference";
+    "tflops = 4*b*h*sq*sk*d / time, halved for causal (the FlashAttention convention, not the "
+    "exact count of unmasked pairs); time = median of CUDA-event-timed launches after warm-up "
+    "(>= 20 launches and >= 100 ms), inputs uniform in [-1, 1) rotated past 2x L2; outputs "
+    "poisoned with NaN and checked, a few rows compared with the CPU reference";
 
 const char* const kCpuMethodNote =
-    "CPU reference backend on a small problem, not GPU numbers: tflops = 4*b*h*sq*sk*d / time, halved "
-    "for causal; time = median host wall-clock time of >= 5 calls and >= 100 ms after one warm-up call";
+    "CPU reference backend on a small problem, not GPU numbers: tflops = 4*b*h*sq*sk*d / time, "
+    "halved for causal; time = median host wall-clock time of >= 5 calls and >= 100 ms after one "
+    "warm-up call";
 
 const char* const kUsage =
     "usage: flashkit_bench [--dtype bf16,fp16] [--hdim 64,128,256] [--seqlen 512,1k,2k,4k,8k,16k]\n"
@@ -73,9 +74,10 @@ const char* const kUsage =
     "  --quick     bf16, hdim 64 and 128, seqlen 2k and 8k (explicit flags still override)\n"
     "  --json      write the results (docs/DESIGN.md format) to PATH\n"
     "  Lists are comma-separated; seqlens take a k suffix (2k = 2048).\n"
-    "  Environment: FLASHKIT_GIT_COMMIT, FLASHKIT_DRIVER (nvidia-smi's driver version) for the JSON.\n";
+    "  Environment: FLASHKIT_GIT_COMMIT, FLASHKIT_DRIVER (nvidia-smi's driver version) for the\n"
+    "  JSON.\n";
 
-// ---------------------------------------------------------------------------------------------------
+// ------------------------------------------------------------------------------------------------
 // Options and the grid
 
 struct Options {
@@ -202,8 +204,8 @@ Options parse_options(int argc, char** argv) {
   return opt;
 }
 
-// The grid in the order the table reads: dtype, head dim, causal, seqlen. (Unused in a build without
-// CUDA, whose CPU mode runs one fixed problem.)
+// The grid in the order the table reads: dtype, head dim, causal, seqlen. (Unused in a build
+// without CUDA, whose CPU mode runs one fixed problem.)
 [[maybe_unused]] std::vector<Case> make_grid(const Options& opt) {
   std::vector<Case> cases;
   for (DType dtype : opt.dtypes) {
@@ -220,7 +222,7 @@ Options parse_options(int argc, char** argv) {
   return cases;
 }
 
-// ---------------------------------------------------------------------------------------------------
+// ------------------------------------------------------------------------------------------------
 // Host data: random fill, NaN checks
 
 // Fills n values of dtype with uniform random numbers in [-1, 1) (splitmix64 stream from seed).
@@ -270,7 +272,7 @@ double median(std::vector<double> v) {
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
-// ---------------------------------------------------------------------------------------------------
+// ------------------------------------------------------------------------------------------------
 // Output: the human table and the JSON file
 
 struct RunInfo {
@@ -279,7 +281,7 @@ struct RunInfo {
   std::string cuda;    // empty: null
   std::string date;
   std::string git_commit;
-  std::string impl;    // "flashkit", or "flashkit_cpu" for the CPU backend
+  std::string impl;  // "flashkit", or "flashkit_cpu" for the CPU backend
   const char* method_note = kMethodNote;
 };
 
@@ -315,7 +317,9 @@ std::string json_string(const std::string& s) {
   return out + "\"";
 }
 
-std::string json_string_or_null(const std::string& s) { return s.empty() ? "null" : json_string(s); }
+std::string json_string_or_null(const std::string& s) {
+  return s.empty() ? "null" : json_string(s);
+}
 
 // `v` printed with `format`, or `missing` when it is NaN (not measured).
 std::string format_number(double v, const char* format, const char* missing = "null") {
@@ -328,8 +332,9 @@ std::string format_number(double v, const char* format, const char* missing = "n
 // Writes the whole file again (after every case, so that a run cut short keeps what it measured).
 void write_json(const std::string& path, const RunInfo& info, const std::vector<Result>& results) {
   std::ostringstream js;
-  js << "{\n  \"gpu\": " << json_string(info.gpu) << ",\n  \"driver\": "
-     << json_string_or_null(info.driver) << ",\n  \"cuda\": " << json_string_or_null(info.cuda)
+  js << "{\n  \"gpu\": " << json_string(info.gpu)
+     << ",\n  \"driver\": " << json_string_or_null(info.driver)
+     << ",\n  \"cuda\": " << json_string_or_null(info.cuda)
      << ",\n  \"torch\": null,\n  \"date\": " << json_string(info.date)
      << ",\n  \"git_commit\": " << json_string(info.git_commit)
      << ",\n  \"note\": " << json_string(info.method_note) << ",\n  \"records\": [";
@@ -406,12 +411,14 @@ flashkit::MhaFwdParams make_params(const Case& c, int rows_q, int rows_k, void* 
   return p;
 }
 
-// ---------------------------------------------------------------------------------------------------
+// ------------------------------------------------------------------------------------------------
 // CPU mode: no GPU, so time the reference backend on one small problem.
 
 int run_cpu_mode(const std::string& why, const Options& opt, RunInfo info) {
-  std::printf("no GPU found (%s): timing the CPU reference backend on a small problem; these "
-              "numbers are not GPU numbers (grid options ignored)\n", why.c_str());
+  std::printf(
+      "no GPU found (%s): timing the CPU reference backend on a small problem; these "
+      "numbers are not GPU numbers (grid options ignored)\n",
+      why.c_str());
   info.gpu = "none (CPU reference backend)";
   info.impl = "flashkit_cpu";
   info.method_note = kCpuMethodNote;
@@ -430,8 +437,8 @@ int run_cpu_mode(const std::string& why, const Options& opt, RunInfo info) {
     fill_uniform(v.data(), n, c.dtype, 3);
     std::memset(out.data(), 0xff, n * sizeof(uint16_t));
     std::memset(lse.data(), 0xff, lse.size() * sizeof(float));
-    const auto params = make_params(c, c.seqlen, c.seqlen, q.data(), k.data(), v.data(),
-                                    out.data(), lse.data(), cpu);
+    const auto params = make_params(c, c.seqlen, c.seqlen, q.data(), k.data(), v.data(), out.data(),
+                                    lse.data(), cpu);
     try {
       flashkit::mha_fwd(params);  // warm-up, and the run whose output is checked
       r.note = nonfinite_note(c, out.data(), lse.data());
@@ -456,7 +463,7 @@ int run_cpu_mode(const std::string& why, const Options& opt, RunInfo info) {
   });
 }
 
-// ---------------------------------------------------------------------------------------------------
+// ------------------------------------------------------------------------------------------------
 // GPU mode
 
 #ifdef FLASHKIT_BENCH_CUDA
@@ -555,9 +562,9 @@ class Event {
   cudaEvent_t event_ = nullptr;
 };
 
-// Times launch(set) for set = 0, 1, ... modulo `sets`: warm-up, then the median of event-timed launches.
-// `before_timed` runs between the two (it poisons the outputs). Returns ms; `last_set` is the set of
-// the last launch (the one whose output the checks read).
+// Times launch(set) for set = 0, 1, ... modulo `sets`: warm-up, then the median of event-timed
+// launches. `before_timed` runs between the two (it poisons the outputs). Returns ms; `last_set` is
+// the set of the last launch (the one whose output the checks read).
 double time_launches(const std::function<void(int)>& launch, int sets, cudaStream_t stream,
                      const std::function<void()>& before_timed, int* last_set) {
   // Warm-up in batches until 25 ms have passed, at least two batches: the first may pay for module
@@ -575,10 +582,12 @@ double time_launches(const std::function<void(int)>& launch, int sets, cudaStrea
     warm_ms += ms;
     estimate = std::max(ms / batch, 1e-3);
     if (round >= 1 && warm_ms >= kWarmupMs) break;
-    batch = std::max(kMinWarmupLaunches, static_cast<int>(std::ceil((kWarmupMs - warm_ms) / estimate)));
+    batch =
+        std::max(kMinWarmupLaunches, static_cast<int>(std::ceil((kWarmupMs - warm_ms) / estimate)));
   }
 
-  const int reps = std::clamp(static_cast<int>(std::ceil(kMinTimedMs / estimate)), kMinReps, kMaxReps);
+  const int reps =
+      std::clamp(static_cast<int>(std::ceil(kMinTimedMs / estimate)), kMinReps, kMaxReps);
   before_timed();
   std::vector<Event> events(2 * reps);
   for (int i = 0; i < reps; ++i) {
@@ -607,17 +616,20 @@ std::vector<uint16_t> copy_rows(const Case& c, const void* tensor, int b, int ro
 }
 
 // Compares rows of the GPU output (already in gpu.host_out) with flashkit's CPU backend: the first
-// kSpotRows query rows of head 0 and the last kSpotRows of the last head, both in the last sequence.
-// Each block is its own small problem on the CPU: the first rows with keys [0, rows) when causal (and
-// every key otherwise), the last rows with every key (the causal mask is aligned bottom-right, so
-// both match the rows of the full problem). Returns ||gpu - ref|| / ||ref|| over the rows.
+// kSpotRows query rows of head 0 and the last kSpotRows of the last head, both in the last
+// sequence. Each block is its own small problem on the CPU: the first rows with keys [0, rows) when
+// causal (and every key otherwise), the last rows with every key (the causal mask is aligned
+// bottom-right, so both match the rows of the full problem). Returns ||gpu - ref|| / ||ref|| over
+// the rows.
 double spot_check(const Case& c, const Gpu& gpu, const void* q, const void* k, const void* v) {
   const int rows = std::min(kSpotRows, c.seqlen);
   const int b = c.batch - 1;
   const flashkit::Device cpu{flashkit::DeviceKind::kCpu, 0};
   const Case one_head{c.dtype, 1, 1, c.seqlen, c.head_dim, c.causal};
   double err2 = 0, ref2 = 0;
-  struct Block { int row0, keys, head; };
+  struct Block {
+    int row0, keys, head;
+  };
   const Block blocks[] = {{0, c.causal ? rows : c.seqlen, 0},
                           {c.seqlen - rows, c.seqlen, c.heads - 1}};
   for (const Block& blk : blocks) {
@@ -646,7 +658,8 @@ Result run_gpu_case(const Case& c, Gpu& gpu) {
   try {
     const int64_t elems = c.tensor_elems();
     const int64_t set_bytes = 3 * elems * static_cast<int64_t>(sizeof(uint16_t));
-    const int sets = static_cast<int>(std::max<int64_t>(1, (2 * gpu.l2_bytes + set_bytes - 1) / set_bytes));
+    const int sets =
+        static_cast<int>(std::max<int64_t>(1, (2 * gpu.l2_bytes + set_bytes - 1) / set_bytes));
     void* out = gpu.out.get(elems * sizeof(uint16_t));
     const int64_t lse_elems = int64_t(c.batch) * c.heads * c.seqlen;
     float* lse = static_cast<float*>(gpu.lse.get(lse_elems * sizeof(float)));
@@ -672,7 +685,8 @@ Result run_gpu_case(const Case& c, Gpu& gpu) {
     gpu.host_out.resize(elems);
     gpu.host_lse.resize(lse_elems);
     CUDA_OK(cudaMemcpy(gpu.host_out.data(), out, elems * sizeof(uint16_t), cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(gpu.host_lse.data(), lse, lse_elems * sizeof(float), cudaMemcpyDeviceToHost));
+    CUDA_OK(
+        cudaMemcpy(gpu.host_lse.data(), lse, lse_elems * sizeof(float), cudaMemcpyDeviceToHost));
     r.note = nonfinite_note(c, gpu.host_out.data(), gpu.host_lse.data());
     if (r.note.empty()) {
       const void* const* set_qkv = &qkv[3 * last_set];
@@ -694,8 +708,8 @@ Result run_gpu_case(const Case& c, Gpu& gpu) {
   return r;
 }
 
-// The driver version as nvidia-smi prints it: from FLASHKIT_DRIVER, else the kernel module's version
-// file, else the CUDA driver API version.
+// The driver version as nvidia-smi prints it: from FLASHKIT_DRIVER, else the kernel module's
+// version file, else the CUDA driver API version.
 std::string driver_version() {
   std::string driver = env_or("FLASHKIT_DRIVER", "");
   if (!driver.empty()) return driver;
@@ -729,9 +743,11 @@ int run_gpu_grid(const Options& opt, RunInfo info) {
   info.driver = driver_version();
   info.cuda = std::to_string(runtime / 1000) + "." + std::to_string(runtime % 1000 / 10);
   info.impl = "flashkit";
-  std::printf("flashkit_bench: %s (sm_%d%d, %d SMs, L2 %d MiB), driver %s, CUDA runtime %s, commit "
-              "%s\n", info.gpu.c_str(), prop.major, prop.minor, prop.multiProcessorCount,
-              l2 >> 20, info.driver.c_str(), info.cuda.c_str(), info.git_commit.c_str());
+  std::printf(
+      "flashkit_bench: %s (sm_%d%d, %d SMs, L2 %d MiB), driver %s, CUDA runtime %s, commit "
+      "%s\n",
+      info.gpu.c_str(), prop.major, prop.minor, prop.multiProcessorCount, l2 >> 20,
+      info.driver.c_str(), info.cuda.c_str(), info.git_commit.c_str());
   const int status = run_cases(make_grid(opt), info, opt.json_path,
                                [&](const Case& c) { return run_gpu_case(c, gpu); });
   CUDA_OK(cudaStreamDestroy(gpu.stream));
