@@ -8,11 +8,12 @@ flashkit_bench: batch = 16384 / seqlen, heads = 2048 / hdim) it times
   sdpa_efficient  ... under SDPBackend.EFFICIENT_ATTENTION
   flex            flex_attention compiled with torch.compile (static shapes; a causal block mask)
 on [b, h, s, d] views made by transposing [b, s, h, d] tensors, so memory is laid out as flashkit's.
-The method mirrors flashkit_bench: inputs uniform in [-1, 1), rotated among enough sets to exceed twice
-the L2; warm-up in batches until 25 ms (at least two batches, so compilation stays out of the estimate);
-CUDA events around each call, median of >= 20 calls and >= 100 ms. A backend that fails a case gets
-tflops null and a note (the exception's first line). The JSON (docs/DESIGN.md format) is rewritten after
-every case; cases run backend by backend, flex last, since its compiles cost the most time.
+The method mirrors flashkit_bench: inputs uniform in [-1, 1), rotated among enough sets to exceed
+twice the L2; warm-up in batches until 25 ms (at least two batches, so that compilation stays out of
+the estimate); CUDA events around each call, median of >= 20 calls and >= 100 ms. A backend that
+fails a case gets tflops null and a note (the exception's first line). The JSON (docs/DESIGN.md
+format) is rewritten after every case; cases run backend by backend, flex last, since its compiles
+cost the most time.
 
 usage: peers.py [--dtype bf16,fp16] [--hdim 64,128,256] [--seqlen 512,1k,...,16k]
                 [--causal both|yes|no] [--quick] [--impls sdpa_flash,...,flex] [--json PATH]
@@ -29,17 +30,17 @@ import sys
 import warnings
 
 TOTAL_TOKENS = 16384  # batch * seqlen of every grid shape
-MODEL_DIM = 2048      # heads * head_dim of every grid shape
+MODEL_DIM = 2048  # heads * head_dim of every grid shape
 WARMUP_MS = 25.0
 MIN_WARMUP_CALLS = 3
 MIN_TIMED_MS = 100.0
 MIN_REPS, MAX_REPS = 20, 2000
 IMPLS = ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
 METHOD_NOTE = (
-    "tflops = 4*b*h*sq*sk*d / time, halved for causal (the FlashAttention convention, not the exact "
-    "count of unmasked pairs); time = median of CUDA-event-timed calls after warm-up (>= 20 calls and "
-    ">= 100 ms), inputs uniform in [-1, 1) in [b, h, s, d] views of [b, s, h, d] memory, rotated past "
-    "2x L2; outputs checked for NaN/inf")
+    "tflops = 4*b*h*sq*sk*d / time, halved for causal (the FlashAttention convention, not the "
+    "exact count of unmasked pairs); time = median of CUDA-event-timed calls after warm-up (>= 20 "
+    "calls and >= 100 ms), inputs uniform in [-1, 1) in [b, h, s, d] views of [b, s, h, d] "
+    "memory, rotated past 2x L2; outputs checked for NaN/inf")
 
 
 def parse_seqlen(text):
@@ -54,20 +55,26 @@ def parse_args():
     p.add_argument("--dtype", help="comma-separated: bf16,fp16")
     p.add_argument("--hdim", help="comma-separated head dims, e.g. 64,128,256")
     p.add_argument("--seqlen", help="comma-separated, k suffix allowed, e.g. 512,1k,16k")
-    p.add_argument("--causal", default="both", choices=["both", "yes", "no", "1", "0", "true", "false"])
+    p.add_argument("--causal", default="both",
+                   choices=["both", "yes", "no", "1", "0", "true", "false"])
     p.add_argument("--quick", action="store_true",
                    help="bf16, hdim 64 and 128, seqlen 2k and 8k (explicit flags still override)")
-    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated subset of " + ",".join(IMPLS))
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help="comma-separated subset of " + ",".join(IMPLS))
     p.add_argument("--json", help="write the results (docs/DESIGN.md format) to this path")
     args = p.parse_args()
+
+    dtypes = args.dtype or ("bf16" if args.quick else "bf16,fp16")
+    hdims = args.hdim or ("64,128" if args.quick else "64,128,256")
+    seqlens = args.seqlen or ("2k,8k" if args.quick else "512,1k,2k,4k,8k,16k")
     try:
-        args.dtypes = (args.dtype or ("bf16" if args.quick else "bf16,fp16")).split(",")
-        args.hdims = [int(x) for x in (args.hdim or ("64,128" if args.quick else "64,128,256")).split(",")]
-        args.seqlens = [parse_seqlen(x) for x in
-                        (args.seqlen or ("2k,8k" if args.quick else "512,1k,2k,4k,8k,16k")).split(",")]
+        args.hdims = [int(x) for x in hdims.split(",")]
+        args.seqlens = [parse_seqlen(x) for x in seqlens.split(",")]
     except ValueError as e:
         p.error(f"bad number in a list: {e}")
-    args.causals = {"both": [False, True], "yes": [True], "1": [True], "true": [True]}.get(args.causal, [False])
+    args.dtypes = dtypes.split(",")
+    args.causals = {"both": [False, True], "yes": [True], "1": [True], "true": [True]}.get(
+        args.causal, [False])
     args.impl_list = args.impls.split(",")
     for bad in [d for d in args.dtypes if d not in ("bf16", "fp16")]:
         p.error(f"dtype '{bad}' is not bf16 or fp16")
@@ -78,13 +85,15 @@ def parse_args():
 
 def make_grid(args):
     """The cases in flashkit_bench's order: dtype, head dim, causal, seqlen."""
-    return [dict(dtype=dt, batch=max(1, TOTAL_TOKENS // s), heads=max(1, MODEL_DIM // d), seqlen=s,
-                 head_dim=d, causal=causal)
-            for dt in args.dtypes for d in args.hdims for causal in args.causals for s in args.seqlens]
+    return [dict(dtype=dt, batch=max(1, TOTAL_TOKENS // s), heads=max(1, MODEL_DIM // d),
+                 seqlen=s, head_dim=d, causal=causal)
+            for dt in args.dtypes for d in args.hdims for causal in args.causals
+            for s in args.seqlens]
 
 
 def case_flops(c):
-    return 4.0 * c["batch"] * c["heads"] * c["seqlen"] ** 2 * c["head_dim"] * (0.5 if c["causal"] else 1.0)
+    flops = 4.0 * c["batch"] * c["heads"] * c["seqlen"] ** 2 * c["head_dim"]
+    return flops / 2 if c["causal"] else flops
 
 
 def first_line(text):
@@ -93,7 +102,7 @@ def first_line(text):
 
 
 def driver_version():
-    """nvidia-smi's driver version: FLASHKIT_DRIVER, else nvidia-smi, else the kernel module's file."""
+    """nvidia-smi's driver version: FLASHKIT_DRIVER, else nvidia-smi, else the kernel module."""
     if os.environ.get("FLASHKIT_DRIVER"):
         return os.environ["FLASHKIT_DRIVER"]
     try:
@@ -119,22 +128,28 @@ class Bench:
         self.l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
 
     def input_sets(self, c):
-        """Sets of (q, k, v) as [b, h, s, d] views of [b, s, h, d] memory, enough to exceed 2x L2."""
+        """Sets of (q, k, v): [b, h, s, d] views of [b, s, h, d] memory, enough to pass 2x L2."""
         torch = self.torch
         dtype = torch.bfloat16 if c["dtype"] == "bf16" else torch.float16
         shape = (c["batch"], c["seqlen"], c["heads"], c["head_dim"])
         set_bytes = 3 * math.prod(shape) * 2
         sets = max(1, math.ceil(2 * self.l2_bytes / set_bytes))
         gen = torch.Generator(device="cuda").manual_seed(0)
-        return [tuple(torch.empty(shape, dtype=dtype, device="cuda").uniform_(-1, 1, generator=gen)
-                      .transpose(1, 2) for _ in range(3)) for _ in range(sets)]
+
+        def tensor():
+            t = torch.empty(shape, dtype=dtype, device="cuda").uniform_(-1, 1, generator=gen)
+            return t.transpose(1, 2)
+        return [(tensor(), tensor(), tensor()) for _ in range(sets)]
 
     def time_ms(self, fn, sets):
         """Median ms of fn(i % sets) calls; returns (ms, the last call's output)."""
         torch = self.torch
+
+        def event():
+            return torch.cuda.Event(enable_timing=True)
         calls, warm_ms, batch, rnd = 0, 0.0, MIN_WARMUP_CALLS, 0
         while True:
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin, end = event(), event()
             begin.record()
             for _ in range(batch):
                 fn(calls % sets)
@@ -143,14 +158,14 @@ class Bench:
             end.synchronize()
             ms = begin.elapsed_time(end)
             warm_ms += ms
-            estimate = max(ms / batch, 1e-3)  # from the last batch: the first may include compilation
+            # From the last batch only: the first may include compilation.
+            estimate = max(ms / batch, 1e-3)
             if rnd >= 1 and warm_ms >= WARMUP_MS:
                 break
             batch = max(MIN_WARMUP_CALLS, math.ceil((WARMUP_MS - warm_ms) / estimate))
             rnd += 1
         reps = min(MAX_REPS, max(MIN_REPS, math.ceil(MIN_TIMED_MS / estimate)))
-        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                  for _ in range(reps)]
+        events = [(event(), event()) for _ in range(reps)]
         out = None
         for i, (b, e) in enumerate(events):
             b.record()
@@ -166,18 +181,20 @@ def impl_runner(torch, impl):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     if impl != "flex":
-        backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
+        backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
+                   "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
                    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[impl]
 
         def run_sdpa(c, qkv, bench):
+            def call(i):
+                return F.scaled_dot_product_attention(*qkv[i], is_causal=c["causal"])
             with sdpa_kernel([backend]):
-                return bench.time_ms(
-                    lambda i: F.scaled_dot_product_attention(*qkv[i], is_causal=c["causal"]), len(qkv))
+                return bench.time_ms(call, len(qkv))
         return run_sdpa
 
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-    # One compiled kernel per shape (static shapes, as flex is benchmarked upstream): let dynamo keep
-    # them all instead of falling back to eager after its default limit of 8.
+    # One compiled kernel per shape (static shapes, as flex is benchmarked upstream): let dynamo
+    # keep them all instead of falling back to eager after its default limit of 8.
     for name in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit",
                  "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
@@ -189,8 +206,9 @@ def impl_runner(torch, impl):
 
     def run_flex(c, qkv, bench):
         s = c["seqlen"]
-        block_mask = create_block_mask(causal_mask, None, None, s, s, device="cuda") if c["causal"] else None
-        return bench.time_ms(lambda i: flex(*qkv[i], block_mask=block_mask), len(qkv))
+        mask = create_block_mask(causal_mask, None, None, s, s, device="cuda") if c["causal"] \
+            else None
+        return bench.time_ms(lambda i: flex(*qkv[i], block_mask=mask), len(qkv))
     return run_flex
 
 
@@ -204,8 +222,9 @@ def failing_runner(error):
 def run_case(torch, bench, impl, runner, c):
     """One record of the results format."""
     record = dict(op="fwd", impl=impl, dtype=c["dtype"], batch=c["batch"], heads_q=c["heads"],
-                  heads_kv=c["heads"], seqlen_q=c["seqlen"], seqlen_k=c["seqlen"], head_dim=c["head_dim"],
-                  causal=c["causal"], window=[-1, -1], ms=None, tflops=None, tbps=None)
+                  heads_kv=c["heads"], seqlen_q=c["seqlen"], seqlen_k=c["seqlen"],
+                  head_dim=c["head_dim"], causal=c["causal"], window=[-1, -1], ms=None,
+                  tflops=None, tbps=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
@@ -259,8 +278,8 @@ def main():
     bench = Bench(torch)
     grid = make_grid(args)
     records = []
-    print(f"{'impl':<15} {'dtype':<5} {'hdim':>4} {'seqlen':>6} {'batch':>5} {'heads':>5} {'causal':>6} "
-          f"{'ms':>10} {'TFLOP/s':>8}", flush=True)
+    print(f"{'impl':<15} {'dtype':<5} {'hdim':>4} {'seqlen':>6} {'batch':>5} {'heads':>5} "
+          f"{'causal':>6} {'ms':>10} {'TFLOP/s':>8}", flush=True)
     for impl in args.impl_list:
         try:
             runner = impl_runner(torch, impl)
@@ -271,9 +290,10 @@ def main():
             records.append(r)
             ms = "-" if r["ms"] is None else f"{r['ms']:.4f}"
             tf = "-" if r["tflops"] is None else f"{r['tflops']:.1f}"
-            print(f"{impl:<15} {c['dtype']:<5} {c['head_dim']:>4} {c['seqlen']:>6} {c['batch']:>5} "
-                  f"{c['heads']:>5} {'yes' if c['causal'] else 'no':>6} {ms:>10} {tf:>8}"
-                  + (f"  note: {r['note']}" if r.get("note") else ""), flush=True)
+            causal = "yes" if c["causal"] else "no"
+            note = f"  note: {r['note']}" if r.get("note") else ""
+            print(f"{impl:<15} {c['dtype']:<5} {c['head_dim']:>4} {c['seqlen']:>6} "
+                  f"{c['batch']:>5} {c['heads']:>5} {causal:>6} {ms:>10} {tf:>8}{note}", flush=True)
             if args.json:
                 write_json(args.json, header, records)
     failed = sum(r["tflops"] is None for r in records)

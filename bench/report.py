@@ -3,13 +3,15 @@
 
 usage: report.py [--out-dir DIR] [--what NAME] [--base IMPL] RESULT.json [RESULT.json ...]
 
-Each input is a results file of docs/DESIGN.md (flashkit_bench's, peers.py's, or an earlier merge).
-Writes DIR/<gpu>-<yyyy-mm-dd>-<what>.json (DIR defaults to bench/results beside this script; <what> to
-the ops of the records, e.g. "fwd"), holding the header fields, "runs" (each input's header) and every
-record tagged with "run" (its input's index), and the same name with .md: the header lines (GPU,
-driver, CUDA, PyTorch, date, commit) and per op a table with, per shape, each implementation's
-TFLOP/s (TB/s for bandwidth-bound ops) and the ratio of the base implementation (default flashkit;
-of the first input that has it) to each other one; then the notes of the cells left empty. Prints the two paths. Standard library only.
+Each input is a results file of docs/DESIGN.md (flashkit_bench's, peers.py's, or an earlier
+merge). Writes DIR/<gpu>-<yyyy-mm-dd>-<what>.json (DIR defaults to bench/results beside this script;
+<what> to the ops of the records, e.g. "fwd"), holding the header fields, "runs" (each input's
+header) and every record tagged with "run" (its input's index), and the same name with .md: the
+header lines (GPU, driver, CUDA, PyTorch, date, commit) and per op a table with, per shape, each
+implementation's TFLOP/s (TB/s for bandwidth-bound ops) and the ratio of the base implementation
+(default flashkit, of the first input that has it) to each other one; then the notes of the cells
+left empty. An implementation found in several inputs gets one column per input, tagged with its
+commit (or file name). Prints the two paths. Standard library only.
 """
 import argparse
 import collections
@@ -89,9 +91,10 @@ def shape_key(r):
 
 def shape_cells(key, show_window):
     s = dict(zip(SHAPE_KEYS, key))
-    seqlen = str(s["seqlen_q"]) if s["seqlen_q"] == s["seqlen_k"] else f"{s['seqlen_q']}/{s['seqlen_k']}"
-    heads = str(s["heads_q"]) if s["heads_q"] == s["heads_kv"] else f"{s['heads_q']}/{s['heads_kv']}"
-    cells = [s["dtype"], str(s["head_dim"]), "yes" if s["causal"] else "no", seqlen, str(s["batch"]), heads]
+    def pair(a, b):
+        return str(s[a]) if s[a] == s[b] else f"{s[a]}/{s[b]}"
+    cells = [s["dtype"], str(s["head_dim"]), "yes" if s["causal"] else "no",
+             pair("seqlen_q", "seqlen_k"), str(s["batch"]), pair("heads_q", "heads_kv")]
     if show_window:
         cells.append(str(list(s["window"])))
     return cells
@@ -119,7 +122,8 @@ def op_table(op, rows, labels, base_label):
     peers = [lab for lab in present if lab != base_label] if base_label in present else []
     show_window = any(list(k[SHAPE_KEYS.index("window")]) not in ([], [-1, -1]) for k in rows)
 
-    head = ["dtype", "hdim", "causal", "seqlen", "batch", "heads"] + (["window"] if show_window else [])
+    head = ["dtype", "hdim", "causal", "seqlen", "batch", "heads"]
+    head += ["window"] if show_window else []
     head += present + [f"{base_label} / {p}" for p in peers]
     title = f"## {op}: {unit}, higher is better"
     if peers:
@@ -158,16 +162,19 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("inputs", nargs="+", metavar="RESULT.json")
     p.add_argument("--out-dir", default=str(pathlib.Path(__file__).resolve().parent / "results"))
-    p.add_argument("--what", help="the name's last part (default: the ops of the records, e.g. fwd)")
-    p.add_argument("--base", default="flashkit", help="the implementation that ratios divide (default flashkit)")
+    p.add_argument("--what", help="the name's last part (default: the records' ops, e.g. fwd)")
+    p.add_argument("--base", default="flashkit",
+                   help="the implementation whose number the ratios divide (default flashkit)")
     args = p.parse_args()
 
     runs = load_runs(args.inputs)
     labels, ordered = column_labels(runs)
     header = {k: merged_value(runs, k) for k in HEADER_KEYS}
-    base_runs = [i for i, (_, _, recs) in enumerate(runs) if any(r["impl"] == args.base for r in recs)]
+    base_runs = [i for i, (_, _, recs) in enumerate(runs)
+                 if any(r["impl"] == args.base for r in recs)]
     if base_runs and runs[base_runs[0]][1].get("git_commit"):
-        header["git_commit"] = runs[base_runs[0]][1]["git_commit"]  # the commit of the code measured
+        # The commit of the code measured, not of the peers' run.
+        header["git_commit"] = runs[base_runs[0]][1]["git_commit"]
     base_label = labels.get((base_runs[0], args.base)) if base_runs else None
 
     records, rows_by_op = [], collections.defaultdict(lambda: collections.defaultdict(dict))

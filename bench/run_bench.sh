@@ -15,7 +15,7 @@
 set -euo pipefail
 
 if [ $# -lt 1 ]; then
-  echo "usage: bench/run_bench.sh BUILD_DIR [--dtype ...] [--hdim ...] [--seqlen ...] [--causal ...]" >&2
+  echo "usage: bench/run_bench.sh BUILD_DIR [GRID FLAGS: --dtype, --hdim, --seqlen, --causal]" >&2
   exit 2
 fi
 build_dir=$(cd "$1" && pwd)
@@ -32,13 +32,19 @@ if [ "${FLASHKIT_BENCH_QUICK:-0}" = 1 ]; then
   grid=(--quick "${grid[@]}")
 fi
 results=${FLASHKIT_RESULTS_DIR:-bench/results}
-export FLASHKIT_GIT_COMMIT=${FLASHKIT_GIT_COMMIT:-$(git describe --always --dirty --abbrev=12 2>/dev/null || echo unknown)}
+if [ -z "${FLASHKIT_GIT_COMMIT:-}" ]; then
+  FLASHKIT_GIT_COMMIT=$(git describe --always --dirty --abbrev=12 2>/dev/null || echo unknown)
+fi
+export FLASHKIT_GIT_COMMIT
 
 if ! nvidia-smi -L >/dev/null 2>&1; then
   echo "run_bench.sh: no GPU found (nvidia-smi lists none): the CPU backend only, nothing written"
   exec "$bench" "${grid[@]}"
 fi
-export FLASHKIT_DRIVER=${FLASHKIT_DRIVER:-$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)}
+if [ -z "${FLASHKIT_DRIVER:-}" ]; then
+  FLASHKIT_DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader | head -1)
+fi
+export FLASHKIT_DRIVER
 
 raw=$(mktemp -d)
 trap 'rm -rf "$raw"' EXIT

@@ -1,30 +1,33 @@
 #!/usr/bin/env bash
-# scripts/gpu_check.sh OUT_DIR: everything the GPU machine is for, in one call (docs/GPU.md, "Method").
+# scripts/gpu_check.sh OUT_DIR: everything the GPU machine is for, in one call (docs/GPU.md).
 #
 # Steps, in order; a failed step does not stop the later ones that do not depend on it, and the exit
 # status is 1 if any step failed, timed out or was left unrun for lack of time:
 #   env        nvidia-smi, nvcc, cmake, ninja, python / torch / cuDNN / triton versions
-#   configure  cmake --preset $FLASHKIT_PRESET (default hopper) $FLASHKIT_CMAKE_ARGS; GoogleTest from
-#              $FLASHKIT_GTEST_SOURCE_DIR, else from a carried .deps/googletest if none is installed
+#   configure  cmake --preset $FLASHKIT_PRESET (default hopper) $FLASHKIT_CMAKE_ARGS; GoogleTest
+#              from $FLASHKIT_GTEST_SOURCE_DIR, else from a carried .deps/googletest if none is
+#              installed
 #   build      cmake --build <preset dir> -j $FLASHKIT_JOBS (default: all cores), timed
 #   gpu_tests  flashkit_gpu_tests [--gtest_filter=$FLASHKIT_GTEST_FILTER]
 #   cpu_tests  flashkit_cpu_tests
 #   memcheck, racecheck   only with FLASHKIT_SANITIZE=1: compute-sanitizer on the GPU tests
 #              [--gtest_filter=$FLASHKIT_SANITIZE_FILTER]
-#   bench      flashkit_bench (--quick with FLASHKIT_BENCH_QUICK=1, grid flags from FLASHKIT_BENCH_ARGS)
+#   bench      flashkit_bench (--quick with FLASHKIT_BENCH_QUICK=1; grid flags from
+#              FLASHKIT_BENCH_ARGS, e.g. "--hdim 128 --seqlen 8k", passed to peers too)
 #   peers      bench/peers.py on the same grid (--impls $FLASHKIT_PEERS_IMPLS when set)
 #   report     bench/report.py: the merged JSON and markdown table
-# FLASHKIT_SKIP_TESTS=1 skips gpu_tests and cpu_tests; FLASHKIT_SKIP_BENCH=1 skips bench, peers and
-# report; FLASHKIT_SKIP_PEERS=1 skips peers. FLASHKIT_GIT_COMMIT names the commit measured (the device
-# machine's copy of the tree has no .git). FLASHKIT_TIME_BUDGET_S (default 570) bounds the whole run:
-# each step is cut off so that the summary still prints before the device tool's 600 s limit.
+# FLASHKIT_SKIP_TESTS=1 skips gpu_tests and cpu_tests; FLASHKIT_SKIP_BENCH=1 skips bench, peers
+# and report; FLASHKIT_SKIP_PEERS=1 skips peers. FLASHKIT_GIT_COMMIT names the commit measured (the
+# device machine's copy of the tree has no .git). FLASHKIT_JOBS sets the build's parallelism.
+# FLASHKIT_TIME_BUDGET_S (default 570) bounds the whole run: each step is cut off so that the
+# summary still prints before the device tool's 600 s limit.
 #
 # OUT_DIR receives at most 7 files (the device tool returns 8):
 #   gpu_check.log                     every step's output, each line stamped "HH:MM:SS step |"
 #   build_time.txt                    seconds of the build
 #   gpu_tests.json                    GoogleTest's report of the GPU tests
 #   flashkit.json, peers.json         the raw results of each benchmark
-#   <gpu>-<yyyy-mm-dd>-fwd.json, .md  the merged results and the table (commit these under bench/results)
+#   <gpu>-<yyyy-mm-dd>-fwd.json, .md  the merged results and table (to commit under bench/results)
 # The summary prints last: the table, then each step's result, test counts and the build time.
 set -uo pipefail
 
@@ -46,7 +49,8 @@ if [ -z "${FLASHKIT_GIT_COMMIT:-}" ]; then
 fi
 export FLASHKIT_GIT_COMMIT
 if [ -z "${FLASHKIT_DRIVER:-}" ]; then
-  FLASHKIT_DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)
+  FLASHKIT_DRIVER=$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null \
+    | head -1)
 fi
 export FLASHKIT_DRIVER
 GRID_ARGS="${FLASHKIT_BENCH_ARGS:-}"
@@ -61,7 +65,7 @@ BUDGET=${FLASHKIT_TIME_BUDGET_S:-570}
 START=$SECONDS
 INCREMENTAL=$([ -e "$BUILD_DIR/build.ninja" ] && echo " (incremental: the build dir existed)")
 
-# ---- the steps (run in a child bash under `timeout`, hence exported) -------------------------------
+# ---- the steps (run in a child bash under `timeout`, hence exported) -----------------------------
 
 step_env() {
   nvidia-smi
@@ -75,8 +79,9 @@ import sys
 print("python", sys.version.split()[0])
 try:
     import torch
-    print("torch", torch.__version__, "| cuda", torch.version.cuda, "| cudnn", torch.backends.cudnn.version(),
-          "| gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else None)
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    print("torch", torch.__version__, "| cuda", torch.version.cuda,
+          "| cudnn", torch.backends.cudnn.version(), "| gpu", gpu)
 except Exception as e:
     print("torch not usable:", e)
 try:
@@ -164,7 +169,7 @@ step_report() {
 export -f step_env step_configure step_build step_gpu_tests step_cpu_tests sanitize step_memcheck \
   step_racecheck step_bench step_peers step_report
 
-# ---- running them ---------------------------------------------------------------------------------
+# ---- running them --------------------------------------------------------------------------------
 
 STEPS=()
 declare -A RESULT SECS
@@ -179,8 +184,8 @@ say() {
   printf '%(%H:%M:%S)T gpu_check: %s\n' -1 "$*" | tee -a "$LOG"
 }
 
-# run_step NAME [RESERVE_S]: runs step_NAME under a timeout that leaves RESERVE_S (default 25) of the
-# budget for the steps after it and the summary.
+# run_step NAME [RESERVE_S]: runs step_NAME under a timeout that leaves RESERVE_S (default 25) of
+# the budget for the steps after it and the summary.
 run_step() {
   local name=$1 reserve=${2:-25}
   STEPS+=("$name")
@@ -193,7 +198,8 @@ run_step() {
   fi
   say "$name: started (at most ${left} s)"
   local begin=$SECONDS
-  timeout -k 10 "$left" bash -c "step_$name" </dev/null 2>&1 | tee "$SCRATCH/$name.log" | stamp "$name" >>"$LOG"
+  timeout -k 10 "$left" bash -c "step_$name" </dev/null 2>&1 \
+    | tee "$SCRATCH/$name.log" | stamp "$name" >>"$LOG"
   local rc=${PIPESTATUS[0]}
   SECS[$name]=$((SECONDS - begin))
   case $rc in
@@ -214,7 +220,8 @@ skip_step() {
 
 ok() { [ "${RESULT[$1]:-}" = ok ]; }
 
-say "out $OUT, preset $PRESET ($BUILD_DIR), -j $JOBS, commit $FLASHKIT_GIT_COMMIT, budget ${BUDGET} s"
+say "out $OUT, preset $PRESET ($BUILD_DIR), -j $JOBS, commit $FLASHKIT_GIT_COMMIT," \
+  "budget ${BUDGET} s"
 run_step env
 run_step configure
 if ok configure; then run_step build; else skip_step build "configure failed"; fi
@@ -236,11 +243,15 @@ elif ! ok build; then
   for t in bench peers report; do skip_step $t "no build"; done
 else
   run_step bench
-  if [ "${FLASHKIT_SKIP_PEERS:-0}" = 1 ]; then skip_step peers "FLASHKIT_SKIP_PEERS=1"; else run_step peers; fi
+  if [ "${FLASHKIT_SKIP_PEERS:-0}" = 1 ]; then
+    skip_step peers "FLASHKIT_SKIP_PEERS=1"
+  else
+    run_step peers
+  fi
   run_step report 5
 fi
 
-# ---- the summary ----------------------------------------------------------------------------------
+# ---- the summary ---------------------------------------------------------------------------------
 
 # "P passed, F failed, S skipped" from a GoogleTest log, then the names of the failed tests.
 test_counts() {
@@ -250,10 +261,11 @@ test_counts() {
     return
   fi
   passed=$(sed -n 's/^\[  PASSED  \] \([0-9]*\) tests\{0,1\}\..*/\1/p' "$log" | tail -1)
-  skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\{0,1\}, listed below:.*/\1/p' "$log" | tail -1)
-  failed=$(sed -n 's/^\[  FAILED  \] \([0-9]*\) tests\{0,1\}, listed below:.*/\1/p' "$log" | tail -1)
+  skipped=$(sed -n 's/^\[  SKIPPED \] \([0-9]*\) tests\{0,1\}, listed.*/\1/p' "$log" | tail -1)
+  failed=$(sed -n 's/^\[  FAILED  \] \([0-9]*\) tests\{0,1\}, listed.*/\1/p' "$log" | tail -1)
   echo "${passed:-0} passed, ${failed:-0} failed, ${skipped:-0} skipped"
-  grep '^\[  FAILED  \] [A-Za-z_]' "$log" | awk '{ sub(/,$/, "", $4); print "    failed: " $4 }' | sort -u | head -20
+  grep '^\[  FAILED  \] [A-Za-z_]' "$log" | awk '{ sub(/,$/, "", $4); print "    failed: " $4 }' \
+    | sort -u | head -20
 }
 
 # last_line STEP PATTERN: the step's last output line matching PATTERN, if the step ran.
@@ -273,7 +285,12 @@ summary() {
   for s in "${STEPS[@]}"; do
     case ${RESULT[$s]} in
       ok | skipped*) ;;
-      *) if [ -s "$SCRATCH/$s.log" ]; then echo "---- last lines of $s ----"; tail -30 "$SCRATCH/$s.log"; fi ;;
+      *)
+        if [ -s "$SCRATCH/$s.log" ]; then
+          echo "---- last lines of $s ----"
+          tail -30 "$SCRATCH/$s.log"
+        fi
+        ;;
     esac
   done
   echo "GPU: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1), driver" \
