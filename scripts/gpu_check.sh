@@ -155,6 +155,7 @@ step_peers() {
 }
 
 step_report() {
+  rm -f "$OUT"/*.tmp  # a results file half-written when a step was cut off (OUT_DIR's file limit)
   local inputs=()
   for name in flashkit peers; do
     if [ -s "$OUT/$name.json" ]; then inputs+=("$OUT/$name.json"); fi
