@@ -1,0 +1,403 @@
+// src/cpu/reference_fwd.cpp
+// \brief The reference forward pass (see reference_fwd.h): exact semantics, written for clarity
+// first and for speed second (GPU tests run it at sequence lengths of several thousand).
+//
+// For batch b and query head h (kv head h / (heads_q / heads_kv)), row i of a sequence with len_q
+// queries and len_k keys attends to key j iff
+//   j < len_k, j >= i + len_k - len_q - window_left (window_left >= 0),
+//   j <= i + len_k - len_q + window_right (window_right >= 0),
+// always one contiguous range of keys. Its score is
+//   s = softmax_scale * q_i . k_j,  then softcap * tanh(s / softcap) when softcap > 0,
+//   then - slope(b, h) * |i + len_k - len_q - j| with ALiBi,
+// out_i = sum_j softmax(s)_j v_j and lse_i = log(sum_j exp(s_j)) (natural log). A row with no key
+// gets out_i = 0 and lse_i = -inf, never NaN.
+//
+// Dropout is not part of the reference yet: validation rejects dropout_p > 0, and so does this file
+// for a hand-built problem. When the dropout issue lands, the reference will regenerate the
+// kernel's Philox mask from (seed, offset) and scale the kept probabilities by 1 / (1 - p).
+//
+// Work is split into tasks of up to kRowsPerTask query rows of one (batch, query head), so that
+// even a single head spreads over every core. A task converts its kv head's keys (transposed) and
+// values to float once (a small cost next to kRowsPerTask rows of work); its rows then go in blocks
+// of kRowBlock so that each key and value loaded feeds several rows, and the inner loops run over
+// contiguous memory (keys for Q.K^T, head_dim for P.V), which the compiler vectorises.
+#include "cpu/reference_fwd.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <limits>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "common/half_float.h"
+#include "flashkit/error.h"
+
+namespace flashkit::cpu {
+namespace {
+
+constexpr int kRowBlock = 4;  // the two products in attend_rows are unrolled for 4 rows
+constexpr int kRowsPerTask = 128;
+
+// Below this many multiply-adds a problem runs on the calling thread: starting threads would cost
+// more than it saves.
+constexpr double kMinWorkPerThread = 1 << 20;
+
+// One sequence of the batch: its lengths and the token index of its first query / key row.
+struct Sequence {
+  int len_q = 0;
+  int len_k = 0;
+  int64_t q_token = 0;
+  int64_t k_token = 0;
+};
+
+std::vector<Sequence> sequences_of(const FwdProblem& p) {
+  std::vector<Sequence> sequences(p.batch);
+  for (int b = 0; b < p.batch; ++b) {
+    Sequence& s = sequences[b];
+    if (!p.is_varlen()) {
+      s.len_q = p.seqlen_q;
+      s.len_k = p.seqlen_k;
+      continue;
+    }
+    s.q_token = p.cu_seqlens_q[b];
+    s.k_token = p.cu_seqlens_k[b];
+    s.len_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
+    s.len_k = p.seqused_k != nullptr ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
+    // The fp32 oracle sizes its output by the max_seqlen bounds; a sequence beyond them would be
+    // written out of bounds.
+    if (s.len_q < 0 || s.len_q > p.seqlen_q || s.len_k < 0 || s.len_k > p.seqlen_k) {
+      throw Error("reference_fwd: sequence " + std::to_string(b) + " has " +
+                  std::to_string(s.len_q) + " queries and " + std::to_string(s.len_k) +
+                  " keys; the problem bounds them by seqlen_q = " + std::to_string(p.seqlen_q) +
+                  " and seqlen_k = " + std::to_string(p.seqlen_k));
+    }
+  }
+  return sequences;
+}
+
+// The 16-bit element at `index` of `base`, as a float (exact).
+float load_half(DType dtype, const void* base, int64_t index) {
+  return bits_to_float(dtype, static_cast<const uint16_t*>(base)[index]);
+}
+
+// `x` rounded once to `dtype` (fp16 / bf16), as bits. Rounding through float would round twice; a
+// round-to-odd step to float first keeps the result correctly rounded, since float has more than
+// two extra significand bits over either 16-bit type.
+uint16_t double_to_half_bits(DType dtype, double x) {
+  float f = static_cast<float>(x);
+  if (std::isfinite(x) && static_cast<double>(f) != x) {
+    if (std::fabs(static_cast<double>(f)) > std::fabs(x)) f = std::nextafter(f, 0.0f);
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    bits |= 1u;
+    std::memcpy(&f, &bits, sizeof f);
+  }
+  return float_to_bits(dtype, f);
+}
+
+// How one precision mode computes: the accumulator type, and whether intermediates are rounded to
+// the input dtype (kInputDtype) or kept (kExact).
+template <typename Acc>
+struct Arithmetic {
+  DType dtype;
+  bool round_to_input;
+  Acc round(Acc x) const {
+    return round_to_input ? static_cast<Acc>(round_to(dtype, static_cast<float>(x))) : x;
+  }
+};
+
+// Per-thread buffers, grown on demand and reused across tasks.
+template <typename Acc>
+struct Workspace {
+  std::vector<float> k_transposed;  // [head_dim, len_k]
+  std::vector<float> v;             // [len_k, head_dim]
+  std::vector<Acc> q_block;         // [kRowBlock, head_dim]
+  std::vector<Acc> scores;          // [kRowBlock, block keys]; then the probabilities
+  std::vector<Acc> out_block;       // [kRowBlock, head_dim]
+};
+
+// Where results go: called once per query row with the finished output row (nullptr for a row that
+// sees no key) and its lse.
+template <typename Acc>
+class StridedOutput {  // problem.out in problem.dtype, problem.lse, both with the problem's strides
+ public:
+  explicit StridedOutput(const FwdProblem& p) : p_(p) {}
+  void write_row(int b, int h, const Sequence& s, int i, const Acc* row, double lse) const {
+    auto* out = static_cast<uint16_t*>(p_.out) + b * p_.out_batch_stride +
+                (s.q_token + i) * p_.out_row_stride + h * p_.out_head_stride;
+    for (int c = 0; c < p_.head_dim; ++c) {
+      out[c] = double_to_half_bits(p_.dtype, row != nullptr ? static_cast<double>(row[c]) : 0.0);
+    }
+    p_.lse[b * p_.lse_batch_stride + h * p_.lse_head_stride + i] = static_cast<float>(lse);
+  }
+
+ private:
+  const FwdProblem& p_;
+};
+
+template <typename Acc>
+class ContiguousFp32Output {  // [batch, heads_q, seqlen_q, head_dim] and [batch, heads_q, seqlen_q]
+ public:
+  ContiguousFp32Output(const FwdProblem& p, float* out, float* lse) : p_(p), out_(out), lse_(lse) {}
+  void write_row(int b, int h, const Sequence&, int i, const Acc* row, double lse) const {
+    const int64_t row_index = (static_cast<int64_t>(b) * p_.heads_q + h) * p_.seqlen_q + i;
+    float* out = out_ + row_index * p_.head_dim;
+    for (int c = 0; c < p_.head_dim; ++c) {
+      out[c] = row != nullptr ? static_cast<float>(row[c]) : 0.0f;
+    }
+    lse_[row_index] = static_cast<float>(lse);
+  }
+
+ private:
+  const FwdProblem& p_;
+  float* out_;
+  float* lse_;
+};
+
+// The keys row i may see: [first, end), empty when first >= end.
+struct KeyRange {
+  int64_t first;
+  int64_t end;
+};
+
+KeyRange allowed_keys(const FwdProblem& p, const Sequence& s, int64_t i) {
+  const int64_t diagonal = i + s.len_k - s.len_q;
+  const int64_t first = p.window_left >= 0 ? std::max<int64_t>(0, diagonal - p.window_left) : 0;
+  const int64_t end =
+      p.window_right >= 0 ? std::min<int64_t>(s.len_k, diagonal + p.window_right + 1) : s.len_k;
+  return {first, end};
+}
+
+// Query rows [row_begin, row_end) of batch b, query head h.
+struct Task {
+  int b;
+  int h;
+  int row_begin;
+  int row_end;
+};
+
+// Computes one task.
+template <typename Acc, typename Output>
+void attend_rows(const FwdProblem& p, const Arithmetic<Acc>& math, const Output& output,
+                 const Sequence& s, const Task& task, Workspace<Acc>& ws) {
+  const int b = task.b, h = task.h;
+  const int kv_head = h / (p.heads_q / p.heads_kv);
+  const int d = p.head_dim;
+  const int64_t len_k = s.len_k;
+  ws.k_transposed.resize(static_cast<size_t>(d) * len_k);
+  ws.v.resize(static_cast<size_t>(len_k) * d);
+  for (int64_t j = 0; j < len_k; ++j) {
+    const int64_t k_row =
+        b * p.k_batch_stride + (s.k_token + j) * p.k_row_stride + kv_head * p.k_head_stride;
+    const int64_t v_row =
+        b * p.v_batch_stride + (s.k_token + j) * p.v_row_stride + kv_head * p.v_head_stride;
+    for (int c = 0; c < d; ++c) {
+      ws.k_transposed[c * len_k + j] = load_half(p.dtype, p.k, k_row + c);
+      ws.v[j * d + c] = load_half(p.dtype, p.v, v_row + c);
+    }
+  }
+  ws.q_block.resize(static_cast<size_t>(kRowBlock) * d);
+  ws.out_block.resize(static_cast<size_t>(kRowBlock) * d);
+
+  const double slope =
+      p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.0;
+  for (int row0 = task.row_begin; row0 < task.row_end; row0 += kRowBlock) {
+    const int rows = std::min(kRowBlock, task.row_end - row0);
+
+    // The union of the rows' key ranges: the block's scores cover it, masked keys get p = 0.
+    KeyRange ranges[kRowBlock];
+    int64_t block_first = len_k, block_end = 0;
+    for (int r = 0; r < kRowBlock; ++r) {
+      ranges[r] = r < rows ? allowed_keys(p, s, row0 + r) : KeyRange{0, 0};
+      if (ranges[r].first < ranges[r].end) {
+        block_first = std::min(block_first, ranges[r].first);
+        block_end = std::max(block_end, ranges[r].end);
+      }
+    }
+    const int64_t width = std::max<int64_t>(0, block_end - block_first);
+
+    // Rows past the task's end stay zero and are never written out.
+    std::fill(ws.q_block.begin(), ws.q_block.end(), Acc(0));
+    for (int r = 0; r < rows; ++r) {
+      const int64_t q_row =
+          b * p.q_batch_stride + (s.q_token + row0 + r) * p.q_row_stride + h * p.q_head_stride;
+      for (int c = 0; c < d; ++c) ws.q_block[r * d + c] = load_half(p.dtype, p.q, q_row + c);
+    }
+
+    // S = Q K^T over the block's keys, one column of K^T at a time.
+    static_assert(kRowBlock == 4);
+    ws.scores.assign(static_cast<size_t>(kRowBlock) * width, Acc(0));
+    Acc* __restrict s0 = ws.scores.data();
+    Acc* __restrict s1 = s0 + width;
+    Acc* __restrict s2 = s1 + width;
+    Acc* __restrict s3 = s2 + width;
+    for (int c = 0; c < d; ++c) {
+      const float* __restrict k_col = ws.k_transposed.data() + c * len_k + block_first;
+      const Acc q0 = ws.q_block[c], q1 = ws.q_block[d + c];
+      const Acc q2 = ws.q_block[2 * d + c], q3 = ws.q_block[3 * d + c];
+      for (int64_t j = 0; j < width; ++j) {
+        const Acc key = k_col[j];
+        s0[j] += q0 * key;
+        s1[j] += q1 * key;
+        s2[j] += q2 * key;
+        s3[j] += q3 * key;
+      }
+    }
+
+    // Scores -> probabilities, in place. kExact keeps them unnormalised and divides the output
+    // by the sum at the end; kInputDtype normalises, then rounds them to the input dtype.
+    Acc row_sum[kRowBlock];
+    double row_lse[kRowBlock];
+    for (int r = 0; r < rows; ++r) {
+      Acc* probs = ws.scores.data() + r * width;
+      const KeyRange range = ranges[r];
+      if (range.first >= range.end) {
+        std::fill(probs, probs + width, Acc(0));
+        row_lse[r] = -std::numeric_limits<double>::infinity();
+        continue;
+      }
+      const int64_t diagonal = row0 + r + len_k - s.len_q;
+      Acc max_score = -std::numeric_limits<Acc>::infinity();
+      for (int64_t j = range.first; j < range.end; ++j) {
+        Acc score = math.round(probs[j - block_first]) * static_cast<Acc>(p.softmax_scale);
+        if (p.softcap > 0.0f) {
+          const Acc cap = p.softcap;
+          score = cap * std::tanh(score / cap);
+        }
+        if (p.alibi_slopes != nullptr) {
+          score -= static_cast<Acc>(slope) * static_cast<Acc>(std::abs(diagonal - j));
+        }
+        probs[j - block_first] = score;
+        max_score = std::max(max_score, score);
+      }
+      Acc sum = 0;
+      for (int64_t j = 0; j < width; ++j) {
+        const int64_t key = block_first + j;
+        probs[j] =
+            (key >= range.first && key < range.end) ? std::exp(probs[j] - max_score) : Acc(0);
+        sum += probs[j];
+      }
+      row_sum[r] = sum;
+      row_lse[r] = static_cast<double>(max_score + std::log(sum));
+      if (math.round_to_input) {
+        for (int64_t j = range.first; j < range.end; ++j) {
+          probs[j - block_first] = math.round(probs[j - block_first] / sum);
+        }
+      }
+    }
+
+    // O = P V, one key row of V at a time.
+    std::fill(ws.out_block.begin(), ws.out_block.end(), Acc(0));
+    Acc* __restrict o0 = ws.out_block.data();
+    Acc* __restrict o1 = o0 + d;
+    Acc* __restrict o2 = o1 + d;
+    Acc* __restrict o3 = o2 + d;
+    for (int64_t j = 0; j < width; ++j) {
+      const float* __restrict v_row = ws.v.data() + (block_first + j) * d;
+      const Acc p0 = s0[j], p1 = s1[j], p2 = s2[j], p3 = s3[j];
+      for (int c = 0; c < d; ++c) {
+        const Acc value = v_row[c];
+        o0[c] += p0 * value;
+        o1[c] += p1 * value;
+        o2[c] += p2 * value;
+        o3[c] += p3 * value;
+      }
+    }
+
+    for (int r = 0; r < rows; ++r) {
+      if (ranges[r].first >= ranges[r].end) {
+        output.write_row(b, h, s, row0 + r, nullptr, row_lse[r]);
+        continue;
+      }
+      Acc* out_row = ws.out_block.data() + r * d;
+      for (int c = 0; c < d; ++c) {
+        out_row[c] = math.round_to_input ? math.round(out_row[c]) : out_row[c] / row_sum[r];
+      }
+      output.write_row(b, h, s, row0 + r, out_row, row_lse[r]);
+    }
+  }
+}
+
+void check_problem(const FwdProblem& p) {
+  if (p.dtype != DType::kFloat16 && p.dtype != DType::kBFloat16) {
+    throw Error(std::string("reference_fwd: dtype is ") + dtype_name(p.dtype) +
+                "; supported: float16, bfloat16");
+  }
+  if (p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) {
+    throw Error("reference_fwd: heads_q = " + std::to_string(p.heads_q) +
+                " is not a multiple of heads_kv = " + std::to_string(p.heads_kv));
+  }
+  if (p.dropout_p > 0.0f) {
+    throw Error("reference_fwd: dropout_p is " + std::to_string(p.dropout_p) +
+                "; dropout is not implemented yet (the dropout issue adds it)");
+  }
+}
+
+// Runs every task, on several threads when the problem is large enough.
+template <typename Acc, typename Output>
+void run_reference(const FwdProblem& p, const Arithmetic<Acc>& math, const Output& output) {
+  check_problem(p);
+  const std::vector<Sequence> sequences = sequences_of(p);
+  std::vector<Task> task_list;
+  double work = 0;
+  for (int b = 0; b < p.batch; ++b) {
+    const Sequence& s = sequences[b];
+    work += static_cast<double>(s.len_q) * s.len_k * p.heads_q * p.head_dim;
+    for (int h = 0; h < p.heads_q; ++h) {
+      for (int row = 0; row < s.len_q; row += kRowsPerTask) {
+        task_list.push_back({b, h, row, std::min(s.len_q, row + kRowsPerTask)});
+      }
+    }
+  }
+  const int tasks = static_cast<int>(task_list.size());
+  const double cores = std::max(1u, std::thread::hardware_concurrency());
+  const int threads = std::max(
+      1, static_cast<int>(std::min({cores, static_cast<double>(tasks), work / kMinWorkPerThread})));
+
+  std::atomic<int> next_task{0};
+  std::exception_ptr failure;
+  std::mutex failure_mutex;
+  auto worker = [&] {
+    Workspace<Acc> ws;
+    try {
+      for (int n = next_task++; n < tasks; n = next_task++) {
+        const Task& task = task_list[n];
+        attend_rows(p, math, output, sequences[task.b], task, ws);
+      }
+    } catch (...) {  // e.g. std::bad_alloc: hand it to the caller's thread
+      const std::lock_guard<std::mutex> lock(failure_mutex);
+      if (!failure) failure = std::current_exception();
+      next_task = tasks;
+    }
+  };
+  std::vector<std::thread> pool;
+  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
+  worker();
+  for (std::thread& thread : pool) thread.join();
+  if (failure) std::rethrow_exception(failure);
+}
+
+}  // namespace
+
+void reference_fwd(const FwdProblem& problem) {
+  run_reference(problem, Arithmetic<double>{problem.dtype, false}, StridedOutput<double>(problem));
+}
+
+void reference_fwd_fp32(const FwdProblem& problem, RefPrecision precision, float* out, float* lse) {
+  if (precision == RefPrecision::kExact) {
+    run_reference(problem, Arithmetic<double>{problem.dtype, false},
+                  ContiguousFp32Output<double>(problem, out, lse));
+  } else {
+    run_reference(problem, Arithmetic<float>{problem.dtype, true},
+                  ContiguousFp32Output<float>(problem, out, lse));
+  }
+}
+
+}  // namespace flashkit::cpu
