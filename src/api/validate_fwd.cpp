@@ -1,0 +1,478 @@
+// src/api/validate_fwd.cpp
+// \brief The checks of mha_fwd / mha_varlen_fwd and the defaults they resolve (see validate_fwd.h).
+//
+// Checks run from the most basic to the most specific (presence, dtype, device, rank, sizes,
+// shapes, strides and pointers, optional tensors, scalars), so the first message names the root
+// cause.
+#include "api/validate_fwd.h"
+
+#include <climits>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+#include "flashkit/error.h"
+
+namespace flashkit::api {
+namespace {
+
+// The CUDA kernels move q/k/v/out in 16-byte vectors: the data pointers and the strides of every
+// dim but the last must keep each row start 16-byte aligned.
+constexpr int64_t kCudaAlignmentBytes = 16;
+constexpr int64_t kCudaStrideMultiple = kCudaAlignmentBytes / 2;  // in 16-bit elements
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kHeadDimMultiple = 8;
+
+template <typename... Parts>
+[[noreturn]] void fail(const char* fn, const Parts&... parts) {
+  std::ostringstream message;
+  message << fn << ": ";
+  (message << ... << parts);
+  throw Error(message.str());
+}
+
+std::string device_string(const Device& device) {
+  return device.kind == DeviceKind::kCpu ? "cpu" : "cuda:" + std::to_string(device.index);
+}
+
+std::string shape_string(std::initializer_list<int64_t> sizes) {
+  std::string text = "[";
+  for (auto it = sizes.begin(); it != sizes.end(); ++it) {
+    if (it != sizes.begin()) text += ", ";
+    text += std::to_string(*it);
+  }
+  return text + "]";
+}
+
+void check_defined(const char* fn, const char* name, const TensorView& view, const char* what) {
+  if (!view.defined()) fail(fn, name, " is undefined (an empty view); it is required: ", what);
+}
+
+void check_dtype(const char* fn, const char* name, const TensorView& view, DType expected) {
+  if (view.dtype != expected) {
+    fail(fn, name, ".dtype is ", dtype_name(view.dtype), "; it must be ", dtype_name(expected));
+  }
+}
+
+void check_same_dtype_as_q(const char* fn, const char* name, const TensorView& view,
+                           const TensorView& q) {
+  if (view.dtype != q.dtype) {
+    fail(fn, name, ".dtype is ", dtype_name(view.dtype), " but q.dtype is ", dtype_name(q.dtype),
+         "; q, k, v and out must share one dtype");
+  }
+}
+
+void check_same_device_as_q(const char* fn, const char* name, const TensorView& view,
+                            const TensorView& q) {
+  if (view.device != q.device) {
+    fail(fn, name, " is on ", device_string(view.device), " but q is on ", device_string(q.device),
+         "; every tensor of one call must be on the same device");
+  }
+}
+
+// Rank, then sizes that a hand-filled view could get wrong (negative, or too large for the int
+// fields of FwdProblem).
+void check_rank(const char* fn, const char* name, const TensorView& view, int expected_rank,
+                const char* layout) {
+  if (view.rank != expected_rank) {
+    fail(fn, name, " has rank ", view.rank, " (shape ", view.shape_string(), "); expected rank ",
+         expected_rank, ": ", layout);
+  }
+  for (int d = 0; d < view.rank; ++d) {
+    if (view.sizes[d] < 0) {
+      fail(fn, name, ".size(", d, ") is ", view.sizes[d], "; sizes must be >= 0");
+    }
+  }
+}
+
+int to_int(const char* fn, const char* what, int64_t value) {
+  if (value > INT_MAX) fail(fn, what, " is ", value, "; at most ", INT_MAX, " is supported");
+  return static_cast<int>(value);
+}
+
+void check_shape(const char* fn, const char* name, const TensorView& view,
+                 std::initializer_list<int64_t> expected, const char* layout) {
+  bool same = view.rank == static_cast<int>(expected.size());
+  int d = 0;
+  for (int64_t size : expected) {
+    same = same && view.sizes[d++] == size;
+  }
+  if (!same) {
+    fail(fn, name, " has shape ", view.shape_string(), "; expected ", shape_string(expected), " ",
+         layout);
+  }
+}
+
+void check_last_dim_contiguous(const char* fn, const char* name, const TensorView& view) {
+  if (view.stride(-1) != 1) {
+    fail(fn, name, ".stride(-1) is ", view.stride(-1),
+         "; the last dim must be contiguous (stride 1)");
+  }
+}
+
+void check_contiguous(const char* fn, const char* name, const TensorView& view) {
+  if (!view.is_contiguous()) {
+    fail(fn, name, " with shape ", view.shape_string(), " has stride ", view.stride(0),
+         "; it must be contiguous");
+  }
+}
+
+// Every view with elements needs a pointer aligned to its element type, on any device.
+void check_data_pointer(const char* fn, const char* name, const TensorView& view) {
+  if (view.numel() == 0) return;
+  if (view.data == nullptr) {
+    fail(fn, name, ".data is null but ", name, " has ", view.numel(), " elements");
+  }
+  const auto address = reinterpret_cast<uintptr_t>(view.data);
+  if (address % static_cast<uintptr_t>(dtype_size(view.dtype)) != 0) {
+    fail(fn, name, ".data (", view.data, ") is not aligned to its ", dtype_size(view.dtype),
+         "-byte ", dtype_name(view.dtype), " elements");
+  }
+}
+
+// q/k/v/out on CUDA: 16-byte aligned rows (see kCudaAlignmentBytes). The stride of a dim of size
+// 1 never moves the pointer, so it is not constrained.
+void check_cuda_vector_alignment(const char* fn, const char* name, const TensorView& view) {
+  if (view.device.kind != DeviceKind::kCuda || view.numel() == 0) return;
+  const auto address = reinterpret_cast<uintptr_t>(view.data);
+  if (address % kCudaAlignmentBytes != 0) {
+    fail(fn, name, ".data (", view.data, ") is not ", kCudaAlignmentBytes,
+         "-byte aligned; the CUDA kernels need 16-byte aligned q, k, v and out");
+  }
+  for (int d = 0; d + 1 < view.rank; ++d) {
+    if (view.sizes[d] > 1 && view.strides[d] % kCudaStrideMultiple != 0) {
+      fail(fn, name, ".stride(", d, ") is ", view.strides[d],
+           "; on CUDA every stride but the last ", "must be a multiple of ", kCudaStrideMultiple,
+           " elements (16 bytes)");
+    }
+  }
+}
+
+void check_device_index(const char* fn, const TensorView& q) {
+  if (q.device.kind == DeviceKind::kCuda && q.device.index < 0) {
+    fail(fn, "q.device is ", device_string(q.device), "; a CUDA device index must be >= 0");
+  }
+}
+
+// Presence, dtypes and devices of the tensors both entry points share.
+void check_common_tensors(const char* fn, const FwdCommon& p) {
+  check_defined(fn, "q", p.q, "the queries");
+  check_defined(fn, "k", p.k, "the keys");
+  check_defined(fn, "v", p.v, "the values");
+  check_defined(fn, "out", p.out, "the output, same shape and dtype as q");
+  check_defined(fn, "softmax_lse", p.softmax_lse, "the float32 log-sum-exp output");
+
+  if (p.q.dtype != DType::kFloat16 && p.q.dtype != DType::kBFloat16) {
+    fail(fn, "q.dtype is ", dtype_name(p.q.dtype), "; supported: float16, bfloat16");
+  }
+  check_same_dtype_as_q(fn, "k", p.k, p.q);
+  check_same_dtype_as_q(fn, "v", p.v, p.q);
+  check_same_dtype_as_q(fn, "out", p.out, p.q);
+  check_dtype(fn, "softmax_lse", p.softmax_lse, DType::kFloat32);
+
+  check_device_index(fn, p.q);
+  check_same_device_as_q(fn, "k", p.k, p.q);
+  check_same_device_as_q(fn, "v", p.v, p.q);
+  check_same_device_as_q(fn, "out", p.out, p.q);
+  check_same_device_as_q(fn, "softmax_lse", p.softmax_lse, p.q);
+  if (p.alibi_slopes.defined()) {
+    check_dtype(fn, "alibi_slopes", p.alibi_slopes, DType::kFloat32);
+    check_same_device_as_q(fn, "alibi_slopes", p.alibi_slopes, p.q);
+  }
+}
+
+void check_head_counts_and_dim(const char* fn, int64_t heads_q, int64_t heads_kv,
+                               int64_t head_dim) {
+  if (heads_q <= 0) fail(fn, "q has ", heads_q, " heads; it must have at least 1");
+  if (heads_kv <= 0) fail(fn, "k has ", heads_kv, " heads; it must have at least 1");
+  if (heads_q % heads_kv != 0) {
+    fail(fn, "q has ", heads_q, " heads and k has ", heads_kv,
+         "; heads_q must be a multiple of heads_kv (MHA, GQA or MQA)");
+  }
+  if (head_dim <= 0 || head_dim % kHeadDimMultiple != 0 || head_dim > kMaxHeadDim) {
+    fail(fn, "head_dim (q.size(-1)) is ", head_dim, "; supported: a multiple of ", kHeadDimMultiple,
+         " from ", kHeadDimMultiple, " to ", kMaxHeadDim);
+  }
+}
+
+// Strides and pointers of q/k/v/out and softmax_lse, once their shapes are known to be right.
+void check_layouts(const char* fn, const FwdCommon& p) {
+  const std::pair<const char*, const TensorView*> qkvo[] = {
+      {"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}};
+  for (const auto& [name, view] : qkvo) {
+    check_last_dim_contiguous(fn, name, *view);
+    check_data_pointer(fn, name, *view);
+  }
+  check_last_dim_contiguous(fn, "softmax_lse", p.softmax_lse);
+  check_data_pointer(fn, "softmax_lse", p.softmax_lse);
+  for (const auto& [name, view] : qkvo) {
+    check_cuda_vector_alignment(fn, name, *view);
+  }
+}
+
+// Returns the batch stride of the slopes (0 for one slope per head).
+int64_t check_alibi(const char* fn, const TensorView& alibi, int64_t batch, int64_t heads_q) {
+  const bool per_head = alibi.rank == 1 && alibi.sizes[0] == heads_q;
+  const bool per_batch_and_head =
+      alibi.rank == 2 && alibi.sizes[0] == batch && alibi.sizes[1] == heads_q;
+  if (!per_head && !per_batch_and_head) {
+    fail(fn, "alibi_slopes has shape ", alibi.shape_string(),
+         "; expected [heads_q] = ", shape_string({heads_q}),
+         " or [batch, heads_q] = ", shape_string({batch, heads_q}));
+  }
+  check_last_dim_contiguous(fn, "alibi_slopes", alibi);
+  check_data_pointer(fn, "alibi_slopes", alibi);
+  return per_batch_and_head ? alibi.strides[0] : 0;
+}
+
+void check_scalars(const char* fn, const FwdCommon& p) {
+  if (!(p.softmax_scale >= 0.0f) || std::isinf(p.softmax_scale)) {
+    fail(fn, "softmax_scale is ", p.softmax_scale,
+         "; it must be finite and >= 0 (0 means 1/sqrt(head_dim))");
+  }
+  if (!(p.softcap >= 0.0f) || std::isinf(p.softcap)) {
+    fail(fn, "softcap is ", p.softcap, "; it must be finite and >= 0 (0 turns it off)");
+  }
+  if (p.mask.window_left < -1) {
+    fail(fn, "mask.window_left is ", p.mask.window_left, "; it must be >= 0, or -1 for unbounded");
+  }
+  if (p.mask.window_right < -1) {
+    fail(fn, "mask.window_right is ", p.mask.window_right,
+         "; it must be >= 0, or -1 for unbounded");
+  }
+  if (!(p.dropout.p >= 0.0f && p.dropout.p < 1.0f)) {
+    fail(fn, "dropout.p is ", p.dropout.p, "; it must be in [0, 1)");
+  }
+  if (p.dropout.p > 0.0f) {
+    fail(fn, "dropout.p is ", p.dropout.p,
+         "; dropout is not supported yet in this build (the dropout issue adds it); pass 0");
+  }
+}
+
+// The fields both entry points fill the same way. `seqlen_q` / `seqlen_k` are the lengths (fixed)
+// or their bounds (varlen) that the window defaults are resolved against.
+void fill_options(const FwdCommon& p, int seqlen_q, int seqlen_k, FwdProblem& problem) {
+  problem.softmax_scale =
+      p.softmax_scale == 0.0f
+          ? static_cast<float>(1.0 / std::sqrt(static_cast<double>(problem.head_dim)))
+          : p.softmax_scale;
+  problem.softcap = p.softcap;
+
+  const bool has_alibi = p.alibi_slopes.defined();
+  // One query row sees every key under the causal mask: turning it off changes nothing but lets
+  // the kernel take the unmasked path. ALiBi keeps it, as FlashAttention does.
+  const bool causal = p.mask.causal && !(seqlen_q == 1 && !has_alibi);
+  int window_left = p.mask.window_left;
+  int window_right = p.mask.window_right;
+  if (window_left >= seqlen_k) window_left = -1;
+  if (window_right >= seqlen_k) window_right = -1;
+  if (causal) window_right = 0;
+  problem.window_left = window_left;
+  problem.window_right = window_right;
+  problem.causal = window_left < 0 && window_right == 0;
+
+  problem.dropout_p = p.dropout.p;
+  problem.dropout_seed = p.dropout.seed;
+  problem.dropout_offset = p.dropout.offset;
+}
+
+void fill_tensors(const FwdCommon& p, FwdProblem& problem) {
+  problem.dtype = p.q.dtype;
+  problem.q = p.q.data;
+  problem.k = p.k.data;
+  problem.v = p.v.data;
+  problem.out = p.out.data;
+  problem.lse = static_cast<float*>(p.softmax_lse.data);
+  problem.lse_batch_stride = p.softmax_lse.strides[0];
+  problem.lse_head_stride = p.softmax_lse.strides[1];
+}
+
+// cu_seqlens_q / cu_seqlens_k / seqused_k of a varlen batch: shapes here, contents (CPU only) in
+// check_varlen_lengths. Returns the batch size.
+int check_varlen_index_tensors(const char* fn, const MhaVarlenFwdParams& p) {
+  const std::pair<const char*, const TensorView*> cu_seqlens[] = {
+      {"cu_seqlens_q", &p.cu_seqlens_q}, {"cu_seqlens_k", &p.cu_seqlens_k}};
+  for (const auto& [name, view] : cu_seqlens) {
+    check_defined(fn, name, *view, "int32 [batch + 1] prefix sums of the sequence lengths");
+    check_dtype(fn, name, *view, DType::kInt32);
+    check_same_device_as_q(fn, name, *view, p.q);
+    check_rank(fn, name, *view, 1, "[batch + 1]");
+    check_contiguous(fn, name, *view);
+    check_data_pointer(fn, name, *view);
+  }
+  if (p.cu_seqlens_q.sizes[0] < 2) {
+    fail(fn, "cu_seqlens_q has shape ", p.cu_seqlens_q.shape_string(),
+         "; it must be [batch + 1] with batch >= 1");
+  }
+  if (p.cu_seqlens_k.sizes[0] != p.cu_seqlens_q.sizes[0]) {
+    fail(fn, "cu_seqlens_k has shape ", p.cu_seqlens_k.shape_string(), " but cu_seqlens_q has ",
+         p.cu_seqlens_q.shape_string(), "; both must be [batch + 1]");
+  }
+  const int batch = to_int(fn, "batch (cu_seqlens_q.size(0) - 1)", p.cu_seqlens_q.sizes[0] - 1);
+  if (p.seqused_k.defined()) {
+    check_dtype(fn, "seqused_k", p.seqused_k, DType::kInt32);
+    check_same_device_as_q(fn, "seqused_k", p.seqused_k, p.q);
+    check_rank(fn, "seqused_k", p.seqused_k, 1, "[batch]");
+    check_shape(fn, "seqused_k", p.seqused_k, {batch}, "([batch])");
+    check_contiguous(fn, "seqused_k", p.seqused_k);
+    check_data_pointer(fn, "seqused_k", p.seqused_k);
+  }
+  if (p.max_seqlen_q < 0) fail(fn, "max_seqlen_q is ", p.max_seqlen_q, "; it must be >= 0");
+  if (p.max_seqlen_k < 0) fail(fn, "max_seqlen_k is ", p.max_seqlen_k, "; it must be >= 0");
+  return batch;
+}
+
+// The prefix sums must stay inside q and k and every length inside its max_seqlen bound, or the
+// CPU backend would index out of bounds. (On CUDA the contents live on the device and stay the
+// caller's promise.)
+void check_prefix_sums(const char* fn, const char* name, const int* cu, int batch, int64_t total,
+                       const char* total_name) {
+  if (cu[0] < 0) fail(fn, name, "[0] is ", cu[0], "; token offsets must be >= 0");
+  for (int b = 0; b < batch; ++b) {
+    if (cu[b + 1] < cu[b]) {
+      fail(fn, name, "[", b + 1, "] = ", cu[b + 1], " is less than ", name, "[", b, "] = ", cu[b],
+           "; the prefix sums must be nondecreasing");
+    }
+  }
+  if (cu[batch] > total) {
+    fail(fn, name, "[", batch, "] is ", cu[batch], " but ", total_name, " is ", total,
+         "; the sequences must fit in the packed tensor");
+  }
+}
+
+void check_varlen_lengths(const char* fn, const MhaVarlenFwdParams& p, int batch) {
+  const auto* cu_q = static_cast<const int*>(p.cu_seqlens_q.data);
+  const auto* cu_k = static_cast<const int*>(p.cu_seqlens_k.data);
+  const auto* used_k = static_cast<const int*>(p.seqused_k.data);
+  check_prefix_sums(fn, "cu_seqlens_q", cu_q, batch, p.q.sizes[0], "q.size(0) (total_q)");
+  check_prefix_sums(fn, "cu_seqlens_k", cu_k, batch, p.k.sizes[0], "k.size(0) (total_k)");
+  for (int b = 0; b < batch; ++b) {
+    const int len_q = cu_q[b + 1] - cu_q[b];
+    const int stored_len_k = cu_k[b + 1] - cu_k[b];
+    if (len_q > p.max_seqlen_q) {
+      fail(fn, "sequence ", b, " has ", len_q, " query tokens (cu_seqlens_q) but max_seqlen_q is ",
+           p.max_seqlen_q, "; max_seqlen_q must bound every query length");
+    }
+    if (used_k != nullptr && (used_k[b] < 0 || used_k[b] > stored_len_k)) {
+      fail(fn, "seqused_k[", b, "] is ", used_k[b], "; it must be in [0, ", stored_len_k,
+           "], the key length of sequence ", b, " in cu_seqlens_k");
+    }
+    const int len_k = used_k != nullptr ? used_k[b] : stored_len_k;
+    if (len_k > p.max_seqlen_k) {
+      fail(fn, "sequence ", b, " uses ", len_k, " keys but max_seqlen_k is ", p.max_seqlen_k,
+           "; max_seqlen_k must bound every key length");
+    }
+  }
+}
+
+}  // namespace
+
+FwdProblem validate_mha_fwd(const MhaFwdParams& p) {
+  const char* fn = "mha_fwd";
+  check_common_tensors(fn, p);
+  check_rank(fn, "q", p.q, 4, "[batch, seqlen_q, heads_q, head_dim]");
+  check_rank(fn, "k", p.k, 4, "[batch, seqlen_k, heads_kv, head_dim]");
+
+  const int64_t batch = p.q.sizes[0];
+  const int64_t seqlen_q = p.q.sizes[1];
+  const int64_t heads_q = p.q.sizes[2];
+  const int64_t head_dim = p.q.sizes[3];
+  const int64_t seqlen_k = p.k.sizes[1];
+  const int64_t heads_kv = p.k.sizes[2];
+  if (batch <= 0) fail(fn, "batch (q.size(0)) is ", batch, "; it must be >= 1");
+  check_head_counts_and_dim(fn, heads_q, heads_kv, head_dim);
+
+  check_shape(fn, "k", p.k, {batch, seqlen_k, heads_kv, head_dim},
+              "([batch, seqlen_k, heads_kv, head_dim], batch and head_dim from q)");
+  check_shape(fn, "v", p.v, {batch, seqlen_k, heads_kv, head_dim},
+              "(the shape of k: [batch, seqlen_k, heads_kv, head_dim])");
+  check_shape(fn, "out", p.out, {batch, seqlen_q, heads_q, head_dim}, "(the shape of q)");
+  check_shape(fn, "softmax_lse", p.softmax_lse, {batch, heads_q, seqlen_q},
+              "([batch, heads_q, seqlen_q])");
+  check_layouts(fn, p);
+  const int64_t alibi_batch_stride =
+      p.alibi_slopes.defined() ? check_alibi(fn, p.alibi_slopes, batch, heads_q) : 0;
+  check_scalars(fn, p);
+
+  FwdProblem problem;
+  problem.batch = to_int(fn, "batch (q.size(0))", batch);
+  problem.heads_q = to_int(fn, "heads_q (q.size(2))", heads_q);
+  problem.heads_kv = to_int(fn, "heads_kv (k.size(2))", heads_kv);
+  problem.head_dim = static_cast<int>(head_dim);
+  problem.seqlen_q = to_int(fn, "seqlen_q (q.size(1))", seqlen_q);
+  problem.seqlen_k = to_int(fn, "seqlen_k (k.size(1))", seqlen_k);
+  fill_tensors(p, problem);
+  problem.q_batch_stride = p.q.strides[0];
+  problem.q_row_stride = p.q.strides[1];
+  problem.q_head_stride = p.q.strides[2];
+  problem.k_batch_stride = p.k.strides[0];
+  problem.k_row_stride = p.k.strides[1];
+  problem.k_head_stride = p.k.strides[2];
+  problem.v_batch_stride = p.v.strides[0];
+  problem.v_row_stride = p.v.strides[1];
+  problem.v_head_stride = p.v.strides[2];
+  problem.out_batch_stride = p.out.strides[0];
+  problem.out_row_stride = p.out.strides[1];
+  problem.out_head_stride = p.out.strides[2];
+  problem.alibi_slopes = static_cast<const float*>(p.alibi_slopes.data);
+  problem.alibi_batch_stride = alibi_batch_stride;
+  fill_options(p, problem.seqlen_q, problem.seqlen_k, problem);
+  return problem;
+}
+
+FwdProblem validate_mha_varlen_fwd(const MhaVarlenFwdParams& p) {
+  const char* fn = "mha_varlen_fwd";
+  check_common_tensors(fn, p);
+  const int batch = check_varlen_index_tensors(fn, p);
+  check_rank(fn, "q", p.q, 3, "[total_q, heads_q, head_dim]");
+  check_rank(fn, "k", p.k, 3, "[total_k, heads_kv, head_dim]");
+
+  const int64_t total_q = p.q.sizes[0];
+  const int64_t heads_q = p.q.sizes[1];
+  const int64_t head_dim = p.q.sizes[2];
+  const int64_t total_k = p.k.sizes[0];
+  const int64_t heads_kv = p.k.sizes[1];
+  check_head_counts_and_dim(fn, heads_q, heads_kv, head_dim);
+
+  check_shape(fn, "k", p.k, {total_k, heads_kv, head_dim},
+              "([total_k, heads_kv, head_dim], head_dim from q)");
+  check_shape(fn, "v", p.v, {total_k, heads_kv, head_dim},
+              "(the shape of k: [total_k, heads_kv, head_dim])");
+  check_shape(fn, "out", p.out, {total_q, heads_q, head_dim}, "(the shape of q)");
+  check_shape(fn, "softmax_lse", p.softmax_lse, {batch, heads_q, p.max_seqlen_q},
+              "([batch, heads_q, max_seqlen_q], batch = cu_seqlens_q.size(0) - 1)");
+  check_layouts(fn, p);
+  const int64_t alibi_batch_stride =
+      p.alibi_slopes.defined() ? check_alibi(fn, p.alibi_slopes, batch, heads_q) : 0;
+  check_scalars(fn, p);
+  if (p.q.device.kind == DeviceKind::kCpu) check_varlen_lengths(fn, p, batch);
+
+  FwdProblem problem;
+  problem.batch = batch;
+  problem.heads_q = to_int(fn, "heads_q (q.size(1))", heads_q);
+  problem.heads_kv = to_int(fn, "heads_kv (k.size(1))", heads_kv);
+  problem.head_dim = static_cast<int>(head_dim);
+  problem.seqlen_q = p.max_seqlen_q;
+  problem.seqlen_k = p.max_seqlen_k;
+  fill_tensors(p, problem);
+  problem.q_row_stride = p.q.strides[0];
+  problem.q_head_stride = p.q.strides[1];
+  problem.k_row_stride = p.k.strides[0];
+  problem.k_head_stride = p.k.strides[1];
+  problem.v_row_stride = p.v.strides[0];
+  problem.v_head_stride = p.v.strides[1];
+  problem.out_row_stride = p.out.strides[0];
+  problem.out_head_stride = p.out.strides[1];
+  problem.cu_seqlens_q = static_cast<const int*>(p.cu_seqlens_q.data);
+  problem.cu_seqlens_k = static_cast<const int*>(p.cu_seqlens_k.data);
+  problem.seqused_k = static_cast<const int*>(p.seqused_k.data);
+  problem.alibi_slopes = static_cast<const float*>(p.alibi_slopes.data);
+  problem.alibi_batch_stride = alibi_batch_stride;
+  fill_options(p, problem.seqlen_q, problem.seqlen_k, problem);
+  return problem;
+}
+
+}  // namespace flashkit::api
