@@ -18,4 +18,8 @@ void mha_varlen_fwd(const MhaVarlenFwdParams& params, void* stream = nullptr);
 // how to rebuild. Returns true when `head_dim` (a multiple of 8, at most 256) is served on CUDA.
 bool cuda_head_dim_built(int head_dim);
 
+// Whether this build serves `dtype` (kFloat16 or kBFloat16) at `head_dim` on CUDA: a build may leave
+// out a dtype as well as head-dim families (FLASHKIT_DTYPES), and a call for a left-out pair throws.
+bool cuda_fwd_built(DType dtype, int head_dim);
+
 }  // namespace flashkit

@@ -1,0 +1,195 @@
+// src/api/mha_fwd.cpp
+// \brief The forward entry points: validate, then run on the backend that owns the data. This is
+// the one place that chooses a CUDA kernel.
+//
+// CPU views run the reference (src/cpu/). CUDA views run the sm80 (mma.sync) kernel of the
+// problem's (dtype, head-dim family), provided this build compiled it; the generated build_config.h
+// says which ones it did. Everything that can be rejected without the GPU is rejected before the
+// first CUDA runtime call, so bad input never touches the device.
+#include <string>
+
+#include "api/validate_fwd.h"
+#include "build_config.h"
+#include "cpu/reference_fwd.h"
+#include "flashkit/api.h"
+#include "flashkit/error.h"
+
+#ifdef FLASHKIT_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/sm80/fwd_sm80.h"
+#endif
+
+namespace flashkit {
+namespace {
+
+#ifdef FLASHKIT_WITH_CUDA
+
+// The short dtype names the build options use (FLASHKIT_DTYPES).
+const char* build_dtype_name(DType dtype) { return dtype == DType::kBFloat16 ? "bf16" : "fp16"; }
+
+// A CMake list with `item` appended to the space-separated `built` list, e.g. "64;128;96".
+std::string list_with(const char* built, const std::string& item) {
+  std::string list = built;
+  for (char& c : list) {
+    if (c == ' ') c = ';';
+  }
+  return (list.empty() ? "" : list + ";") + item;
+}
+
+using RunFwd = void (*)(const FwdProblem&, void*);
+
+// The kernel compiled for (dtype, family), or nullptr when this build left it out.
+RunFwd find_sm80_fwd(DType dtype, int family) {
+  const bool bf16 = dtype == DType::kBFloat16;
+  const bool fp16 = dtype == DType::kFloat16;
+  // Unused when this build has no kernel of one dtype.
+  (void)bf16;
+  (void)fp16;
+#ifdef FLASHKIT_SM80_FWD_BF16_HDIM32
+  if (bf16 && family == 32) return &sm80::run_fwd<DType::kBFloat16, 32>;
+#endif
+#ifdef FLASHKIT_SM80_FWD_BF16_HDIM64
+  if (bf16 && family == 64) return &sm80::run_fwd<DType::kBFloat16, 64>;
+#endif
+#ifdef FLASHKIT_SM80_FWD_BF16_HDIM96
+  if (bf16 && family == 96) return &sm80::run_fwd<DType::kBFloat16, 96>;
+#endif
+#ifdef FLASHKIT_SM80_FWD_BF16_HDIM128
+  if (bf16 && family == 128) return &sm80::run_fwd<DType::kBFloat16, 128>;
+#endif
+#ifdef FLASHKIT_SM80_FWD_BF16_HDIM192
+  if (bf16 && family == 192) return &sm80::run_fwd<DType::kBFloat16, 192>;
+#endif
+#ifdef FLASHKIT_SM80_FWD_BF16_HDIM256
+  if (bf16 && family == 256) return &sm80::run_fwd<DType::kBFloat16, 256>;
+#endif
+#ifdef FLASHKIT_SM80_FWD_FP16_HDIM32
+  if (fp16 && family == 32) return &sm80::run_fwd<DType::kFloat16, 32>;
+#endif
+#ifdef FLASHKIT_SM80_FWD_FP16_HDIM64
+  if (fp16 && family == 64) return &sm80::run_fwd<DType::kFloat16, 64>;
+#endif
+#ifdef FLASHKIT_SM80_FWD_FP16_HDIM96
+  if (fp16 && family == 96) return &sm80::run_fwd<DType::kFloat16, 96>;
+#endif
+#ifdef FLASHKIT_SM80_FWD_FP16_HDIM128
+  if (fp16 && family == 128) return &sm80::run_fwd<DType::kFloat16, 128>;
+#endif
+#ifdef FLASHKIT_SM80_FWD_FP16_HDIM192
+  if (fp16 && family == 192) return &sm80::run_fwd<DType::kFloat16, 192>;
+#endif
+#ifdef FLASHKIT_SM80_FWD_FP16_HDIM256
+  if (fp16 && family == 256) return &sm80::run_fwd<DType::kFloat16, 256>;
+#endif
+  return nullptr;
+}
+
+bool family_built_for_some_dtype(int family) {
+  return find_sm80_fwd(DType::kBFloat16, family) != nullptr ||
+         find_sm80_fwd(DType::kFloat16, family) != nullptr;
+}
+
+bool dtype_built_for_some_family(DType dtype) {
+  for (int family : sm80::kFwdHeadDimFamilies) {
+    if (find_sm80_fwd(dtype, family) != nullptr) return true;
+  }
+  return false;
+}
+
+// Makes `device` current for the lifetime of the guard and restores the caller's device after, so
+// that a call on cuda:1 leaves a caller working on cuda:0 where it was.
+class CurrentDeviceGuard {
+ public:
+  explicit CurrentDeviceGuard(int device) {
+    cuda::check(cudaGetDevice(&previous_), "cudaGetDevice");
+    if (device != previous_) cuda::check(cudaSetDevice(device), "cudaSetDevice");
+  }
+  // Restoring cannot fail for a device that was current a moment ago; a destructor must not throw,
+  // so the code is not checked.
+  ~CurrentDeviceGuard() { cudaSetDevice(previous_); }
+  CurrentDeviceGuard(const CurrentDeviceGuard&) = delete;
+  CurrentDeviceGuard& operator=(const CurrentDeviceGuard&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* stream) {
+  const int family = sm80::fwd_head_dim_family(problem.head_dim);
+  const RunFwd run = find_sm80_fwd(problem.dtype, family);
+  if (run == nullptr) {
+    std::string rebuild;
+    if (!family_built_for_some_dtype(family)) {
+      rebuild += "-DFLASHKIT_HEAD_DIMS=\"" +
+                 list_with(FLASHKIT_BUILT_HEAD_DIMS, std::to_string(family)) + "\"";
+    }
+    if (!dtype_built_for_some_family(problem.dtype)) {
+      if (!rebuild.empty()) rebuild += " ";
+      rebuild += "-DFLASHKIT_DTYPES=\"" +
+                 list_with(FLASHKIT_BUILT_DTYPES, build_dtype_name(problem.dtype)) + "\"";
+    }
+    throw Error(std::string(fn) +
+                ": this build of flashkit does not include the CUDA forward kernel for " +
+                build_dtype_name(problem.dtype) + " head dim " + std::to_string(problem.head_dim) +
+                " (family " + std::to_string(family) + "); rebuild with " + rebuild +
+                " (built: head dims " + FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " +
+                FLASHKIT_BUILT_DTYPES + ")");
+  }
+  if (!api::has_query_rows(problem)) return;
+
+  const CurrentDeviceGuard device_guard(device);
+  const int arch = cuda::current_device_arch();
+  if (arch < 80) {
+    throw Error(std::string(fn) + ": cuda:" + std::to_string(device) + " has compute capability " +
+                std::to_string(arch / 10) + "." + std::to_string(arch % 10) +
+                "; the flashkit CUDA kernels need 8.0 or newer (Ampere, Ada, Hopper)");
+  }
+  run(problem, stream);
+}
+
+#endif  // FLASHKIT_WITH_CUDA
+
+void run_on_backend(const char* fn, const FwdProblem& problem, const Device& device, void* stream) {
+  if (device.kind == DeviceKind::kCpu) {
+    cpu::reference_fwd(problem);
+    return;
+  }
+#ifdef FLASHKIT_WITH_CUDA
+  run_on_cuda(fn, problem, device.index, stream);
+#else
+  (void)stream;
+  throw Error(std::string(fn) + ": the tensors are on cuda:" + std::to_string(device.index) +
+              " but this build of flashkit has no CUDA kernels (configured without nvcc); "
+              "rebuild with the CUDA toolkit and -DFLASHKIT_CUDA=ON, or pass CPU tensors");
+#endif
+}
+
+}  // namespace
+
+void mha_fwd(const MhaFwdParams& params, void* stream) {
+  const FwdProblem problem = api::validate_mha_fwd(params);
+  run_on_backend("mha_fwd", problem, params.q.device, stream);
+}
+
+void mha_varlen_fwd(const MhaVarlenFwdParams& params, void* stream) {
+  const FwdProblem problem = api::validate_mha_varlen_fwd(params);
+  run_on_backend("mha_varlen_fwd", problem, params.q.device, stream);
+}
+
+bool cuda_head_dim_built(int head_dim) {
+  return cuda_fwd_built(DType::kBFloat16, head_dim) || cuda_fwd_built(DType::kFloat16, head_dim);
+}
+
+bool cuda_fwd_built(DType dtype, int head_dim) {
+  if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > 256) return false;
+#ifdef FLASHKIT_WITH_CUDA
+  return find_sm80_fwd(dtype, sm80::fwd_head_dim_family(head_dim)) != nullptr;
+#else
+  (void)dtype;
+  return false;
+#endif
+}
+
+}  // namespace flashkit
