@@ -1,0 +1,635 @@
+// tests/cpp/test_validation.cpp
+// \brief Every bad input of mha_fwd / mha_varlen_fwd raises flashkit::Error whose message names the
+// function, the argument and the value it got; the defaults validation resolves; and the library
+// works for the next call after an error.
+//
+// Views labelled DeviceKind::kCuda here point at host memory. That is safe on any machine only
+// because each such call is rejected by validation, which runs before any CUDA runtime call: every
+// test that builds one makes sure the call fails validation (or, in a build without CUDA, fails
+// dispatch before touching a device).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <initializer_list>
+#include <string>
+
+#include "api/validate_fwd.h"
+#include "attention_case.h"
+#include "build_config.h"
+#include "flashkit/flashkit.h"
+
+namespace flashkit::test {
+namespace {
+
+// Runs `call` and expects a flashkit::Error whose message contains every fragment.
+template <typename Call>
+void expect_error(Call&& call, std::initializer_list<const char*> fragments) {
+  try {
+    call();
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    for (const char* fragment : fragments) {
+      EXPECT_NE(message.find(fragment), std::string::npos)
+          << "message: " << message << "\nmissing: " << fragment;
+    }
+    return;
+  }
+  ADD_FAILURE() << "no flashkit::Error was thrown";
+}
+
+#define EXPECT_ERROR_MENTIONS(statement, ...)        \
+  do {                                               \
+    SCOPED_TRACE(#statement);                        \
+    expect_error([&] { statement; }, {__VA_ARGS__}); \
+  } while (0)
+
+constexpr Device kCuda0{DeviceKind::kCuda, 0};
+
+// A valid fixed-length problem: fp16, batch 2, 5 queries, 7 keys, 4 query heads over 2 kv heads,
+// head dim 16.
+CaseSpec fixed_spec() {
+  CaseSpec s;
+  s.dtype = DType::kFloat16;
+  s.batch = 2;
+  s.heads_q = 4;
+  s.heads_kv = 2;
+  s.head_dim = 16;
+  s.seqlen_q = 5;
+  s.seqlen_k = 7;
+  s.seed = 42;
+  return s;
+}
+
+// A valid varlen batch of 3 sequences, one of them with no query.
+CaseSpec varlen_spec() {
+  CaseSpec s = fixed_spec();
+  s.lens_q = {3, 0, 5};
+  s.lens_k = {4, 2, 6};
+  return s;
+}
+
+// Moves every tensor of the params onto cuda:0 (the host pointers stay; nothing dereferences them
+// as long as validation rejects the call).
+void label_all_cuda(FwdCommon& p) {
+  for (TensorView* view : {&p.q, &p.k, &p.v, &p.out, &p.softmax_lse, &p.alibi_slopes}) {
+    view->device = kCuda0;
+  }
+}
+
+class MhaFwdValidation : public ::testing::Test {
+ protected:
+  AttentionCase c{fixed_spec()};
+  MhaFwdParams p = c.fwd_params();
+};
+
+class MhaVarlenFwdValidation : public ::testing::Test {
+ protected:
+  AttentionCase c{varlen_spec()};
+  MhaVarlenFwdParams p = c.varlen_params();
+};
+
+// ---- presence, dtype, device ----
+
+TEST_F(MhaFwdValidation, TheValidCaseRuns) { EXPECT_NO_THROW(mha_fwd(p)); }
+
+TEST_F(MhaFwdValidation, UndefinedTensorsAreNamed) {
+  const std::pair<const char*, TensorView MhaFwdParams::*> required[] = {
+      {"mha_fwd: q is undefined", &MhaFwdParams::q},
+      {"mha_fwd: k is undefined", &MhaFwdParams::k},
+      {"mha_fwd: v is undefined", &MhaFwdParams::v},
+      {"mha_fwd: out is undefined", &MhaFwdParams::out},
+      {"mha_fwd: softmax_lse is undefined", &MhaFwdParams::softmax_lse}};
+  for (const auto& [message, member] : required) {
+    MhaFwdParams bad = p;
+    bad.*member = TensorView{};
+    EXPECT_ERROR_MENTIONS(mha_fwd(bad), message);
+  }
+}
+
+TEST_F(MhaFwdValidation, QDtypeMustBeFp16OrBf16) {
+  p.q.dtype = DType::kFloat32;
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "mha_fwd: q.dtype is float32", "float16, bfloat16");
+}
+
+TEST_F(MhaFwdValidation, KVAndOutDtypesMustMatchQ) {
+  MhaFwdParams bad = p;
+  bad.k.dtype = DType::kBFloat16;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "k.dtype is bfloat16 but q.dtype is float16");
+  bad = p;
+  bad.v.dtype = DType::kBFloat16;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "v.dtype is bfloat16 but q.dtype is float16");
+  bad = p;
+  bad.out.dtype = DType::kFloat32;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "out.dtype is float32 but q.dtype is float16");
+}
+
+TEST_F(MhaFwdValidation, LseMustBeFp32) {
+  p.softmax_lse.dtype = DType::kFloat16;
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "softmax_lse.dtype is float16", "float32");
+}
+
+TEST_F(MhaFwdValidation, AllTensorsMustBeOnOneDevice) {
+  MhaFwdParams bad = p;
+  bad.k.device = kCuda0;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "k is on cuda:0 but q is on cpu");
+  bad = p;
+  bad.out.device = Device{DeviceKind::kCuda, 1};
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "out is on cuda:1 but q is on cpu");
+  bad = p;
+  label_all_cuda(bad);
+  bad.softmax_lse.device = Device{DeviceKind::kCuda, 1};
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "softmax_lse is on cuda:1 but q is on cuda:0");
+  bad = p;
+  label_all_cuda(bad);
+  for (TensorView* view : {&bad.q, &bad.k, &bad.v, &bad.out, &bad.softmax_lse}) {
+    view->device.index = -1;
+  }
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "q.device is cuda:-1");
+}
+
+TEST_F(MhaFwdValidation, AlibiMustBeOnTheDeviceOfQ) {
+  c.alibi_slopes.assign(4, 0.1f);
+  p.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {4}, kCuda0);
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "alibi_slopes is on cuda:0 but q is on cpu");
+}
+
+// ---- ranks, sizes, shapes ----
+
+TEST_F(MhaFwdValidation, RanksMustBeFour) {
+  MhaFwdParams bad = p;
+  bad.q = make_view(c.q.data(), DType::kFloat16, {10, 4, 16}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "q has rank 3", "expected rank 4");
+  bad = p;
+  bad.k = make_view(c.k.data(), DType::kFloat16, {14, 2, 16}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "k has rank 3", "[batch, seqlen_k, heads_kv, head_dim]");
+}
+
+TEST_F(MhaFwdValidation, BatchMustBePositive) {
+  p.q = make_view(c.q.data(), DType::kFloat16, {0, 5, 4, 16}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "batch (q.size(0)) is 0");
+}
+
+TEST_F(MhaFwdValidation, HeadDimMustBeAMultipleOf8UpTo256) {
+  for (int64_t head_dim : {12, 264, 0}) {
+    MhaFwdParams bad = p;
+    bad.q = make_view(c.q.data(), DType::kFloat16, {2, 5, 4, head_dim}, Device{});
+    const std::string value = "head_dim (q.size(-1)) is " + std::to_string(head_dim);
+    EXPECT_ERROR_MENTIONS(mha_fwd(bad), value.c_str(), "a multiple of 8 from 8 to 256");
+  }
+}
+
+TEST_F(MhaFwdValidation, QueryHeadsMustBeAMultipleOfKvHeads) {
+  p.k = make_view(c.k.data(), DType::kFloat16, {2, 7, 3, 16}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "q has 4 heads and k has 3", "multiple of heads_kv");
+}
+
+TEST_F(MhaFwdValidation, ShapesMustMatchAndNameTheExpectedShape) {
+  MhaFwdParams bad = p;
+  bad.k = make_view(c.k.data(), DType::kFloat16, {1, 7, 2, 16}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "k has shape [1, 7, 2, 16]; expected [2, 7, 2, 16]");
+  bad = p;
+  bad.v = make_view(c.v.data(), DType::kFloat16, {2, 6, 2, 16}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "v has shape [2, 6, 2, 16]; expected [2, 7, 2, 16]");
+  bad = p;
+  bad.out = make_view(c.out.data(), DType::kFloat16, {2, 5, 2, 16}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "out has shape [2, 5, 2, 16]; expected [2, 5, 4, 16]");
+  bad = p;
+  bad.softmax_lse = make_view(c.lse.data(), DType::kFloat32, {2, 5, 4}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "softmax_lse has shape [2, 5, 4]; expected [2, 4, 5]");
+}
+
+// ---- strides and pointers ----
+
+TEST_F(MhaFwdValidation, LastDimMustBeContiguous) {
+  MhaFwdParams bad = p;
+  bad.q = make_strided_view(c.q.data(), DType::kFloat16, {2, 5, 4, 8}, {320, 64, 16, 2}, Device{});
+  bad.out =
+      make_strided_view(c.out.data(), DType::kFloat16, {2, 5, 4, 8}, {320, 64, 16, 2}, Device{});
+  bad.k = make_strided_view(c.k.data(), DType::kFloat16, {2, 7, 2, 8}, {224, 32, 16, 2}, Device{});
+  bad.v = make_strided_view(c.v.data(), DType::kFloat16, {2, 7, 2, 8}, {224, 32, 16, 2}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "q.stride(-1) is 2", "stride 1");
+}
+
+TEST_F(MhaFwdValidation, LseLastDimMustBeContiguous) {
+  c.lse.resize(c.lse.size() * 2);
+  p.softmax_lse =
+      make_strided_view(c.lse.data(), DType::kFloat32, {2, 4, 5}, {40, 10, 2}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "softmax_lse.stride(-1) is 2");
+}
+
+TEST_F(MhaFwdValidation, DataPointersMustBeSetAndElementAligned) {
+  MhaFwdParams bad = p;
+  bad.v.data = nullptr;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "v.data is null");
+  bad = p;
+  bad.softmax_lse.data = reinterpret_cast<char*>(c.lse.data()) + 2;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "softmax_lse.data", "not aligned to its 4-byte float32");
+}
+
+TEST_F(MhaFwdValidation, CudaPointersMustBe16ByteAligned) {
+  label_all_cuda(p);
+  MhaFwdParams bad = p;
+  bad.q.data = c.q.data() + 1;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "q.data", "is not 16-byte aligned");
+  bad = p;
+  bad.v.data = c.v.data() + 4;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "v.data", "is not 16-byte aligned");
+}
+
+TEST_F(MhaFwdValidation, CudaStridesMustBeMultiplesOf8Elements) {
+  label_all_cuda(p);
+  c.q.resize(2 * 5 * 4 * 20);
+  p.q = make_strided_view(c.q.data(), DType::kFloat16, {2, 5, 4, 16}, {400, 80, 20, 1}, kCuda0);
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "q.stride(2) is 20", "multiple of 8 elements");
+}
+
+// CPU views are read element by element: no alignment beyond the element's own is needed.
+TEST_F(MhaFwdValidation, CpuViewsMayHaveAnyStridesAndOffsets) {
+  mha_fwd(p);
+  const std::vector<uint16_t> expected = c.out;
+  // q and out shifted by one element, with a head stride of 17.
+  std::vector<uint16_t> q(1 + 2 * 5 * 4 * 17), out(q.size(), nan_bits(DType::kFloat16));
+  for (int64_t t = 0; t < 10; ++t) {
+    for (int h = 0; h < 4; ++h) {
+      for (int e = 0; e < 16; ++e) q[1 + (t * 4 + h) * 17 + e] = c.q[c.q_index(t, h, e)];
+    }
+  }
+  p.q = make_strided_view(q.data() + 1, DType::kFloat16, {2, 5, 4, 16}, {340, 68, 17, 1}, Device{});
+  p.out =
+      make_strided_view(out.data() + 1, DType::kFloat16, {2, 5, 4, 16}, {340, 68, 17, 1}, Device{});
+  ASSERT_NO_THROW(mha_fwd(p));
+  for (int64_t t = 0; t < 10; ++t) {
+    for (int h = 0; h < 4; ++h) {
+      for (int e = 0; e < 16; ++e) {
+        ASSERT_EQ(out[1 + (t * 4 + h) * 17 + e], expected[c.q_index(t, h, e)]);
+      }
+    }
+  }
+}
+
+// ---- ALiBi ----
+
+TEST_F(MhaFwdValidation, AlibiMustBeFp32) {
+  std::vector<uint16_t> slopes(4);
+  p.alibi_slopes = make_view(slopes.data(), DType::kFloat16, {4}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "alibi_slopes.dtype is float16", "float32");
+}
+
+TEST_F(MhaFwdValidation, AlibiShapeMustBeHeadsOrBatchByHeads) {
+  c.alibi_slopes.assign(16, 0.25f);
+  MhaFwdParams ok = p;
+  ok.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {4}, Device{});
+  EXPECT_NO_THROW(mha_fwd(ok));
+  ok.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {2, 4}, Device{});
+  EXPECT_NO_THROW(mha_fwd(ok));
+
+  MhaFwdParams bad = p;
+  bad.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {3}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "alibi_slopes has shape [3]",
+                        "expected [heads_q] = [4] or [batch, heads_q] = [2, 4]");
+  bad.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {4, 2}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "alibi_slopes has shape [4, 2]");
+}
+
+TEST_F(MhaFwdValidation, AlibiLastDimMustBeContiguous) {
+  c.alibi_slopes.assign(16, 0.25f);
+  p.alibi_slopes =
+      make_strided_view(c.alibi_slopes.data(), DType::kFloat32, {2, 4}, {8, 2}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "alibi_slopes.stride(-1) is 2");
+}
+
+// ---- scalars ----
+
+TEST_F(MhaFwdValidation, SoftcapMustBeFiniteAndNonNegative) {
+  for (float softcap : {-1.0f, std::nanf(""), INFINITY}) {
+    MhaFwdParams bad = p;
+    bad.softcap = softcap;
+    EXPECT_ERROR_MENTIONS(mha_fwd(bad), "mha_fwd: softcap is", "finite and >= 0");
+  }
+  MhaFwdParams bad = p;
+  bad.softcap = -1.0f;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "softcap is -1");
+}
+
+TEST_F(MhaFwdValidation, SoftmaxScaleMustBeFiniteAndNonNegative) {
+  MhaFwdParams bad = p;
+  bad.softmax_scale = -0.5f;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "softmax_scale is -0.5", "finite and >= 0");
+  bad.softmax_scale = std::nanf("");
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "softmax_scale is nan");
+}
+
+TEST_F(MhaFwdValidation, WindowSidesMustBeAtLeastMinusOne) {
+  MhaFwdParams bad = p;
+  bad.mask.window_left = -2;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "mask.window_left is -2", "-1 for unbounded");
+  bad = p;
+  bad.mask.window_right = -5;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "mask.window_right is -5");
+}
+
+TEST_F(MhaFwdValidation, DropoutProbabilityMustBeInZeroOne) {
+  for (float prob : {1.0f, -0.1f, std::nanf("")}) {
+    MhaFwdParams bad = p;
+    bad.dropout.p = prob;
+    EXPECT_ERROR_MENTIONS(mha_fwd(bad), "dropout.p is", "must be in [0, 1)");
+  }
+}
+
+TEST_F(MhaFwdValidation, DropoutIsNotSupportedYet) {
+  p.dropout.p = 0.1f;
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "dropout.p is 0.1",
+                        "not supported yet in this build (the dropout issue adds it)");
+}
+
+// ---- defaults ----
+
+TEST_F(MhaFwdValidation, SoftmaxScaleDefaultsToInverseSqrtHeadDim) {
+  EXPECT_FLOAT_EQ(api::validate_mha_fwd(p).softmax_scale, 0.25f);
+  p.softmax_scale = 0.7f;
+  EXPECT_FLOAT_EQ(api::validate_mha_fwd(p).softmax_scale, 0.7f);
+}
+
+TEST_F(MhaFwdValidation, CausalIsWindowRightZero) {
+  p.mask = MaskSpec{true, -1, 3};
+  FwdProblem problem = api::validate_mha_fwd(p);
+  EXPECT_EQ(problem.window_left, -1);
+  EXPECT_EQ(problem.window_right, 0);
+  EXPECT_TRUE(problem.causal);
+
+  p.mask = MaskSpec{true, 2, -1};
+  problem = api::validate_mha_fwd(p);
+  EXPECT_EQ(problem.window_left, 2);
+  EXPECT_EQ(problem.window_right, 0);
+  EXPECT_FALSE(problem.causal) << "a left window makes the mask local, not causal";
+}
+
+TEST_F(MhaFwdValidation, WindowSidesReachingSeqlenKBecomeUnbounded) {
+  p.mask = MaskSpec{false, 7, 6};  // seqlen_k is 7
+  FwdProblem problem = api::validate_mha_fwd(p);
+  EXPECT_EQ(problem.window_left, -1);
+  EXPECT_EQ(problem.window_right, 6);
+  p.mask = MaskSpec{false, 6, 100};
+  problem = api::validate_mha_fwd(p);
+  EXPECT_EQ(problem.window_left, 6);
+  EXPECT_EQ(problem.window_right, -1);
+}
+
+TEST(MhaFwdDefaults, OneQueryRowWithoutAlibiDropsCausal) {
+  CaseSpec s = fixed_spec();
+  s.seqlen_q = 1;
+  s.causal = true;
+  AttentionCase c(s);
+  MhaFwdParams p = c.fwd_params();
+  FwdProblem problem = api::validate_mha_fwd(p);
+  EXPECT_FALSE(problem.causal);
+  EXPECT_EQ(problem.window_right, -1);
+
+  c.alibi_slopes.assign(4, 0.3f);
+  p.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {4}, Device{});
+  problem = api::validate_mha_fwd(p);
+  EXPECT_TRUE(problem.causal);
+  EXPECT_EQ(problem.window_right, 0);
+}
+
+TEST_F(MhaFwdValidation, StridesAndPointersReachTheProblem) {
+  c.alibi_slopes.assign(8, 0.1f);
+  p.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {2, 4}, Device{});
+  const FwdProblem problem = api::validate_mha_fwd(p);
+  EXPECT_EQ(problem.dtype, DType::kFloat16);
+  EXPECT_EQ(problem.batch, 2);
+  EXPECT_EQ(problem.seqlen_q, 5);
+  EXPECT_EQ(problem.seqlen_k, 7);
+  EXPECT_EQ(problem.heads_q, 4);
+  EXPECT_EQ(problem.heads_kv, 2);
+  EXPECT_EQ(problem.head_dim, 16);
+  EXPECT_EQ(problem.q, c.q.data());
+  EXPECT_EQ(problem.out, c.out.data());
+  EXPECT_EQ(problem.q_batch_stride, 5 * 4 * 16);
+  EXPECT_EQ(problem.q_row_stride, 4 * 16);
+  EXPECT_EQ(problem.q_head_stride, 16);
+  EXPECT_EQ(problem.k_batch_stride, 7 * 2 * 16);
+  EXPECT_EQ(problem.v_row_stride, 2 * 16);
+  EXPECT_EQ(problem.out_head_stride, 16);
+  EXPECT_EQ(problem.lse_batch_stride, 4 * 5);
+  EXPECT_EQ(problem.lse_head_stride, 5);
+  EXPECT_EQ(problem.alibi_batch_stride, 4);
+  EXPECT_FALSE(problem.is_varlen());
+}
+
+// ---- after an error ----
+
+TEST_F(MhaFwdValidation, TheNextValidCallWorksAfterAnError) {
+  MhaFwdParams bad = p;
+  bad.k.dtype = DType::kBFloat16;
+  EXPECT_THROW(mha_fwd(bad), Error);
+  for (uint16_t bits : c.out)
+    ASSERT_EQ(bits, nan_bits(DType::kFloat16)) << "written before failing";
+  ASSERT_NO_THROW(mha_fwd(p));
+  for (uint16_t bits : c.out) ASSERT_FALSE(std::isnan(bits_to_float(DType::kFloat16, bits)));
+}
+
+// ---- CUDA dispatch without touching a GPU ----
+
+#ifndef FLASHKIT_WITH_CUDA
+TEST_F(MhaFwdValidation, CudaViewsNeedACudaBuild) {
+  label_all_cuda(p);  // valid views: this build rejects them at dispatch, before any device call
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "mha_fwd:", "has no CUDA kernels (configured without nvcc)");
+  EXPECT_FALSE(cuda_head_dim_built(64));
+  EXPECT_FALSE(cuda_fwd_built(DType::kBFloat16, 128));
+}
+#else
+// A (dtype, head dim) this build left out is refused before any device call; needs a build that
+// leaves one out (e.g. the dev preset).
+TEST_F(MhaFwdValidation, AKernelLeftOutOfTheBuildIsRefused) {
+  for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
+    for (int head_dim = 8; head_dim <= 256; head_dim += 8) {
+      if (cuda_fwd_built(dtype, head_dim)) continue;
+      CaseSpec s = fixed_spec();
+      s.dtype = dtype;
+      s.head_dim = head_dim;
+      AttentionCase missing(s);
+      MhaFwdParams params = missing.fwd_params();
+      label_all_cuda(params);
+      EXPECT_ERROR_MENTIONS(mha_fwd(params), "does not include the CUDA forward kernel",
+                            "rebuild with", "(built: head dims " FLASHKIT_BUILT_HEAD_DIMS);
+      return;
+    }
+  }
+  GTEST_SKIP() << "this build includes every (dtype, head dim)";
+}
+#endif
+
+TEST(CudaBuiltQueries, InvalidHeadDimsAreNeverBuilt) {
+  for (int head_dim : {0, -8, 12, 264}) {
+    EXPECT_FALSE(cuda_head_dim_built(head_dim)) << head_dim;
+    EXPECT_FALSE(cuda_fwd_built(DType::kBFloat16, head_dim)) << head_dim;
+  }
+}
+
+// ---- varlen ----
+
+TEST_F(MhaVarlenFwdValidation, TheValidCaseRuns) { EXPECT_NO_THROW(mha_varlen_fwd(p)); }
+
+TEST_F(MhaVarlenFwdValidation, CuSeqlensAreRequired) {
+  MhaVarlenFwdParams bad = p;
+  bad.cu_seqlens_q = TensorView{};
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "mha_varlen_fwd: cu_seqlens_q is undefined");
+  bad = p;
+  bad.cu_seqlens_k = TensorView{};
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "mha_varlen_fwd: cu_seqlens_k is undefined");
+}
+
+TEST_F(MhaVarlenFwdValidation, CuSeqlensMustBeInt32) {
+  MhaVarlenFwdParams bad = p;
+  bad.cu_seqlens_q.dtype = DType::kFloat32;
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "cu_seqlens_q.dtype is float32", "int32");
+  bad = p;
+  bad.cu_seqlens_k.dtype = DType::kFloat16;
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "cu_seqlens_k.dtype is float16", "int32");
+}
+
+TEST_F(MhaVarlenFwdValidation, CuSeqlensMustBeOnTheDeviceOfQ) {
+  p.cu_seqlens_k.device = kCuda0;
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "cu_seqlens_k is on cuda:0 but q is on cpu");
+}
+
+TEST_F(MhaVarlenFwdValidation, CuSeqlensMustBeOneDimensionalAndContiguous) {
+  MhaVarlenFwdParams bad = p;
+  bad.cu_seqlens_q = make_view(c.cu_seqlens_q.data(), DType::kInt32, {2, 2}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "cu_seqlens_q has rank 2", "[batch + 1]");
+  bad = p;
+  std::vector<int32_t> spread(8);
+  bad.cu_seqlens_k = make_strided_view(spread.data(), DType::kInt32, {4}, {2}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "cu_seqlens_k", "has stride 2", "must be contiguous");
+}
+
+TEST_F(MhaVarlenFwdValidation, CuSeqlensShapesMustBeBatchPlusOne) {
+  MhaVarlenFwdParams bad = p;
+  bad.cu_seqlens_k = make_view(c.cu_seqlens_k.data(), DType::kInt32, {3}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "cu_seqlens_k has shape [3] but cu_seqlens_q has [4]");
+  bad = p;
+  bad.cu_seqlens_q = make_view(c.cu_seqlens_q.data(), DType::kInt32, {1}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "cu_seqlens_q has shape [1]", "batch >= 1");
+}
+
+TEST_F(MhaVarlenFwdValidation, SequsedKMustBeContiguousInt32OfShapeBatch) {
+  std::vector<int32_t> used = {1, 1, 1, 1, 1, 1};
+  MhaVarlenFwdParams bad = p;
+  bad.seqused_k = make_view(used.data(), DType::kFloat32, {3}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "seqused_k.dtype is float32", "int32");
+  bad.seqused_k = make_view(used.data(), DType::kInt32, {2}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "seqused_k has shape [2]; expected [3]");
+  bad.seqused_k = make_strided_view(used.data(), DType::kInt32, {3}, {2}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "seqused_k", "must be contiguous");
+  bad.seqused_k = make_view(used.data(), DType::kInt32, {3}, kCuda0);
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "seqused_k is on cuda:0 but q is on cpu");
+  MhaVarlenFwdParams ok = p;
+  ok.seqused_k = make_view(used.data(), DType::kInt32, {3}, Device{});
+  EXPECT_NO_THROW(mha_varlen_fwd(ok));
+}
+
+TEST_F(MhaVarlenFwdValidation, MaxSeqlensMustBeNonNegative) {
+  MhaVarlenFwdParams bad = p;
+  bad.max_seqlen_q = -1;
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "max_seqlen_q is -1");
+  bad = p;
+  bad.max_seqlen_k = -3;
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "max_seqlen_k is -3");
+}
+
+TEST_F(MhaVarlenFwdValidation, PackedTensorsHaveRankThree) {
+  p.q = make_view(c.q.data(), DType::kFloat16, {1, 8, 4, 16}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "q has rank 4", "[total_q, heads_q, head_dim]");
+}
+
+TEST_F(MhaVarlenFwdValidation, OutMustMatchTheTokensAndHeadsOfQ) {
+  MhaVarlenFwdParams bad = p;
+  bad.out = make_view(c.out.data(), DType::kFloat16, {7, 4, 16}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "out has shape [7, 4, 16]; expected [8, 4, 16]");
+  bad.out = make_view(c.out.data(), DType::kFloat16, {8, 2, 16}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "out has shape [8, 2, 16]; expected [8, 4, 16]");
+}
+
+TEST_F(MhaVarlenFwdValidation, LseIsBatchByHeadsByMaxSeqlenQ) {
+  c.lse.resize(3 * 4 * 6);
+  p.softmax_lse = make_view(c.lse.data(), DType::kFloat32, {3, 4, 6}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "softmax_lse has shape [3, 4, 6]; expected [3, 4, 5]",
+                        "[batch, heads_q, max_seqlen_q]");
+}
+
+TEST_F(MhaVarlenFwdValidation, AlibiBatchComesFromCuSeqlens) {
+  c.alibi_slopes.assign(12, 0.2f);
+  MhaVarlenFwdParams ok = p;
+  ok.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {3, 4}, Device{});
+  EXPECT_NO_THROW(mha_varlen_fwd(ok));
+  p.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {2, 4}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "alibi_slopes has shape [2, 4]", "[3, 4]");
+}
+
+// On the CPU the prefix sums are host memory the reference indexes with: they are checked.
+TEST_F(MhaVarlenFwdValidation, CpuPrefixSumsAreCheckedAgainstTheTensors) {
+  c.cu_seqlens_q = {0, 3, 2, 8};
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "cu_seqlens_q[2] = 2 is less than cu_seqlens_q[1] = 3",
+                        "nondecreasing");
+  c.cu_seqlens_q = {0, 3, 3, 9};
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "cu_seqlens_q[3] is 9", "q.size(0) (total_q) is 8");
+  c.cu_seqlens_q = {0, 1, 1, 8};  // sequence 2 has 7 queries; max_seqlen_q is 5
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "sequence 2 has 7 query tokens", "max_seqlen_q is 5");
+  c.cu_seqlens_q = {0, 3, 3, 8};
+  c.cu_seqlens_k = {-1, 4, 6, 12};
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "cu_seqlens_k[0] is -1");
+  c.cu_seqlens_k = {0, 4, 6, 12};
+  std::vector<int32_t> used = {4, 3, 0};
+  p.seqused_k = make_view(used.data(), DType::kInt32, {3}, Device{});
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "seqused_k[1] is 3", "[0, 2]");
+  p.max_seqlen_k = 5;  // sequence 0 uses 4 keys, sequence 2 stores 6 but uses 0
+  used = {4, 2, 0};
+  EXPECT_NO_THROW(mha_varlen_fwd(p));
+  used = {4, 2, 6};
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "sequence 2 uses 6 keys but max_seqlen_k is 5");
+}
+
+TEST_F(MhaVarlenFwdValidation, TheProblemHasNoBatchStridesAndTheMaxSeqlens) {
+  const FwdProblem problem = api::validate_mha_varlen_fwd(p);
+  EXPECT_TRUE(problem.is_varlen());
+  EXPECT_EQ(problem.batch, 3);
+  EXPECT_EQ(problem.seqlen_q, 5);
+  EXPECT_EQ(problem.seqlen_k, 6);
+  EXPECT_EQ(problem.q_batch_stride, 0);
+  EXPECT_EQ(problem.k_batch_stride, 0);
+  EXPECT_EQ(problem.v_batch_stride, 0);
+  EXPECT_EQ(problem.out_batch_stride, 0);
+  EXPECT_EQ(problem.q_row_stride, 4 * 16);
+  EXPECT_EQ(problem.k_row_stride, 2 * 16);
+  EXPECT_EQ(problem.lse_batch_stride, 4 * 5);
+  EXPECT_EQ(problem.cu_seqlens_q, c.cu_seqlens_q.data());
+  EXPECT_EQ(problem.seqused_k, nullptr);
+}
+
+TEST_F(MhaVarlenFwdValidation, WindowDefaultsResolveAgainstMaxSeqlenK) {
+  p.mask = MaskSpec{false, 6, 5};  // max_seqlen_k is 6
+  const FwdProblem problem = api::validate_mha_varlen_fwd(p);
+  EXPECT_EQ(problem.window_left, -1);
+  EXPECT_EQ(problem.window_right, 5);
+}
+
+TEST_F(MhaVarlenFwdValidation, CudaPointersMustBe16ByteAligned) {
+  label_all_cuda(p);
+  p.cu_seqlens_q.device = p.cu_seqlens_k.device = kCuda0;
+  p.out.data = c.out.data() + 2;
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "mha_varlen_fwd: out.data", "16-byte aligned");
+}
+
+TEST_F(MhaVarlenFwdValidation, TheNextValidCallWorksAfterAnError) {
+  MhaVarlenFwdParams bad = p;
+  bad.max_seqlen_q = -1;
+  EXPECT_THROW(mha_varlen_fwd(bad), Error);
+  ASSERT_NO_THROW(mha_varlen_fwd(p));
+  for (int64_t n = 0; n < c.cu_seqlens_q.back() * 4 * 16; ++n) {
+    ASSERT_FALSE(std::isnan(bits_to_float(DType::kFloat16, c.out[n])));
+  }
+}
+
+}  // namespace
+}  // namespace flashkit::test
