@@ -28,7 +28,7 @@ __device__ __forceinline__ float quad_sum(float v) {
 template <int kMTiles, int kNTiles, int kDTiles>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMTiles;  // rows per lane: (tile, g) and (tile, g + 8)
-  float row_max[kRows];                      // in score units; -inf until a key is seen
+  float row_max[kRows];                      // reference max, in score units; -inf until a key
   float row_sum[kRows];                      // this lane's share of sum(exp2(...))
 
   __device__ __forceinline__ void init() {
@@ -39,10 +39,20 @@ struct OnlineSoftmax {
     }
   }
 
-  // Folds one block of scores into the running state: scores become probabilities in place and the
-  // output accumulator is rescaled to the new row maxima. Masked scores are -inf.
+  // Folds one block of scores into the running state: scores become probabilities in place. Masked
+  // scores are -inf.
+  //
+  // Lazy rescaling: a row's reference max moves only when the block's max exceeds it by more than
+  // kRescaleThreshold (log2 units). Otherwise the probabilities are exp2 of at most that much
+  // (<= 256), harmless in fp32 sums and in the 16-bit P (bf16 and fp16 keep their relative
+  // precision there), and the final normalization uses the same reference max, so the result is
+  // unchanged. Past the first blocks the maxima rarely jump that far, so the warp skips the
+  // rescale of its whole output accumulator (D / 8 * 4 FMULs per row pair) on almost every block.
   __device__ __forceinline__ void update(float (&scores)[kMTiles][kNTiles][4],
                                          float (&out)[kMTiles][kDTiles][4], float log2_scale) {
+    constexpr float kRescaleThreshold = 8.0f;
+    float rescale[kRows];
+    bool any_rescale = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -53,12 +63,32 @@ struct OnlineSoftmax {
         for (int nt = 0; nt < kNTiles; ++nt) {
           block_max = fmaxf(block_max, fmaxf(scores[mt][nt][2 * half], scores[mt][nt][2 * half + 1]));
         }
-        const float new_max = fmaxf(row_max[r], quad_max(block_max));
-        // A row that has seen only masked keys keeps max -inf; subtracting 0 instead keeps every
-        // exp2 at exp2(-inf) = 0 rather than NaN.
-        const float max_scaled = new_max == -INFINITY ? 0.0f : new_max * log2_scale;
-        const float rescale = exp2f(row_max[r] * log2_scale - max_scaled);
-        row_max[r] = new_max;
+        block_max = quad_max(block_max);
+        // -inf - -inf is NaN, which compares false: a row that has seen only masked keys stays at
+        // -inf with nothing to rescale.
+        const bool grow = (block_max - row_max[r]) * log2_scale > kRescaleThreshold;
+        rescale[r] = grow ? exp2f((row_max[r] - block_max) * log2_scale) : 1.0f;
+        if (grow) row_max[r] = block_max;
+        any_rescale |= grow;
+      }
+    }
+    if (__any_sync(0xffffffffu, any_rescale)) {
+#pragma unroll
+      for (int r = 0; r < kRows; ++r) row_sum[r] *= rescale[r];
+#pragma unroll
+      for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) out[mt][dt][i] *= rescale[2 * mt + i / 2];
+    }
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mt + half;
+        // Subtracting 0 for a row still at -inf keeps every exp2 at exp2(-inf) = 0, not NaN.
+        const float max_scaled = row_max[r] == -INFINITY ? 0.0f : row_max[r] * log2_scale;
         float sum = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
@@ -69,12 +99,7 @@ struct OnlineSoftmax {
             sum += p;
           }
         }
-        row_sum[r] = row_sum[r] * rescale + sum;
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          out[mt][dt][2 * half] *= rescale;
-          out[mt][dt][2 * half + 1] *= rescale;
-        }
+        row_sum[r] += sum;
       }
     }
   }

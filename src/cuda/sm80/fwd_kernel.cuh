@@ -3,16 +3,17 @@
 //
 // One CTA computes kBlockM query rows of one (batch, head). It walks the visible key blocks from
 // the last to the first (the last blocks are the ones cut by the causal diagonal or the sequence
-// end, so the masked path runs first and the rest take the unmasked path):
+// end, so the masked path runs first and the rest take the unmasked path). K and V tiles are
+// double-buffered, so each key block costs one barrier and its loads have a whole block of compute
+// to land:
 //
-//   prologue   cp.async Q and K[last] into shared memory
-//   per block  wait K[n]; barrier            (K[n] landed; every warp is done with V[n+1])
-//              cp.async V[n]                 (overlaps the Q.K^T below)
+//   prologue   cp.async Q, K[last], V[last] into stage 0
+//   per block  wait for stage n; barrier     (K[n], V[n] landed; every warp is done with the
+//                                             other stage, read during the previous block)
+//              cp.async K[n-1], V[n-1] into the other stage
 //              S = Q K[n]^T                  (mma.sync, fp32 accumulators in registers)
 //              softcap / ALiBi / mask         (masking only on blocks the mask cuts)
-//              online softmax: S -> P, rescale O
-//              wait V[n]; barrier            (V[n] landed; every warp is done with K[n])
-//              cp.async K[n-1]               (overlaps the P.V below)
+//              online softmax: S -> P         (lazy rescaling of O, see online_softmax.cuh)
 //              O += P V[n]                   (P straight from registers as the A operand)
 //   epilogue   O / rowsum -> 16-bit, staged through the Q tile for 16-byte stores; LSE per row
 //
@@ -55,13 +56,16 @@ struct FwdKernelTraits {
   static constexpr int kMinBlocksPerSm = kWarps == 4 ? 2 : 1;
 
   using QTile = SwizzledTile<kBlockM, kHeadDim>;   // also stages O in the epilogue
-  using KvTile = SwizzledTile<kBlockN, kHeadDim>;  // one K and one V buffer
+  using KvTile = SwizzledTile<kBlockN, kHeadDim>;  // one K or V buffer
 
-  // Shared-memory plan: [ Q | K | V ], byte offsets from the dynamic shared-memory base.
+  // Shared-memory plan: [ Q | K stage 0 | V stage 0 | K stage 1 | V stage 1 ], byte offsets from the
+  // dynamic shared-memory base; stage s of K (V) is at kKOffset (kVOffset) + s * kStageBytes.
+  static constexpr int kStages = 2;
+  static constexpr int kStageBytes = 2 * KvTile::kBytes;
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQOffset + QTile::kBytes;
   static constexpr int kVOffset = kKOffset + KvTile::kBytes;
-  static constexpr int kSmemBytes = kVOffset + KvTile::kBytes;
+  static constexpr int kSmemBytes = kKOffset + kStages * kStageBytes;
 
   static_assert(kWarpRows % 16 == 0, "a warp owns whole 16-row mma tiles");
   static_assert(kHeadDim % 16 == 0 && kBlockN % 16 == 0, "mma k-steps are 16 wide");
@@ -274,19 +278,26 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   if (n_end > n_begin) {
     load_tile_async<Traits, QTile>(sQ, loc.q + static_cast<int64_t>(m0) * p.q_row_stride,
                                    p.q_row_stride, rows_in_block, head_chunks);
-    {
-      const int n0 = (n_end - 1) * kBlockN;
-      load_tile_async<Traits, KvTile>(sK, loc.k + static_cast<int64_t>(n0) * p.k_row_stride,
+    // K and V of key block n into pipeline stage `stage`.
+    auto load_kv = [&](int n_block, int stage) {
+      const int n0 = n_block * kBlockN;
+      const uint32_t stage_offset = static_cast<uint32_t>(stage * Traits::kStageBytes);
+      load_tile_async<Traits, KvTile>(sK + stage_offset, loc.k + static_cast<int64_t>(n0) * p.k_row_stride,
                                       p.k_row_stride, loc.len_k - n0, head_chunks);
-    }
-    cp_async_commit();
+      load_tile_async<Traits, KvTile>(sV + stage_offset, loc.v + static_cast<int64_t>(n0) * p.v_row_stride,
+                                      p.v_row_stride, loc.len_k - n0, head_chunks);
+      cp_async_commit();
+    };
+    load_kv(n_end - 1, 0);
 
     uint32_t q_frag[Traits::kQInRegisters ? kMTiles : 1][Traits::kQInRegisters ? Traits::kQkSteps : 1][4];
 
-    for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
+    for (int n_block = n_end - 1, stage = 0; n_block >= n_begin; --n_block, stage ^= 1) {
       const int n0 = n_block * kBlockN;
       cp_async_wait<0>();
       __syncthreads();
+      if (n_block > n_begin) load_kv(n_block - 1, stage ^ 1);
+      const uint32_t stage_offset = static_cast<uint32_t>(stage * Traits::kStageBytes);
 
       if constexpr (Traits::kQInRegisters) {
         if (n_block == n_end - 1) {
@@ -297,10 +308,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
               ldmatrix_x4(q_frag[mt][kk], q_addr.at(mt * 16, kk));
         }
       }
-
-      load_tile_async<Traits, KvTile>(sV, loc.v + static_cast<int64_t>(n0) * p.v_row_stride,
-                                      p.v_row_stride, loc.len_k - n0, head_chunks);
-      cp_async_commit();
 
       // S = Q K^T for this warp's rows: each K fragment (ldmatrix.x4: two 8-key tiles x 16 dims)
       // feeds every m-tile of the warp.
@@ -327,7 +334,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
         for (int np = 0; np < kNTiles / 2; ++np) {
           uint32_t b[4];
-          ldmatrix_x4(b, k_addr.at(np * 16, kk));
+          ldmatrix_x4(b, k_addr.at(np * 16, kk) + stage_offset);
 #pragma unroll
           for (int mt = 0; mt < kMTiles; ++mt) {
             mma_16x8x16<Element>(acc_s[mt][2 * np], a[mt], b[0], b[1]);
@@ -343,15 +350,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
       softmax.update(acc_s, acc_o, log2_scale);
 
-      cp_async_wait<0>();
-      __syncthreads();
-      if (n_block > n_begin) {
-        const int n_prev = n0 - kBlockN;
-        load_tile_async<Traits, KvTile>(sK, loc.k + static_cast<int64_t>(n_prev) * p.k_row_stride,
-                                        p.k_row_stride, loc.len_k - n_prev, head_chunks);
-        cp_async_commit();
-      }
-
       // O += P V: the probabilities of two adjacent 8-key tiles form one A fragment.
 #pragma unroll
       for (int kk = 0; kk < Traits::kPvSteps; ++kk) {
@@ -366,7 +364,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
         for (int dp = 0; dp < kDTiles / 2; ++dp) {
           uint32_t b[4];
-          ldmatrix_x4_trans(b, v_addr.at(kk * 16, dp));
+          ldmatrix_x4_trans(b, v_addr.at(kk * 16, dp) + stage_offset);
 #pragma unroll
           for (int mt = 0; mt < kMTiles; ++mt) {
             mma_16x8x16<Element>(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
