@@ -1,0 +1,989 @@
+// tests/cpp/test_gpu_fwd.cpp
+// \brief flashkit::mha_fwd / mha_varlen_fwd on CUDA views against the CPU oracle.
+//
+// Every run poisons out and softmax_lse with 0xFF bytes (NaN), computes the oracle on the same
+// rounded inputs in fp64 (kExact) and in the input dtype (kInputDtype), and applies the rule of
+// DESIGN.md: max |out - exact| <= 2 x max |low - exact| + slack (3x with softcap), lse within a
+// small absolute + relative tolerance, NaN / inf where the oracle has them and nowhere else, rows
+// that see no key exactly zero with lse -inf, and nothing written outside the output rows (see
+// gpu_test_util.h for the tolerances and why).
+//
+// The suites:
+//   DtypeHeadDimMask/*    dtype x head dim (40 ... 256) x mask (8 kinds) on a medium GQA shape
+//   ShapesGqaVarlen/*     mask x {fixed, varlen} x GQA (6/6, 6/2, 6/1, 8/2) x 3 random draws of
+//                         (lengths, head dim, dtype): odd lengths 1 ... 1025, s_q <> s_k
+//   LongSequences/*       2048 and 4224 tokens, few heads
+//   VarlenEdges/*         zero-length q / k sequences, max_seqlen_q == 1, seqused_k, tail tokens
+//   EmptyRows/*           windows and causal masks that leave rows without keys
+//   NoKeys/*              seqlen_k == 0: out 0, lse -inf
+//   GpuFwdTest.*          layout invariance, offsets past 2^31 elements, grid limits, a created
+//                         stream, bad input, a head dim left out of the build, determinism
+//
+// Without a GPU every test skips itself (fixture SetUp). FLASHKIT_TEST_VERBOSE=1 prints the errors
+// measured for passing cases too.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "flashkit/flashkit.h"
+#include "gpu_test_util.h"
+
+namespace flashkit_test {
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// Building cases
+// ------------------------------------------------------------------------------------------------
+
+enum class MaskKind {
+  kNone,
+  kCausal,
+  kLocal,       // a window drawn at random
+  kAlibi,       // slopes [heads_q]
+  kAlibiBatch,  // slopes [batch, heads_q]
+  kSoftcap,
+  kCausalAlibi,
+  kCausalSoftcap,
+};
+
+const std::vector<MaskKind> kAllMasks = {
+    MaskKind::kNone,       MaskKind::kCausal,  MaskKind::kLocal,       MaskKind::kAlibi,
+    MaskKind::kAlibiBatch, MaskKind::kSoftcap, MaskKind::kCausalAlibi, MaskKind::kCausalSoftcap};
+
+const char* mask_name(MaskKind m) {
+  switch (m) {
+    case MaskKind::kNone: return "none";
+    case MaskKind::kCausal: return "causal";
+    case MaskKind::kLocal: return "local";
+    case MaskKind::kAlibi: return "alibi";
+    case MaskKind::kAlibiBatch: return "alibiBatch";
+    case MaskKind::kSoftcap: return "softcap";
+    case MaskKind::kCausalAlibi: return "causalAlibi";
+    case MaskKind::kCausalSoftcap: return "causalSoftcap";
+  }
+  return "?";
+}
+
+// Softcap only matters when scores reach the cap: the queries are scaled so that the scores have a
+// standard deviation of about cap / 3 (tanh bends visibly past cap / 2, and some scores pass the
+// cap itself).
+void set_softcap(FwdCase& c, Rng& rng) {
+  c.softcap = rng.chance(0.5) ? 30.0f : 50.0f;
+  c.q_scale = c.softcap / 3.0f;
+}
+
+// A window drawn for the case's lengths: each side bounded with probability 3/4 (at least one
+// side), left up to seqlen_k, right up to seqlen_k / 2. With seqlen_q > seqlen_k some rows see no
+// key, and sides past seqlen_k exercise the "unbounded" resolution.
+void draw_window(FwdCase& c, Rng& rng) {
+  const int sk = std::max(1, c.max_len_k());
+  c.window_left = rng.chance(0.25) ? -1 : rng.uniform_int(0, sk);
+  const bool right_unbounded = c.window_left >= 0 && rng.chance(0.25);
+  c.window_right = right_unbounded ? -1 : rng.uniform_int(0, std::max(1, sk / 2));
+}
+
+void apply_mask(FwdCase& c, MaskKind m, Rng& rng) {
+  switch (m) {
+    case MaskKind::kNone: break;
+    case MaskKind::kCausal: c.causal = true; break;
+    case MaskKind::kLocal: draw_window(c, rng); break;
+    case MaskKind::kAlibi: c.alibi = AlibiKind::kPerHead; break;
+    case MaskKind::kAlibiBatch: c.alibi = AlibiKind::kPerBatchHead; break;
+    case MaskKind::kSoftcap: set_softcap(c, rng); break;
+    case MaskKind::kCausalAlibi:
+      c.causal = true;
+      c.alibi = rng.chance(0.5) ? AlibiKind::kPerHead : AlibiKind::kPerBatchHead;
+      break;
+    case MaskKind::kCausalSoftcap:
+      c.causal = true;
+      set_softcap(c, rng);
+      break;
+  }
+}
+
+// Varlen lengths whose longest sequences are max_q / max_k (one sequence each), the others random
+// in [0, max]. Half the draws get a zero-length query sequence, half a zero-length key sequence
+// (placed on a sequence with queries, whose rows then see nothing), a third seqused_k below the
+// key lengths, half unused tail tokens after the last sequence.
+void fill_varlen(FwdCase& c, int batch, int max_q, int max_k, Rng& rng) {
+  c.varlen = true;
+  c.batch = batch;
+  c.lens_q.resize(batch);
+  c.lens_k.resize(batch);
+  for (int b = 0; b < batch; ++b) {
+    c.lens_q[b] = rng.uniform_int(0, max_q);
+    c.lens_k[b] = rng.uniform_int(0, max_k);
+  }
+  const int longest_q = rng.uniform_int(0, batch - 1);
+  const int longest_k = rng.uniform_int(0, batch - 1);
+  c.lens_q[longest_q] = max_q;
+  c.lens_k[longest_k] = max_k;
+  if (batch >= 3 && rng.chance(0.5)) c.lens_q[(longest_q + 1) % batch] = 0;
+  if (batch >= 3 && rng.chance(0.5)) {
+    for (int b = 0; b < batch; ++b) {
+      if (b != longest_k && c.lens_q[b] > 0) {
+        c.lens_k[b] = 0;
+        break;
+      }
+    }
+  }
+  if (rng.chance(1.0 / 3.0)) {
+    c.used_k.resize(batch);
+    for (int b = 0; b < batch; ++b) c.used_k[b] = rng.uniform_int(0, c.lens_k[b]);
+  }
+  c.tail_q = rng.chance(0.5) ? rng.uniform_int(1, 9) : 0;
+  c.tail_k = rng.chance(0.5) ? rng.uniform_int(1, 9) : 0;
+}
+
+FwdCase fixed_case(DType dtype, int head_dim, int heads_q, int heads_kv, int batch, int seqlen_q,
+                   int seqlen_k) {
+  FwdCase c;
+  c.dtype = dtype;
+  c.head_dim = head_dim;
+  c.heads_q = heads_q;
+  c.heads_kv = heads_kv;
+  c.batch = batch;
+  c.seqlen_q = seqlen_q;
+  c.seqlen_k = seqlen_k;
+  return c;
+}
+
+FwdCase varlen_case(DType dtype, int head_dim, int heads_q, int heads_kv, std::vector<int> lens_q,
+                    std::vector<int> lens_k) {
+  FwdCase c;
+  c.dtype = dtype;
+  c.head_dim = head_dim;
+  c.heads_q = heads_q;
+  c.heads_kv = heads_kv;
+  c.varlen = true;
+  c.batch = static_cast<int>(lens_q.size());
+  c.lens_q = std::move(lens_q);
+  c.lens_k = std::move(lens_k);
+  return c;
+}
+
+// "bf16_d128_causal_h6kv2_fixed_q113_k239" (varlen: the longest lengths).
+std::string default_name(const FwdCase& c, const std::string& mask) {
+  return std::string(short_dtype_name(c.dtype)) + "_d" + std::to_string(c.head_dim) + "_" + mask +
+         "_h" + std::to_string(c.heads_q) + "kv" + std::to_string(c.heads_kv) +
+         (c.varlen ? "_varlen_q" : "_fixed_q") + std::to_string(c.max_len_q()) + "_k" +
+         std::to_string(c.max_len_k());
+}
+
+// Makes names unique (suffix _2, _3, ...) and gives every case its own seed.
+std::vector<FwdCase> finish(std::vector<FwdCase> cases, uint64_t seed) {
+  std::map<std::string, int> seen;
+  for (size_t i = 0; i < cases.size(); ++i) {
+    FwdCase& c = cases[i];
+    const int n = ++seen[c.name];
+    if (n > 1) c.name += "_" + std::to_string(n);
+    c.seed = splitmix64(seed + i);
+  }
+  return cases;
+}
+
+const std::vector<int> kHeadDims = {40, 64, 72, 96, 128, 160, 192, 256};
+
+// dtype x head dim x mask on a medium GQA shape (6 query heads on 2 kv heads, batch 2), lengths
+// rotating through s_q < s_k, s_q > s_k and s_q == s_k. 2 x 8 x 8 = 128 cases.
+std::vector<FwdCase> dtype_head_dim_mask_cases() {
+  const std::pair<int, int> lengths[] = {{113, 239}, {239, 113}, {203, 203}};
+  std::vector<FwdCase> cases;
+  Rng rng(0xD7E4D);
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (size_t di = 0; di < kHeadDims.size(); ++di) {
+      for (size_t mi = 0; mi < kAllMasks.size(); ++mi) {
+        const auto [sq, sk] = lengths[(di + mi) % 3];
+        FwdCase c = fixed_case(dtype, kHeadDims[di], 6, 2, 2, sq, sk);
+        apply_mask(c, kAllMasks[mi], rng);
+        c.name = default_name(c, mask_name(kAllMasks[mi]));
+        cases.push_back(c);
+      }
+    }
+  }
+  return finish(cases, 0x1000);
+}
+
+// mask x {fixed, varlen} x heads {6/6, 6/2, 6/1, 8/2} x 3 draws of (lengths, head dim, dtype,
+// softmax_scale). 8 x 2 x 4 x 3 = 192 cases. Pairs with s_q * s_k >= 200k run batch 1 (fixed) or
+// 2 (varlen) to keep the fp64 oracle cheap.
+std::vector<FwdCase> shape_cases() {
+  const std::vector<std::pair<int, int>> lengths = {
+      {1, 1},     {1, 17},    {17, 1},   {3, 97},     {17, 113},   {113, 17},  {127, 203},
+      {239, 113}, {113, 239}, {1, 1023}, {239, 1023}, {1023, 239}, {799, 339}, {1024, 1025}};
+  const std::vector<int> dims = {40, 64, 96, 128, 192, 256};
+  const std::vector<std::pair<int, int>> heads = {{6, 6}, {6, 2}, {6, 1}, {8, 2}};
+  const std::vector<float> scales = {0.0f, 0.0f, 0.05f, 0.2f};
+  std::vector<FwdCase> cases;
+  Rng rng(0x5A4E5);
+  for (MaskKind mask : kAllMasks) {
+    for (bool varlen : {false, true}) {
+      for (const auto& [hq, hkv] : heads) {
+        for (int draw = 0; draw < 3; ++draw) {
+          const DType dtype = rng.chance(0.5) ? DType::kBFloat16 : DType::kFloat16;
+          const int d = rng.pick(dims);
+          const auto [sq, sk] = rng.pick(lengths);
+          const bool large = int64_t{sq} * sk >= 200000;
+          FwdCase c = fixed_case(dtype, d, hq, hkv, large ? 1 : 2, sq, sk);
+          if (varlen) fill_varlen(c, large ? 2 : 4, sq, sk, rng);
+          c.softmax_scale = rng.pick(scales);
+          apply_mask(c, mask, rng);
+          c.name = default_name(c, mask_name(mask));
+          cases.push_back(c);
+        }
+      }
+    }
+  }
+  return finish(cases, 0x2000);
+}
+
+// 2048 and 4224 tokens (the longest lengths of TESTING.md), with few heads.
+std::vector<FwdCase> long_cases() {
+  std::vector<FwdCase> cases;
+  auto add = [&](FwdCase c, const std::string& mask) {
+    c.name = default_name(c, mask);
+    cases.push_back(c);
+  };
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 128, 4, 1, 1, 2048, 2048);
+    c.causal = true;
+    add(c, "causal");
+  }
+  add(fixed_case(DType::kFloat16, 64, 2, 2, 1, 4224, 4224), "none");
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 64, 2, 1, 1, 4224, 4224);
+    c.window_left = 1000;
+    c.window_right = 37;
+    add(c, "local");
+  }
+  {
+    FwdCase c = fixed_case(DType::kFloat16, 96, 2, 1, 1, 1025, 4224);
+    c.alibi = AlibiKind::kPerHead;
+    add(c, "alibi");
+  }
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 256, 2, 2, 1, 2048, 1023);
+    c.causal = true;
+    c.softcap = 30.0f;
+    c.q_scale = 10.0f;
+    add(c, "causalSoftcap");
+  }
+  {
+    FwdCase c = varlen_case(DType::kBFloat16, 128, 4, 2, {2048, 17, 1023, 0}, {4224, 2048, 0, 1});
+    c.tail_q = 3;
+    c.tail_k = 5;
+    c.causal = true;
+    add(c, "causal");
+  }
+  {
+    FwdCase c = varlen_case(DType::kFloat16, 64, 2, 1, {4224, 1}, {4224, 4224});
+    c.used_k = {3000, 4224};
+    c.causal = true;
+    c.alibi = AlibiKind::kPerBatchHead;
+    add(c, "causalAlibi");
+  }
+  return finish(cases, 0x3000);
+}
+
+// Varlen corner cases, each under several masks.
+std::vector<FwdCase> varlen_edge_cases() {
+  std::vector<FwdCase> cases;
+  Rng rng(0xED6E);
+  auto add_masks = [&](const FwdCase& base, const std::string& what,
+                       std::initializer_list<MaskKind> masks) {
+    int i = 0;
+    for (MaskKind m : masks) {
+      FwdCase c = base;
+      c.dtype = (i++ % 2 == 0) ? DType::kBFloat16 : DType::kFloat16;
+      apply_mask(c, m, rng);
+      c.name = what + "_" + short_dtype_name(c.dtype) + "_d" + std::to_string(c.head_dim) + "_" +
+               mask_name(m);
+      cases.push_back(c);
+    }
+  };
+  {
+    // Zero-length query sequences (first, last), a zero-length key sequence under queries, tails.
+    FwdCase c =
+        varlen_case(DType::kBFloat16, 64, 6, 2, {0, 17, 1, 113, 5, 0}, {13, 0, 239, 64, 1, 0});
+    c.tail_q = 5;
+    c.tail_k = 7;
+    add_masks(c, "zeroLengths",
+              {MaskKind::kNone, MaskKind::kCausal, MaskKind::kLocal, MaskKind::kAlibiBatch,
+               MaskKind::kSoftcap});
+    c.head_dim = 128;
+    add_masks(c, "zeroLengths", {MaskKind::kCausalAlibi, MaskKind::kCausalSoftcap});
+  }
+  {
+    // Decoding: max_seqlen_q == 1, key lengths from 0 to 1023.
+    FwdCase c = varlen_case(DType::kBFloat16, 128, 8, 2, {1, 1, 0, 1, 1, 1, 0, 1},
+                            {1023, 0, 17, 1, 239, 500, 3, 64});
+    c.tail_q = 2;
+    add_masks(c, "decode",
+              {MaskKind::kNone, MaskKind::kCausal, MaskKind::kAlibi, MaskKind::kLocal,
+               MaskKind::kCausalSoftcap});
+  }
+  {
+    // seqused_k below the stored key lengths (including 0 and 1).
+    FwdCase c = varlen_case(DType::kBFloat16, 96, 6, 1, {17, 17, 3, 113}, {239, 113, 17, 64});
+    c.used_k = {100, 0, 17, 1};
+    c.tail_k = 4;
+    add_masks(c, "sequsedK",
+              {MaskKind::kNone, MaskKind::kCausal, MaskKind::kLocal, MaskKind::kSoftcap,
+               MaskKind::kAlibiBatch});
+  }
+  {
+    // max_seqlen_q larger than every length: softmax_lse is [batch, heads, max_seqlen_q].
+    FwdCase c = varlen_case(DType::kBFloat16, 64, 4, 4, {17, 1, 30}, {40, 40, 5});
+    c.extra_max_seqlen_q = 5;
+    add_masks(c, "looseMaxSeqlenQ", {MaskKind::kCausal, MaskKind::kNone});
+  }
+  {
+    // One sequence followed by many unused tokens.
+    FwdCase c = varlen_case(DType::kBFloat16, 256, 2, 1, {239}, {1023});
+    c.tail_q = 64;
+    c.tail_k = 128;
+    add_masks(c, "singleSequenceTail", {MaskKind::kCausalAlibi, MaskKind::kNone});
+  }
+  {
+    // Every query sequence empty but one.
+    FwdCase c = varlen_case(DType::kBFloat16, 40, 6, 2, {0, 0, 0, 9, 0}, {5, 17, 0, 33, 2});
+    add_masks(c, "oneNonEmpty", {MaskKind::kNone, MaskKind::kCausal});
+  }
+  return finish(cases, 0x4000);
+}
+
+// Masks that leave rows with no key (lse -inf, out exactly 0) or exactly one key.
+std::vector<FwdCase> empty_row_cases() {
+  std::vector<FwdCase> cases;
+  auto add = [&](FwdCase c, const std::string& what) {
+    c.name = what + "_" + short_dtype_name(c.dtype) + "_d" + std::to_string(c.head_dim);
+    cases.push_back(c);
+  };
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 64, 6, 2, 2, 239, 17);  // rows 0..221 see nothing
+    c.causal = true;
+    add(c, "causalSqGtSk");
+  }
+  {
+    FwdCase c = fixed_case(DType::kFloat16, 128, 6, 6, 2, 113, 17);  // rows 0..95 see nothing
+    c.window_left = 0;
+    c.window_right = 0;
+    add(c, "window0x0");
+  }
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 96, 8, 2, 1, 300, 40);
+    c.window_left = 5;
+    c.window_right = 2;
+    add(c, "window5x2");
+  }
+  {
+    FwdCase c = fixed_case(DType::kFloat16, 64, 4, 2, 2, 113, 113);  // one key per row: out = v
+    c.window_left = 0;
+    c.window_right = 0;
+    add(c, "diagonalOnly");
+  }
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 128, 6, 2, 2, 239, 113);
+    c.causal = true;
+    c.alibi = AlibiKind::kPerBatchHead;
+    add(c, "causalAlibiSqGtSk");
+  }
+  {
+    FwdCase c = fixed_case(DType::kFloat16, 256, 2, 1, 3, 64, 1);  // only the last row sees a key
+    c.causal = true;
+    c.softcap = 50.0f;
+    c.q_scale = 16.0f;
+    add(c, "causalSoftcapOneKey");
+  }
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 40, 6, 2, 1, 17, 1023);
+    c.window_left = 3;
+    c.window_right = 0;
+    add(c, "narrowWindow");
+  }
+  {
+    FwdCase c = varlen_case(DType::kBFloat16, 64, 6, 2, {50, 17, 8}, {10, 17, 64});
+    c.used_k = {3, 0, 64};
+    c.causal = true;
+    add(c, "varlenCausalUsedK");
+  }
+  return finish(cases, 0x5000);
+}
+
+// seqlen_k == 0 (fixed length): every row sees nothing.
+std::vector<FwdCase> no_key_cases() {
+  std::vector<FwdCase> cases;
+  Rng rng(0x0C0);
+  const std::pair<MaskKind, int> variants[] = {
+      {MaskKind::kNone, 17},  {MaskKind::kCausal, 1},  {MaskKind::kLocal, 113},
+      {MaskKind::kAlibi, 33}, {MaskKind::kSoftcap, 9}, {MaskKind::kCausalAlibi, 239}};
+  int i = 0;
+  for (const auto& [mask, sq] : variants) {
+    FwdCase c =
+        fixed_case(i % 2 ? DType::kFloat16 : DType::kBFloat16, i % 2 ? 128 : 64, 4, 2, 2, sq, 0);
+    apply_mask(c, mask, rng);
+    if (mask == MaskKind::kLocal) {
+      c.window_left = 8;
+      c.window_right = 8;
+    }
+    c.name = default_name(c, mask_name(mask));
+    cases.push_back(c);
+    ++i;
+  }
+  return finish(cases, 0x6000);
+}
+
+std::string param_name(const ::testing::TestParamInfo<FwdCase>& info) { return info.param.name; }
+
+// `preferred` when this build serves it on CUDA, else the smallest head dim it serves, else
+// `preferred` (the test then skips through case_unavailable).
+int built_head_dim(int preferred) {
+  if (flashkit::cuda_head_dim_built(preferred)) return preferred;
+  for (int d = 8; d <= 256; d += 8) {
+    if (flashkit::cuda_head_dim_built(d)) return d;
+  }
+  return preferred;
+}
+
+// bf16 when this build has it at `head_dim`, else fp16.
+DType built_dtype(int head_dim) {
+  return flashkit::cuda_fwd_built(DType::kBFloat16, head_dim) ? DType::kBFloat16 : DType::kFloat16;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Fixtures and the common run
+// ------------------------------------------------------------------------------------------------
+
+class GpuFwdTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount reports none";
+  }
+};
+
+class GpuFwdCaseTest : public GpuFwdTest, public ::testing::WithParamInterface<FwdCase> {};
+class GpuFwdNoKeysTest : public GpuFwdTest, public ::testing::WithParamInterface<FwdCase> {};
+
+void report(const CheckReport& r) {
+  EXPECT_TRUE(r.ok) << r.text;
+  if (r.ok && verbose()) std::cout << r.text << "\n";
+}
+
+// Runs `c` in `layout` on `stream` and checks it against a freshly computed oracle on `items`.
+// Returns the kernel's outputs for further checks.
+KernelOut run_and_check(const FwdCase& c, const HostInputs& in, const Oracle& oracle,
+                        const Layout& layout, cudaStream_t stream = nullptr) {
+  DeviceProblem dev(c, in, layout);
+  KernelOut out = run_on_device(dev, stream);
+  report(check_against_oracle(c, oracle, out, dev.out_gaps_written()));
+  return out;
+}
+
+TEST_P(GpuFwdCaseTest, MatchesOracle) {
+  const FwdCase& c = GetParam();
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const Oracle oracle = run_oracle(c, in, all_items(c));
+  run_and_check(c, in, oracle, contiguous_layout(c));
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypeHeadDimMask, GpuFwdCaseTest,
+                         ::testing::ValuesIn(dtype_head_dim_mask_cases()), param_name);
+INSTANTIATE_TEST_SUITE_P(ShapesGqaVarlen, GpuFwdCaseTest, ::testing::ValuesIn(shape_cases()),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(LongSequences, GpuFwdCaseTest, ::testing::ValuesIn(long_cases()),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(VarlenEdges, GpuFwdCaseTest, ::testing::ValuesIn(varlen_edge_cases()),
+                         param_name);
+INSTANTIATE_TEST_SUITE_P(EmptyRows, GpuFwdCaseTest, ::testing::ValuesIn(empty_row_cases()),
+                         param_name);
+
+// seqlen_k == 0: besides the oracle comparison, every lse is -inf and every output exactly 0,
+// stated directly rather than through the oracle.
+TEST_P(GpuFwdNoKeysTest, ZeroOutputAndMinusInfLse) {
+  const FwdCase& c = GetParam();
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const Oracle oracle = run_oracle(c, in, all_items(c));
+  const KernelOut out = run_and_check(c, in, oracle, contiguous_layout(c));
+  int64_t bad_lse = 0, bad_out = 0;
+  for (float l : out.lse) bad_lse += !(std::isinf(l) && l < 0);
+  for (uint16_t bits : out.out) bad_out += flashkit::bits_to_float(c.dtype, bits) != 0.0f;
+  EXPECT_EQ(bad_lse, 0) << "lse entries that are not -inf; " << c.describe();
+  EXPECT_EQ(bad_out, 0) << "output elements that are not 0; " << c.describe();
+}
+
+INSTANTIATE_TEST_SUITE_P(NoKeys, GpuFwdNoKeysTest, ::testing::ValuesIn(no_key_cases()), param_name);
+
+// ------------------------------------------------------------------------------------------------
+// Layout invariance: the same values through other strides give bitwise the same results
+// ------------------------------------------------------------------------------------------------
+
+// q, k and v as slices of one packed [batch, seqlen, 3, heads, d] buffer (varlen: [total, 3, heads,
+// d]), as flash_attn_qkvpacked_func takes them. Needs heads_q == heads_kv and equal q / k tokens.
+Layout packed_qkv_layout(const FwdCase& c) {
+  Layout l = contiguous_layout(c);
+  l.name = "packed qkv [b, s, 3, h, d]";
+  const int64_t hd = int64_t{c.heads_q} * c.head_dim;
+  const int64_t row = 3 * hd;
+  for (int i = 0; i < 3; ++i) {
+    Placement& p = i == 0 ? l.q : i == 1 ? l.k : l.v;
+    p.buffer = 0;
+    p.offset = i * hd;
+    p.row_stride = row;
+    p.head_stride = c.head_dim;
+    p.batch_stride = c.varlen ? 0 : c.seqlen_q * row;
+  }
+  l.input_buffers = {c.total_q() * row};
+  return l;
+}
+
+// q stored head-major ([batch, heads, seqlen, d] in memory, i.e. a transposed view), k and v slices
+// of a packed [batch, seqlen_k, 2, heads_kv, d] buffer, out with head stride d + 8 and 24 extra
+// elements per row and 64 per batch (the gaps must keep their poison).
+Layout transposed_layout(const FwdCase& c) {
+  Layout l = contiguous_layout(c);
+  l.name = "q head-major, packed kv, padded out";
+  const int64_t d = c.head_dim;
+  const int64_t tq = c.varlen ? c.total_q() : c.seqlen_q;
+  l.q.row_stride = d;
+  l.q.head_stride = tq * d;
+  l.q.batch_stride = c.varlen ? 0 : int64_t{c.heads_q} * tq * d;
+  const int64_t kv_row = 2 * int64_t{c.heads_kv} * d;
+  for (int i = 0; i < 2; ++i) {
+    Placement& p = i == 0 ? l.k : l.v;
+    p.buffer = 1;
+    p.offset = i * int64_t{c.heads_kv} * d;
+    p.row_stride = kv_row;
+    p.head_stride = d;
+    p.batch_stride = c.varlen ? 0 : c.seqlen_k * kv_row;
+  }
+  l.input_buffers = {c.total_q() * c.heads_q * d, c.total_k() * kv_row};
+  l.out.head_stride = d + 8;
+  l.out.row_stride = c.heads_q * (d + 8) + 24;
+  l.out.batch_stride = c.varlen ? 0 : c.seqlen_q * l.out.row_stride + 64;
+  l.out.offset = 8;
+  l.out_elems = l.out.offset + (c.varlen ? 0 : (c.batch - 1) * l.out.batch_stride) +
+                (c.varlen ? c.total_q() : c.seqlen_q) * l.out.row_stride;
+  return l;
+}
+
+// Runs `c` contiguously and in `layout`; both must match the oracle, and each other bitwise.
+void expect_layout_invariance(const FwdCase& c, const Layout& layout) {
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  SCOPED_TRACE("layout: " + layout.name + "; " + c.describe());
+  const HostInputs in = make_inputs(c);
+  const Oracle oracle = run_oracle(c, in, all_items(c));
+  const KernelOut dense = run_and_check(c, in, oracle, contiguous_layout(c));
+  const KernelOut strided = run_and_check(c, in, oracle, layout);
+  ASSERT_EQ(dense.out.size(), strided.out.size());
+  int64_t out_diff = 0;
+  for (size_t i = 0; i < dense.out.size(); ++i) out_diff += dense.out[i] != strided.out[i];
+  EXPECT_EQ(out_diff, 0) << "output elements that differ from the contiguous run";
+  // Compare lse bits on the rows that exist (varlen rows past a sequence may stay unwritten).
+  int64_t lse_diff = 0;
+  for (int b = 0; b < c.batch; ++b) {
+    for (int h = 0; h < c.heads_q; ++h) {
+      for (int i = 0; i < c.len_q(b); ++i) {
+        const size_t at = (static_cast<size_t>(b) * c.heads_q + h) * c.lse_rows() + i;
+        lse_diff += std::memcmp(&dense.lse[at], &strided.lse[at], sizeof(float)) != 0;
+      }
+    }
+  }
+  EXPECT_EQ(lse_diff, 0) << "lse entries that differ from the contiguous run";
+}
+
+TEST_F(GpuFwdTest, LayoutPackedQkvFixed) {
+  FwdCase c = fixed_case(DType::kBFloat16, 128, 4, 4, 2, 239, 239);
+  c.causal = true;
+  c.name = "packedQkvFixed";
+  c.seed = 11;
+  expect_layout_invariance(c, packed_qkv_layout(c));
+}
+
+TEST_F(GpuFwdTest, LayoutPackedQkvVarlen) {
+  FwdCase c = varlen_case(DType::kFloat16, 64, 6, 6, {17, 0, 113, 40}, {17, 0, 113, 40});
+  c.tail_q = c.tail_k = 3;
+  c.alibi = AlibiKind::kPerHead;
+  c.name = "packedQkvVarlen";
+  c.seed = 12;
+  expect_layout_invariance(c, packed_qkv_layout(c));
+}
+
+TEST_F(GpuFwdTest, LayoutTransposedQPackedKvPaddedOutFixed) {
+  FwdCase c = fixed_case(DType::kFloat16, 64, 6, 2, 2, 113, 239);
+  c.alibi = AlibiKind::kPerBatchHead;
+  c.name = "transposedFixed";
+  c.seed = 13;
+  expect_layout_invariance(c, transposed_layout(c));
+}
+
+TEST_F(GpuFwdTest, LayoutTransposedQPackedKvPaddedOutVarlen) {
+  FwdCase c = varlen_case(DType::kBFloat16, 96, 8, 2, {33, 1, 0, 200}, {100, 7, 5, 199});
+  c.tail_q = 6;
+  c.tail_k = 2;
+  c.causal = true;
+  c.softcap = 30.0f;
+  c.q_scale = 10.0f;
+  c.name = "transposedVarlen";
+  c.seed = 14;
+  expect_layout_invariance(c, transposed_layout(c));
+}
+
+TEST_F(GpuFwdTest, LayoutTransposedHeadDim256Local) {
+  FwdCase c = fixed_case(DType::kBFloat16, 256, 4, 1, 1, 203, 97);
+  c.window_left = 20;
+  c.window_right = 5;
+  c.name = "transposedD256";
+  c.seed = 15;
+  expect_layout_invariance(c, transposed_layout(c));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Element offsets past 2^31
+// ------------------------------------------------------------------------------------------------
+//
+// A kernel that computes an offset such as row * row_stride in 32 bits reads or writes the wrong
+// place once the offset passes 2^31 elements. A contiguous K of more than 2^31 elements would need
+// one CTA to stream 4 GB of keys (minutes); spreading a normal number of rows with huge strides
+// makes the same offsets at a fraction of the cost: the buffers are about 4.3 GB each (two per
+// test, about 8.6 GB) but only the rows of the view are copied, and the oracle runs on compact host
+// copies of the same values.
+
+constexpr int64_t k2Pow31 = int64_t{1} << 31;
+
+int64_t round_up8(int64_t x) { return (x + 7) / 8 * 8; }
+
+// Skips (returns false with `why` set) unless the device has `bytes` free with 1 GiB to spare.
+bool device_has_free(size_t bytes, std::string& why) {
+  size_t free_bytes = 0, total_bytes = 0;
+  FK_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (free_bytes >= bytes + (size_t{1} << 30)) return true;
+  why = "needs " + std::to_string(bytes >> 20) + " MiB of device memory, " +
+        std::to_string(free_bytes >> 20) + " MiB free";
+  return false;
+}
+
+void run_big_layout_case(const FwdCase& c, const Layout& layout) {
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  size_t bytes = static_cast<size_t>(layout.out_elems) * 2;
+  for (int64_t elems : layout.input_buffers) bytes += static_cast<size_t>(elems) * 2;
+  std::string why;
+  if (!device_has_free(bytes, why)) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const Oracle oracle = run_oracle(c, in, all_items(c));
+  try {
+    run_and_check(c, in, oracle, layout);
+  } catch (const OutOfMemory& e) {
+    GTEST_SKIP() << "out of device memory: " << e.what();
+  }
+}
+
+// k rows spread so that its last rows start past 2^31 elements; v heads spread so that head 1
+// starts past 2^31.
+TEST_F(GpuFwdTest, OffsetsPast2Pow31InKRowsAndVHeads) {
+  FwdCase c = fixed_case(DType::kBFloat16, 128, 4, 2, 1, 77, 1000);
+  c.name = "bigKV";
+  c.seed = 21;
+  Layout l = contiguous_layout(c);
+  l.name = "k row stride > 2^31 / seqlen_k, v head stride > 2^31";
+  const int64_t d = c.head_dim;
+  const int64_t k_row = round_up8((k2Pow31 + c.seqlen_k - 2) / (c.seqlen_k - 1));
+  l.k.row_stride = k_row;
+  l.k.head_stride = d;
+  l.k.batch_stride = c.seqlen_k * k_row;
+  l.input_buffers[1] = (c.seqlen_k - 1) * k_row + c.heads_kv * d;
+  const int64_t v_head = k2Pow31 + 64;
+  l.v.row_stride = d;
+  l.v.head_stride = v_head;
+  l.v.batch_stride = v_head + c.seqlen_k * d;
+  l.input_buffers[2] = (c.heads_kv - 1) * v_head + c.seqlen_k * d;
+  ASSERT_GT((c.seqlen_k - 1) * k_row, k2Pow31);
+  run_big_layout_case(c, l);
+}
+
+// q read from and out written to a second batch that starts past 2^31 elements; causal, so the
+// mask offsets are exercised too.
+TEST_F(GpuFwdTest, OffsetsPast2Pow31InQAndOutBatches) {
+  FwdCase c = fixed_case(DType::kFloat16, 64, 3, 1, 2, 113, 239);
+  c.causal = true;
+  c.name = "bigQOut";
+  c.seed = 22;
+  Layout l = contiguous_layout(c);
+  l.name = "q and out batch stride > 2^31";
+  const int64_t batch_stride = k2Pow31 + 8;
+  const int64_t rows = int64_t{c.seqlen_q} * c.heads_q * c.head_dim;
+  l.q.batch_stride = batch_stride;
+  l.input_buffers[0] = batch_stride + rows;
+  l.out.batch_stride = batch_stride;
+  l.out_elems = batch_stride + rows;
+  run_big_layout_case(c, l);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Grid limits: more than 65,535 (batch x heads) tiles, checked on a sample against the oracle
+// ------------------------------------------------------------------------------------------------
+
+void run_sampled_case(const FwdCase& c, int samples) {
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const Oracle oracle = run_oracle(c, in, sampled_items(c, samples, c.seed));
+  // Every row of every piece is still checked for being written and finite.
+  run_and_check(c, in, oracle, contiguous_layout(c));
+}
+
+TEST_F(GpuFwdTest, GridBatch70000) {
+  FwdCase c = fixed_case(DType::kBFloat16, 64, 1, 1, 70000, 9, 17);
+  c.causal = true;
+  c.name = "batch70000";
+  c.seed = 31;
+  run_sampled_case(c, 400);
+}
+
+TEST_F(GpuFwdTest, GridBatch4500Heads16) {
+  FwdCase c = fixed_case(DType::kFloat16, 64, 16, 4, 4500, 33, 47);
+  c.alibi = AlibiKind::kPerBatchHead;
+  c.name = "batch4500heads16";
+  c.seed = 32;
+  run_sampled_case(c, 400);
+}
+
+TEST_F(GpuFwdTest, GridVarlenBatch66000) {
+  Rng rng(33);
+  std::vector<int> lens_q(66000), lens_k(66000);
+  for (int& len : lens_q) len = rng.uniform_int(0, 12);
+  for (int& len : lens_k) len = rng.uniform_int(0, 12);
+  lens_q[0] = lens_k[0] = 12;
+  FwdCase c = varlen_case(DType::kBFloat16, 128, 2, 1, lens_q, lens_k);
+  c.tail_q = 5;
+  c.window_left = 4;
+  c.window_right = 1;
+  c.name = "varlenBatch66000";
+  c.seed = 33;
+  run_sampled_case(c, 400);
+}
+
+// ------------------------------------------------------------------------------------------------
+// A created stream
+// ------------------------------------------------------------------------------------------------
+
+// Holds a stream for 50 ms from the host: work enqueued behind it waits, work on other streams
+// does not. (A host function may not call CUDA; sleeping is fine.)
+void CUDART_CB hold_stream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }
+
+// Everything runs on a created non-blocking stream that is held for 50 ms before the inputs are
+// uploaded (asynchronously, from pinned memory) to buffers poisoned with NaN; only that stream is
+// synchronized. A launch on any other stream (e.g. the legacy default stream, which does not wait
+// for non-blocking streams) would run at once on the poison and produce NaN.
+//
+// A warm-up run comes first: the first launch of a kernel in a process loads its module (CUDA
+// lazy loading), which waits for the whole device and would hide a launch on the wrong stream.
+void expect_stream_run(const FwdCase& c) {
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const Oracle oracle = run_oracle(c, in, all_items(c));
+  Stream stream;
+  {
+    DeviceProblem warm_up(c, in, contiguous_layout(c));
+    report(check_against_oracle(c, oracle, run_on_device(warm_up, stream.get())));
+  }
+  DeviceProblem dev(c, in, contiguous_layout(c));  // inputs poisoned until the upload lands
+  FK_CUDA_CHECK(cudaLaunchHostFunc(stream.get(), hold_stream, nullptr));
+  const KernelOut out = run_on_device(dev, stream.get());
+  report(check_against_oracle(c, oracle, out, dev.out_gaps_written()));
+  FK_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+TEST_F(GpuFwdTest, NonDefaultStreamFixed) {
+  FwdCase c = fixed_case(DType::kBFloat16, 128, 6, 2, 2, 1023, 1023);
+  c.causal = true;
+  c.name = "streamFixed";
+  c.seed = 41;
+  expect_stream_run(c);
+}
+
+TEST_F(GpuFwdTest, NonDefaultStreamVarlen) {
+  FwdCase c = varlen_case(DType::kFloat16, 64, 4, 1, {100, 0, 239, 17}, {239, 5, 239, 0});
+  c.tail_q = 4;
+  c.alibi = AlibiKind::kPerHead;
+  c.name = "streamVarlen";
+  c.seed = 42;
+  expect_stream_run(c);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Bad input on CUDA views
+// ------------------------------------------------------------------------------------------------
+
+// Each bad view throws flashkit::Error naming the argument, launches nothing (out keeps its poison,
+// no CUDA error is pending), and the valid call right after it works.
+TEST_F(GpuFwdTest, BadInputThrowsAndNextCallWorks) {
+  const int d = built_head_dim(64);
+  FwdCase c = fixed_case(built_dtype(d), d, 4, 2, 2, 33, 47);
+  c.name = "badInput";
+  c.seed = 51;
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const Oracle oracle = run_oracle(c, in, all_items(c));
+  DeviceProblem dev(c, in, contiguous_layout(c));
+  dev.upload(nullptr);
+  FK_CUDA_CHECK(cudaDeviceSynchronize());
+
+  struct Bad {
+    std::string what;
+    std::string argument;  // the name the message must contain
+    std::function<void(flashkit::MhaFwdParams&)> spoil;
+  };
+  auto shift = [](flashkit::TensorView& v, int bytes) {
+    v.data = static_cast<char*>(v.data) + bytes;
+  };
+  const std::vector<Bad> bads = {
+      {"q.data 2 bytes past a 16-byte boundary", "q",
+       [&](flashkit::MhaFwdParams& p) { shift(p.q, 2); }},
+      {"k.data 8 bytes past a 16-byte boundary", "k",
+       [&](flashkit::MhaFwdParams& p) { shift(p.k, 8); }},
+      {"out.data 4 bytes past a 16-byte boundary", "out",
+       [&](flashkit::MhaFwdParams& p) { shift(p.out, 4); }},
+      {"k row stride not a multiple of 8", "k",
+       [&](flashkit::MhaFwdParams& p) { p.k.strides[1] -= 4; }},
+      {"v head stride not a multiple of 8", "v",
+       [&](flashkit::MhaFwdParams& p) { p.v.strides[2] = c.head_dim - 4; }},
+      {"q batch stride not a multiple of 8", "q",
+       [&](flashkit::MhaFwdParams& p) { p.q.strides[0] -= 4; }},
+      {"out head stride not a multiple of 8", "out",
+       [&](flashkit::MhaFwdParams& p) { p.out.strides[2] = c.head_dim + 4; }},
+      {"q last-dim stride 2", "q", [&](flashkit::MhaFwdParams& p) { p.q.strides[3] = 2; }},
+  };
+  for (const Bad& bad : bads) {
+    SCOPED_TRACE(bad.what);
+    dev.poison_outputs(nullptr);
+    FK_CUDA_CHECK(cudaDeviceSynchronize());
+    flashkit::MhaFwdParams params = dev.fixed_params();
+    bad.spoil(params);
+    try {
+      flashkit::mha_fwd(params, nullptr);
+      ADD_FAILURE() << "mha_fwd accepted " << bad.what;
+    } catch (const flashkit::Error& e) {
+      EXPECT_TRUE(names_argument(e.what(), bad.argument))
+          << "the message does not name '" << bad.argument << "': " << e.what();
+    }
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    FK_CUDA_CHECK(cudaDeviceSynchronize());
+    const KernelOut untouched = dev.download(nullptr);
+    const int64_t written = std::count_if(untouched.out.begin(), untouched.out.end(),
+                                          [](uint16_t bits) { return bits != kPoison16; });
+    EXPECT_EQ(written, 0) << "the rejected call wrote the output";
+
+    // The library is still usable: the valid call right after works.
+    dev.poison_outputs(nullptr);
+    dev.launch(nullptr);
+    report(check_against_oracle(c, oracle, dev.download(nullptr)));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// A head dim (or dtype) left out of the build
+// ------------------------------------------------------------------------------------------------
+
+TEST_F(GpuFwdTest, UnbuiltHeadDimIsRejected) {
+  // Prefer a head dim no dtype has (cuda_head_dim_built), else a (dtype, head dim) pair left out.
+  int dim = -1;
+  DType dtype = DType::kBFloat16;
+  for (int d = 256; d >= 8 && dim < 0; d -= 8) {
+    if (!flashkit::cuda_head_dim_built(d)) dim = d;
+  }
+  for (int d = 256; d >= 8 && dim < 0; d -= 8) {
+    for (DType t : {DType::kBFloat16, DType::kFloat16}) {
+      if (dim < 0 && !flashkit::cuda_fwd_built(t, d)) {
+        dim = d;
+        dtype = t;
+      }
+    }
+  }
+  if (dim < 0) GTEST_SKIP() << "this build has every head dim and dtype";
+
+  FwdCase c = fixed_case(dtype, dim, 2, 1, 1, 17, 33);
+  c.name = "unbuilt";
+  c.seed = 61;
+  const HostInputs in = make_inputs(c);
+  DeviceProblem dev(c, in, contiguous_layout(c));
+  dev.upload(nullptr);
+  FK_CUDA_CHECK(cudaDeviceSynchronize());
+  try {
+    dev.launch(nullptr);
+    ADD_FAILURE() << "mha_fwd ran " << short_dtype_name(dtype) << " head dim " << dim
+                  << ", which cuda_fwd_built says this build lacks";
+  } catch (const flashkit::Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find(std::to_string(dim)), std::string::npos)
+        << "the message does not give the head dim: " << msg;
+    EXPECT_NE(msg.find("build"), std::string::npos)
+        << "the message does not say the build left it out: " << msg;
+  }
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+
+  // A built head dim still runs.
+  const int built = built_head_dim(64);
+  ASSERT_TRUE(flashkit::cuda_head_dim_built(built)) << "this build has no CUDA forward kernel";
+  FwdCase ok = fixed_case(built_dtype(built), built, 2, 1, 1, 17, 33);
+  ok.name = "builtAfterUnbuilt";
+  ok.seed = 62;
+  const HostInputs ok_in = make_inputs(ok);
+  run_and_check(ok, ok_in, run_oracle(ok, ok_in, all_items(ok)), contiguous_layout(ok));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Determinism
+// ------------------------------------------------------------------------------------------------
+
+void expect_deterministic(const FwdCase& c) {
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const Oracle oracle = run_oracle(c, in, all_items(c));
+  DeviceProblem dev(c, in, contiguous_layout(c));
+  const KernelOut first = run_on_device(dev, nullptr);
+  report(check_against_oracle(c, oracle, first));
+  for (int repeat = 0; repeat < 3; ++repeat) {
+    dev.poison_outputs(nullptr);
+    dev.launch(nullptr);
+    const KernelOut again = dev.download(nullptr);
+    EXPECT_EQ(0, std::memcmp(first.out.data(), again.out.data(), first.out.size() * 2))
+        << "out differs on repeat " << repeat << "; " << c.describe();
+    EXPECT_EQ(0, std::memcmp(first.lse.data(), again.lse.data(), first.lse.size() * sizeof(float)))
+        << "lse differs on repeat " << repeat << "; " << c.describe();
+  }
+}
+
+TEST_F(GpuFwdTest, DeterministicFixedCausal) {
+  FwdCase c = fixed_case(DType::kBFloat16, 128, 8, 2, 2, 1023, 1023);
+  c.causal = true;
+  c.name = "deterministicFixed";
+  c.seed = 71;
+  expect_deterministic(c);
+}
+
+TEST_F(GpuFwdTest, DeterministicVarlenAlibiSoftcap) {
+  FwdCase c = varlen_case(DType::kFloat16, 64, 6, 2, {300, 0, 17, 1023}, {1023, 9, 0, 700});
+  c.alibi = AlibiKind::kPerBatchHead;
+  c.softcap = 30.0f;
+  c.q_scale = 10.0f;
+  c.tail_q = 7;
+  c.name = "deterministicVarlen";
+  c.seed = 72;
+  expect_deterministic(c);
+}
+
+}  // namespace
+}  // namespace flashkit_test
