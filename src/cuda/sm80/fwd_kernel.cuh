@@ -36,7 +36,7 @@
 namespace flashkit::sm80 {
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_,
-          bool kQInRegisters_>
+          bool kQInRegisters_, int kMinBlocksPerSm_>
 struct FwdKernelTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -52,8 +52,7 @@ struct FwdKernelTraits {
   static constexpr int kDTiles = kHeadDim / 8;    // 8-column tiles of O per warp
   static constexpr int kQkSteps = kHeadDim / 16;  // k-steps of Q.K^T
   static constexpr int kPvSteps = kBlockN / 16;   // k-steps of P.V
-  // Two CTAs of 4 warps share an SM's registers (<= 255 per thread); 8-warp CTAs run one per SM.
-  static constexpr int kMinBlocksPerSm = kWarps == 4 ? 2 : 1;
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
 
   using QTile = SwizzledTile<kBlockM, kHeadDim>;   // also stages O in the epilogue
   using KvTile = SwizzledTile<kBlockN, kHeadDim>;  // one K or V buffer
@@ -176,40 +175,67 @@ struct FwdBlockLocation {
   }
 };
 
-// Softcap and ALiBi turn the raw dot products into scores (in natural units); masked keys become
-// -inf. Called only when one of them is on or the block is cut by the mask.
+// Softcap and ALiBi turn the raw dot products into scores in natural units. Each modification is
+// one loop behind one uniform branch, so the unrolled per-element code carries no branches and the
+// main loop's code stays compact (three inlined variants, one per combination, cost 3% at d128).
 template <typename Traits>
-__device__ __forceinline__ void modify_and_mask_scores(
-    float (&s)[Traits::kMTiles][Traits::kNTiles][4], const FwdProblem& p, const KeyWindow& window,
-    int first_row, int first_key, float alibi_slope, bool transform, bool apply_mask) {
+__device__ __forceinline__ void transform_scores(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
+                                                 const FwdProblem& p, int first_row, int first_key,
+                                                 float alibi_slope, int diagonal_offset) {
+  constexpr int kPerLane = Traits::kMTiles * Traits::kNTiles * 4;
+  float* x = &s[0][0][0];
+  if (p.softcap > 0.0f) {
+    // softcap * tanh(y), tanh(y) = 1 - 2 / (exp(2y) + 1): accurate to ~1e-7 absolute with the fast
+    // exp, unlike tanh.approx (~5e-4 relative), which softcap would magnify by `softcap`.
+    const float two_over_softcap = 2.0f * p.softmax_scale / p.softcap;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      x[i] = p.softcap * (1.0f - __fdividef(2.0f, __expf(x[i] * two_over_softcap) + 1.0f));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) x[i] *= p.softmax_scale;
+  }
+  if (alibi_slope != 0.0f) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+    for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = first_row + mt * 16 + lane / 4 + half * 8;
+#pragma unroll
+        for (int nt = 0; nt < Traits::kNTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int key = first_key + nt * 8 + (lane % 4) * 2 + e;
+            s[mt][nt][2 * half + e] += alibi_bias(alibi_slope, row, key, diagonal_offset);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Sets the scores of keys a row may not see to -inf. Only blocks cut by the mask call this.
+template <typename Traits>
+__device__ __forceinline__ void mask_scores(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
+                                            const KeyWindow& window, int first_row, int first_key) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  const float softcap = p.softcap;
-  const float inv_softcap = softcap > 0.0f ? 1.0f / softcap : 0.0f;
+  const int lane_key = first_key + (lane % 4) * 2;
 #pragma unroll
   for (int mt = 0; mt < Traits::kMTiles; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = first_row + mt * 16 + lane / 4 + half * 8;
-      const int key_begin = window.key_begin(row);
-      const int key_end = window.key_end(row);
+      // Visible columns of this lane, relative to its first key: [begin, end).
+      const int begin = window.key_begin(row) - lane_key;
+      const int end = window.key_end(row) - lane_key;
 #pragma unroll
       for (int nt = 0; nt < Traits::kNTiles; ++nt) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const int key = first_key + nt * 8 + (lane % 4) * 2 + e;
-          float x = s[mt][nt][2 * half + e];
-          if (transform) {
-            x *= p.softmax_scale;
-            if (softcap > 0.0f) {
-              // tanh(y) = 1 - 2 / (exp(2y) + 1): accurate to ~1e-7 absolute with the fast exp,
-              // unlike tanh.approx (~5e-4 relative), which softcap would magnify by `softcap`.
-              const float y = x * inv_softcap;
-              x = softcap * (1.0f - __fdividef(2.0f, __expf(2.0f * y) + 1.0f));
-            }
-            if (alibi_slope != 0.0f) x += alibi_bias(alibi_slope, row, key, window.diagonal_offset());
-          }
-          if (apply_mask && (key < key_begin || key >= key_end)) x = -INFINITY;
-          s[mt][nt][2 * half + e] = x;
+          const int column = nt * 8 + e;
+          if (column < begin || column >= end) s[mt][nt][2 * half + e] = -INFINITY;
         }
       }
     }
@@ -272,8 +298,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   constexpr float kLog2e = 1.4426950408889634f;
   const float alibi_slope =
       p.alibi_slopes != nullptr ? p.alibi_slopes[loc.batch * p.alibi_batch_stride + loc.head] : 0.0f;
-  const bool transform_scores = p.softcap > 0.0f || alibi_slope != 0.0f;
-  const float log2_scale = transform_scores ? kLog2e : p.softmax_scale * kLog2e;
+  const bool transform = p.softcap > 0.0f || alibi_slope != 0.0f;
+  const int diagonal = window.diagonal_offset();
+  const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
 
   if (n_end > n_begin) {
     load_tile_async<Traits, QTile>(sQ, loc.q + static_cast<int64_t>(m0) * p.q_row_stride,
@@ -343,10 +370,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
       }
 
-      const bool needs_mask = !window.block_unmasked(m0, m0 + rows_in_block, n0, n0 + kBlockN);
-      if (transform_scores || needs_mask) {
-        modify_and_mask_scores<Traits>(acc_s, p, window, m0 + warp_row0, n0, alibi_slope,
-                                       transform_scores, needs_mask);
+      if (transform) transform_scores<Traits>(acc_s, p, m0 + warp_row0, n0, alibi_slope, diagonal);
+      if (!window.block_unmasked(m0, m0 + rows_in_block, n0, n0 + kBlockN)) {
+        mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
       }
       softmax.update(acc_s, acc_o, log2_scale);
 

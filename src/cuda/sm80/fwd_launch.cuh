@@ -25,7 +25,8 @@ void run_fwd(const FwdProblem& problem, void* stream) {
   constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
   static_assert(kTile.block_m > 0, "no tile configuration for this head-dim family");
   using Traits = FwdKernelTraits<typename ElementOf<kDType>::type, kHeadDimFamily, kTile.block_m,
-                                 kTile.block_n, kTile.warps, kTile.q_in_registers>;
+                                 kTile.block_n, kTile.warps, kTile.q_in_registers,
+                                 kTile.min_blocks_per_sm>;
 
   const int64_t num_m_blocks = (problem.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t num_blocks = num_m_blocks * problem.batch * problem.heads_q;

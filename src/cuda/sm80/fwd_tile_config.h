@@ -28,17 +28,18 @@ struct FwdTileConfig {
   int block_n;
   int warps;
   bool q_in_registers;
+  int min_blocks_per_sm;  // __launch_bounds__ occupancy target; caps registers at 64K / (threads * it)
 };
 
 constexpr FwdTileConfig fwd_tile_config(int head_dim_family) {
   switch (head_dim_family) {
-    case 32: return {128, 128, 4, true};
-    case 64: return {128, 64, 4, true};
-    case 96: return {128, 64, 4, false};
-    case 128: return {128, 64, 4, false};
-    case 192: return {128, 64, 8, true};
-    case 256: return {128, 64, 8, false};
-    default: return {0, 0, 0, false};
+    case 32: return {128, 128, 4, true, 2};
+    case 64: return {128, 64, 4, true, 2};
+    case 96: return {128, 64, 4, false, 2};
+    case 128: return {128, 64, 4, false, 2};
+    case 192: return {128, 64, 8, true, 1};
+    case 256: return {128, 64, 8, false, 1};
+    default: return {0, 0, 0, false, 0};
   }
 }
 
