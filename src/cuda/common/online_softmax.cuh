@@ -6,8 +6,8 @@
 // tile. The four lanes of a quad (same g) together hold a whole row, so row reductions are two
 // shuffles. Scores x are turned into probabilities as exp2(x * log2_scale - max * log2_scale): one
 // FFMA and one MUFU.EX2 per element (exp2 rather than exp so that the scale folds into the FFMA).
-// The running row sums are not kept here: the kernel accumulates them with the tensor cores (P
-// times a block of ones, beside P times V), and this struct rescales them with the output.
+// The running sum stays per lane (the rescale factor is uniform across the quad) and is reduced only
+// once, at the end.
 #pragma once
 
 #include <cmath>
@@ -19,20 +19,28 @@ __device__ __forceinline__ float quad_max(float v) {
   return fmaxf(v, __shfl_xor_sync(0xffffffffu, v, 2));
 }
 
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xffffffffu, v, 1);
+  return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
 // kMTiles 16-row tiles, kNTiles 8-column score tiles, kDTiles 8-column output tiles per lane.
 template <int kMTiles, int kNTiles, int kDTiles>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMTiles;  // rows per lane: (tile, g) and (tile, g + 8)
   float row_max[kRows];                      // reference max, in score units; -inf until a key
+  float row_sum[kRows];                      // this lane's share of sum(exp2(...))
 
   __device__ __forceinline__ void init() {
 #pragma unroll
-    for (int r = 0; r < kRows; ++r) row_max[r] = -INFINITY;
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = -INFINITY;
+      row_sum[r] = 0.0f;
+    }
   }
 
-  // Folds one block of scores into the running state: scores become probabilities in place, and
-  // the output accumulator and the row sums (`sums`, an mma accumulator tile whose every column
-  // holds the row's sum) follow any change of reference max. Masked scores are -inf.
+  // Folds one block of scores into the running state: scores become probabilities in place. Masked
+  // scores are -inf.
   //
   // Lazy rescaling: a row's reference max moves only when the block's max exceeds it by more than
   // kRescaleThreshold (log2 units). Otherwise the probabilities are exp2 of at most that much
@@ -41,8 +49,7 @@ struct OnlineSoftmax {
   // unchanged. Past the first blocks the maxima rarely jump that far, so the warp skips the
   // rescale of its whole output accumulator (D / 8 * 4 FMULs per row pair) on almost every block.
   __device__ __forceinline__ void update(float (&scores)[kMTiles][kNTiles][4],
-                                         float (&out)[kMTiles][kDTiles][4],
-                                         float (&sums)[kMTiles][4], float log2_scale) {
+                                         float (&out)[kMTiles][kDTiles][4], float log2_scale) {
     constexpr float kRescaleThreshold = 8.0f;
     float rescale[kRows];
     bool any_rescale = false;
@@ -67,14 +74,13 @@ struct OnlineSoftmax {
     }
     if (__any_sync(0xffffffffu, any_rescale)) {
 #pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt) {
+      for (int r = 0; r < kRows; ++r) row_sum[r] *= rescale[r];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) sums[mt][i] *= rescale[2 * mt + i / 2];
+      for (int mt = 0; mt < kMTiles; ++mt)
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt)
 #pragma unroll
           for (int i = 0; i < 4; ++i) out[mt][dt][i] *= rescale[2 * mt + i / 2];
-      }
     }
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -83,21 +89,24 @@ struct OnlineSoftmax {
         const int r = 2 * mt + half;
         // Subtracting 0 for a row still at -inf keeps every exp2 at exp2(-inf) = 0, not NaN.
         const float max_scaled = row_max[r] == -INFINITY ? 0.0f : row_max[r] * log2_scale;
+        float sum = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            scores[mt][nt][2 * half + e] = exp2f(scores[mt][nt][2 * half + e] * log2_scale - max_scaled);
+            const float p = exp2f(scores[mt][nt][2 * half + e] * log2_scale - max_scaled);
+            scores[mt][nt][2 * half + e] = p;
+            sum += p;
           }
         }
+        row_sum[r] += sum;
       }
     }
   }
 
-  // Normalizes the output rows by the row sums and returns each row's natural-log log-sum-exp in
-  // `lse` (-inf and a zero row where no key was visible).
-  __device__ __forceinline__ void finalize(float (&out)[kMTiles][kDTiles][4],
-                                           const float (&sums)[kMTiles][4], float log2_scale,
+  // Normalizes the output rows and returns each row's natural-log log-sum-exp in `lse`
+  // (-inf and a zero row where no key was visible).
+  __device__ __forceinline__ void finalize(float (&out)[kMTiles][kDTiles][4], float log2_scale,
                                            float (&lse)[kRows]) {
     constexpr float kLn2 = 0.69314718055994530942f;
 #pragma unroll
@@ -105,7 +114,7 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = 2 * mt + half;
-        const float sum = sums[mt][2 * half];
+        const float sum = quad_sum(row_sum[r]);
         const bool empty = !(sum > 0.0f);
         const float inv = empty ? 0.0f : 1.0f / sum;
         lse[r] = empty ? -INFINITY : (row_max[r] * log2_scale + __log2f(sum)) * kLn2;

@@ -14,7 +14,7 @@
 //              S = Q K[n]^T                  (mma.sync, fp32 accumulators in registers)
 //              softcap / ALiBi / mask         (masking only on blocks the mask cuts)
 //              online softmax: S -> P         (lazy rescaling of O, see online_softmax.cuh)
-//              O += P V[n], sums += P 1      (P straight from registers as the A operand)
+//              O += P V[n]                   (P straight from registers as the A operand)
 //   epilogue   O / rowsum -> 16-bit, staged through the Q tile for 16-byte stores; LSE per row
 //
 // Everything that is per launch (scale, softcap, ALiBi, window, strides, varlen offsets) comes from
@@ -290,16 +290,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
       for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] = 0.0f;
 
-  // Row sums of P, accumulated by the tensor cores: P times a 16x8 block of ones puts each row's
-  // sum in every column of an extra accumulator tile (one more mma per 16 keys, instead of an
-  // FADD per probability on the FP32 pipe).
-  float acc_sum[kMTiles][4];
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) acc_sum[mt][i] = 0.0f;
-  const uint32_t ones = pack2<Element>(1.0f, 1.0f);
-
   OnlineSoftmax<kMTiles, kNTiles, kDTiles> softmax;
   softmax.init();
 
@@ -384,7 +374,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       if (!window.block_unmasked(m0, m0 + rows_in_block, n0, n0 + kBlockN)) {
         mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
       }
-      softmax.update(acc_s, acc_o, acc_sum, log2_scale);
+      softmax.update(acc_s, acc_o, log2_scale);
 
       // O += P V: the probabilities of two adjacent 8-key tiles form one A fragment.
 #pragma unroll
@@ -396,7 +386,6 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           a[mt][1] = pack2<Element>(acc_s[mt][2 * kk][2], acc_s[mt][2 * kk][3]);
           a[mt][2] = pack2<Element>(acc_s[mt][2 * kk + 1][0], acc_s[mt][2 * kk + 1][1]);
           a[mt][3] = pack2<Element>(acc_s[mt][2 * kk + 1][2], acc_s[mt][2 * kk + 1][3]);
-          mma_16x8x16<Element>(acc_sum[mt], a[mt], ones, ones);
         }
 #pragma unroll
         for (int dp = 0; dp < kDTiles / 2; ++dp) {
@@ -413,7 +402,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 
   float lse[2 * kMTiles];
-  softmax.finalize(acc_o, acc_sum, log2_scale, lse);
+  softmax.finalize(acc_o, log2_scale, lse);
 
   // Epilogue. The warp stages its own rows of O in its own rows of the Q tile (no other warp reads
   // them), then writes 16-byte chunks, skipping rows past the sequence and columns past head_dim.
