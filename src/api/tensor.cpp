@@ -69,10 +69,9 @@ void check_view_sizes(const char* fn, std::initializer_list<int64_t> sizes) {
   }
 }
 
-}  // namespace
-
-TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> sizes, Device device) {
-  check_view_sizes("make_view", sizes);
+// A view with data, dtype, device and sizes filled in; strides are the caller's to set.
+TensorView view_without_strides(void* data, DType dtype, std::initializer_list<int64_t> sizes,
+                                Device device) {
   TensorView view;
   view.data = data;
   view.dtype = dtype;
@@ -80,8 +79,16 @@ TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> siz
   view.device = device;
   int d = 0;
   for (int64_t size : sizes) view.sizes[d++] = size;
+  return view;
+}
+
+}  // namespace
+
+TensorView make_view(void* data, DType dtype, std::initializer_list<int64_t> sizes, Device device) {
+  check_view_sizes("make_view", sizes);
+  TensorView view = view_without_strides(data, dtype, sizes, device);
   int64_t stride = 1;
-  for (d = view.rank - 1; d >= 0; --d) {
+  for (int d = view.rank - 1; d >= 0; --d) {
     view.strides[d] = stride;
     stride *= view.sizes[d];
   }
@@ -95,14 +102,8 @@ TensorView make_strided_view(void* data, DType dtype, std::initializer_list<int6
     throw Error("make_strided_view: " + std::to_string(strides.size()) + " strides given for " +
                 std::to_string(sizes.size()) + " sizes; give one stride per dim");
   }
-  TensorView view;
-  view.data = data;
-  view.dtype = dtype;
-  view.rank = static_cast<int>(sizes.size());
-  view.device = device;
+  TensorView view = view_without_strides(data, dtype, sizes, device);
   int d = 0;
-  for (int64_t size : sizes) view.sizes[d++] = size;
-  d = 0;
   for (int64_t stride : strides) view.strides[d++] = stride;
   return view;
 }

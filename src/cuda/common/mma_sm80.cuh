@@ -42,6 +42,20 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
   }
 }
 
+// One B fragment pair from ldmatrix.x4 (b[0..1]: 8 columns, b[2..3]: the next 8) against every
+// m-tile's A fragment: acc[mt][2j] and acc[mt][2j + 1] += a[mt] * B. Both GEMMs of the attention
+// kernel are sequences of these, so each B fragment read from shared memory feeds kMTiles tiles.
+template <typename Element, int kMTiles, int kColTiles>
+__device__ __forceinline__ void mma_column_pair(float (&acc)[kMTiles][kColTiles][4],
+                                                const uint32_t (&a)[kMTiles][4],
+                                                const uint32_t (&b)[4], int j) {
+#pragma unroll
+  for (int mt = 0; mt < kMTiles; ++mt) {
+    mma_16x8x16<Element>(acc[mt][2 * j], a[mt], b[0], b[1]);
+    mma_16x8x16<Element>(acc[mt][2 * j + 1], a[mt], b[2], b[3]);
+  }
+}
+
 // Four 8x8 matrices of 16-bit elements from shared memory; lane L gives the row address of matrix
 // L / 8, row L % 8. `.trans` delivers each matrix transposed.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t smem_addr) {

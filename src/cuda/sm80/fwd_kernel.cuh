@@ -362,11 +362,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         for (int np = 0; np < kNTiles / 2; ++np) {
           uint32_t b[4];
           ldmatrix_x4(b, k_addr.at(np * 16, kk) + stage_offset);
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            mma_16x8x16<Element>(acc_s[mt][2 * np], a[mt], b[0], b[1]);
-            mma_16x8x16<Element>(acc_s[mt][2 * np + 1], a[mt], b[2], b[3]);
-          }
+          mma_column_pair<Element>(acc_s, a, b, np);
         }
       }
 
@@ -391,11 +387,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         for (int dp = 0; dp < kDTiles / 2; ++dp) {
           uint32_t b[4];
           ldmatrix_x4_trans(b, v_addr.at(kk * 16, dp) + stage_offset);
-#pragma unroll
-          for (int mt = 0; mt < kMTiles; ++mt) {
-            mma_16x8x16<Element>(acc_o[mt][2 * dp], a[mt], b[0], b[1]);
-            mma_16x8x16<Element>(acc_o[mt][2 * dp + 1], a[mt], b[2], b[3]);
-          }
+          mma_column_pair<Element>(acc_o, a, b, dp);
         }
       }
     }
