@@ -4,7 +4,7 @@
 //
 // CPU views run the reference (src/cpu/). CUDA views run the sm80 (mma.sync) kernel of the
 // problem's (dtype, head-dim family), provided this build compiled it; the generated build_config.h
-// says which ones it did. Everything that can be rejected without the GPU is rejected before the
+// lists which ones it did. Everything that can be rejected without the GPU is rejected before the
 // first CUDA runtime call, so bad input never touches the device.
 #include <string>
 
@@ -40,49 +40,13 @@ std::string list_with(const char* built, const std::string& item) {
 
 using RunFwd = void (*)(const FwdProblem&, void*);
 
-// The kernel compiled for (dtype, family), or nullptr when this build left it out.
+// The kernel compiled for (dtype, family), or nullptr when this build left it out. The list of
+// compiled instances comes from the build (src/CMakeLists.txt writes it into build_config.h).
 RunFwd find_sm80_fwd(DType dtype, int family) {
-  const bool bf16 = dtype == DType::kBFloat16;
-  const bool fp16 = dtype == DType::kFloat16;
-  // Unused when this build has no kernel of one dtype.
-  (void)bf16;
-  (void)fp16;
-#ifdef FLASHKIT_SM80_FWD_BF16_HDIM32
-  if (bf16 && family == 32) return &sm80::run_fwd<DType::kBFloat16, 32>;
-#endif
-#ifdef FLASHKIT_SM80_FWD_BF16_HDIM64
-  if (bf16 && family == 64) return &sm80::run_fwd<DType::kBFloat16, 64>;
-#endif
-#ifdef FLASHKIT_SM80_FWD_BF16_HDIM96
-  if (bf16 && family == 96) return &sm80::run_fwd<DType::kBFloat16, 96>;
-#endif
-#ifdef FLASHKIT_SM80_FWD_BF16_HDIM128
-  if (bf16 && family == 128) return &sm80::run_fwd<DType::kBFloat16, 128>;
-#endif
-#ifdef FLASHKIT_SM80_FWD_BF16_HDIM192
-  if (bf16 && family == 192) return &sm80::run_fwd<DType::kBFloat16, 192>;
-#endif
-#ifdef FLASHKIT_SM80_FWD_BF16_HDIM256
-  if (bf16 && family == 256) return &sm80::run_fwd<DType::kBFloat16, 256>;
-#endif
-#ifdef FLASHKIT_SM80_FWD_FP16_HDIM32
-  if (fp16 && family == 32) return &sm80::run_fwd<DType::kFloat16, 32>;
-#endif
-#ifdef FLASHKIT_SM80_FWD_FP16_HDIM64
-  if (fp16 && family == 64) return &sm80::run_fwd<DType::kFloat16, 64>;
-#endif
-#ifdef FLASHKIT_SM80_FWD_FP16_HDIM96
-  if (fp16 && family == 96) return &sm80::run_fwd<DType::kFloat16, 96>;
-#endif
-#ifdef FLASHKIT_SM80_FWD_FP16_HDIM128
-  if (fp16 && family == 128) return &sm80::run_fwd<DType::kFloat16, 128>;
-#endif
-#ifdef FLASHKIT_SM80_FWD_FP16_HDIM192
-  if (fp16 && family == 192) return &sm80::run_fwd<DType::kFloat16, 192>;
-#endif
-#ifdef FLASHKIT_SM80_FWD_FP16_HDIM256
-  if (fp16 && family == 256) return &sm80::run_fwd<DType::kFloat16, 256>;
-#endif
+#define FLASHKIT_SM80_FWD_INSTANCE(kDType, kFamily) \
+  if (dtype == DType::kDType && family == kFamily) return &sm80::run_fwd<DType::kDType, kFamily>;
+  FLASHKIT_SM80_FWD_INSTANCES
+#undef FLASHKIT_SM80_FWD_INSTANCE
   return nullptr;
 }
 
