@@ -6,6 +6,8 @@
 // problem's (dtype, head-dim family), provided this build compiled it; the generated build_config.h
 // lists which ones it did. Everything that can be rejected without the GPU is rejected before the
 // first CUDA runtime call, so bad input never touches the device.
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include "api/validate_fwd.h"
@@ -19,10 +21,21 @@
 
 #include "cuda/cuda_check.h"
 #include "cuda/sm80/fwd_sm80.h"
+#include "cuda/sm80/fwd_tile_config.h"
 #endif
 
 namespace flashkit {
 namespace {
+
+// FLASHKIT_DEBUG=1 in the environment prints the backend and kernel configuration each call runs
+// on, to stderr: the first thing to check when a shape is slower than expected.
+bool debug_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("FLASHKIT_DEBUG");
+    return value != nullptr && value[0] != '\0' && value[0] != '0';
+  }();
+  return enabled;
+}
 
 #ifdef FLASHKIT_WITH_CUDA
 
@@ -102,6 +115,16 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
                 FLASHKIT_BUILT_DTYPES + ")");
   }
   if (!api::has_query_rows(problem)) return;
+  if (debug_enabled()) {
+    const sm80::FwdTileConfig tile = sm80::fwd_tile_config(family);
+    std::fprintf(stderr,
+                 "flashkit: %s: cuda:%d sm80 forward, %s head dim %d (family %d), tile %dx%d, "
+                 "%d warps, Q in %s, batch %d heads %d/%d seqlen %d/%d%s\n",
+                 fn, device, build_dtype_name(problem.dtype), problem.head_dim, family, tile.block_m,
+                 tile.block_n, tile.warps, tile.q_in_registers ? "registers" : "shared memory",
+                 problem.batch, problem.heads_q, problem.heads_kv, problem.seqlen_q,
+                 problem.seqlen_k, problem.is_varlen() ? " (varlen maxima)" : "");
+  }
 
   const CurrentDeviceGuard device_guard(device);
   const int arch = cuda::current_device_arch();
@@ -117,6 +140,7 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
 
 void run_on_backend(const char* fn, const FwdProblem& problem, const Device& device, void* stream) {
   if (device.kind == DeviceKind::kCpu) {
+    if (debug_enabled()) std::fprintf(stderr, "flashkit: %s: cpu reference backend\n", fn);
     cpu::reference_fwd(problem);
     return;
   }

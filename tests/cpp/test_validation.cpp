@@ -9,7 +9,10 @@
 // dispatch before touching a device).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
+#include <cstdlib>
 #include <initializer_list>
 #include <string>
 
@@ -629,6 +632,24 @@ TEST_F(MhaVarlenFwdValidation, TheNextValidCallWorksAfterAnError) {
   for (int64_t n = 0; n < c.cu_seqlens_q.back() * 4 * 16; ++n) {
     ASSERT_FALSE(std::isnan(bits_to_float(DType::kFloat16, c.out[n])));
   }
+}
+
+// FLASHKIT_DEBUG=1 names the backend a call ran on. The switch is read once per process, so the
+// test reruns this binary (/proc/self/exe) with the variable set, for the one call below.
+TEST(DebugSwitch, NamesTheBackend) {
+  char self[4096] = {0};
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  ASSERT_GT(length, 0) << "cannot find this test binary";
+  const std::string command = std::string("FLASHKIT_DEBUG=1 '") + self +
+                              "' --gtest_filter=DebugSwitch.OneCpuCall 2>&1 | "
+                              "grep -q 'flashkit: mha_fwd: cpu reference backend'";
+  EXPECT_EQ(std::system(command.c_str()), 0) << "no debug line on stderr with FLASHKIT_DEBUG=1";
+}
+
+// One valid CPU call; the child process of DebugSwitch.NamesTheBackend runs only this.
+TEST(DebugSwitch, OneCpuCall) {
+  AttentionCase c(fixed_spec());
+  mha_fwd(c.fwd_params());
 }
 
 }  // namespace
