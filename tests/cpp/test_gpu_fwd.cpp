@@ -744,6 +744,21 @@ void run_sampled_case(const FwdCase& c, int samples) {
   run_and_check(c, in, oracle, contiguous_layout(c));
 }
 
+// Contiguous k and v of more than 2^31 elements each (520 x 16400 x 2 x 128 = 2.18e9): a
+// decode-shaped problem (one query row per sequence) reads all of them while each CTA streams only
+// its own 8 MB of keys. The last 8 sequences start past 2^31 elements.
+TEST_F(GpuFwdTest, TensorsOver2Pow31Elements) {
+  FwdCase c = fixed_case(DType::kBFloat16, 128, 16, 2, 520, 1, 16400);
+  c.name = "kvOver2Pow31";
+  c.seed = 23;
+  const int64_t kv_elems = int64_t{c.batch} * c.seqlen_k * c.heads_kv * c.head_dim;
+  ASSERT_GT(kv_elems, k2Pow31);
+  std::string why;
+  if (!device_has_free(static_cast<size_t>(kv_elems) * 2 * 2, why)) GTEST_SKIP() << why;
+  // The four corner pieces (first and last batch) are always among the sampled ones.
+  run_sampled_case(c, 60);
+}
+
 TEST_F(GpuFwdTest, GridBatch70000) {
   FwdCase c = fixed_case(DType::kBFloat16, 64, 1, 1, 70000, 9, 17);
   c.causal = true;
