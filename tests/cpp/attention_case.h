@@ -1,17 +1,26 @@
 // tests/cpp/attention_case.h
-// \brief One forward attention problem on the host for the C++ tests: random inputs (fixed seed,
-// rounded to the input dtype), poisoned outputs, and the views / params / FwdProblem over them.
+// \brief The host side of a forward attention test case, shared by the CPU tests and the GPU tests
+// and free of CUDA: the case description (FwdCase), seeded random inputs rounded into the 16-bit
+// dtype (make_inputs), NaN poison for outputs, and AttentionCase, the CPU tests' host buffers with
+// the views / params / FwdProblem over them.
 //
-// Buffers are contiguous: q/out [batch, seqlen_q, heads_q, head_dim], k/v [batch, seqlen_k,
-// heads_kv, head_dim], softmax_lse [batch, heads_q, seqlen_q]; for a varlen case q/out are
-// [total_q, heads_q, head_dim], k/v [total_k, heads_kv, head_dim] and softmax_lse
-// [batch, heads_q, max_seqlen_q].
+// Host buffers are contiguous: q/out [batch * seqlen_q, heads_q, head_dim], k/v
+// [batch * seqlen_k, heads_kv, head_dim] for fixed length, [total_q, heads_q, head_dim] and
+// [total_k, heads_kv, head_dim] for varlen; softmax_lse [batch, heads_q, max_seqlen_q].
 #pragma once
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <random>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <ostream>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "common/fwd_problem.h"
@@ -20,113 +29,311 @@
 
 namespace flashkit::test {
 
-enum class Alibi { kNone, kPerHead, kPerBatchHead };
+// ------------------------------------------------------------------------------------------------
+// Host helpers: parallel loops and seeded random numbers
+// ------------------------------------------------------------------------------------------------
 
-struct CaseSpec {
+// Runs body(i) for i in [0, n) on all hardware threads; rethrows the first exception.
+inline void parallel_for(size_t n, const std::function<void(size_t)>& body) {
+  const size_t threads = std::min<size_t>(n, std::max(1u, std::thread::hardware_concurrency()));
+  if (threads <= 1) {
+    for (size_t i = 0; i < n; ++i) body(i);
+    return;
+  }
+  std::atomic<size_t> next{0};
+  std::exception_ptr error;
+  std::mutex error_mutex;
+  std::vector<std::thread> pool;
+  pool.reserve(threads);
+  for (size_t t = 0; t < threads; ++t) {
+    pool.emplace_back([&] {
+      for (size_t i = next++; i < n; i = next++) {
+        try {
+          body(i);
+        } catch (...) {
+          std::lock_guard<std::mutex> lock(error_mutex);
+          if (!error) error = std::current_exception();
+        }
+      }
+    });
+  }
+  for (auto& thread : pool) thread.join();
+  if (error) std::rethrow_exception(error);
+}
+
+inline uint64_t splitmix64(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+// A small deterministic generator (the standard distributions are implementation-defined, so
+// they would draw different cases on different standard libraries).
+class Rng {
+ public:
+  explicit Rng(uint64_t seed) : state_(seed) {}
+  uint64_t next() { return state_ = splitmix64(state_); }
+  int uniform_int(int lo, int hi) {  // inclusive
+    return lo + static_cast<int>(next() % static_cast<uint64_t>(hi - lo + 1));
+  }
+  double uniform01() { return static_cast<double>(next() >> 11) * 0x1.0p-53; }
+  bool chance(double p) { return uniform01() < p; }
+  template <class T>
+  const T& pick(const std::vector<T>& v) {
+    return v[next() % v.size()];
+  }
+
+ private:
+  uint64_t state_;
+};
+
+// Element `index` of the random stream `stream_seed`: standard normal (Box-Muller), with one
+// element in 64 multiplied by `outlier_factor`, so that some scores are large and some softmax rows
+// peaky. A pure function of (seed, index): inputs fill in parallel and can be regenerated anywhere.
+inline float input_value(uint64_t stream_seed, uint64_t index, float outlier_factor) {
+  const uint64_t a = splitmix64(stream_seed ^ splitmix64(index));
+  const uint64_t b = splitmix64(a);
+  const double u1 = static_cast<double>((a >> 11) + 1) * 0x1.0p-53;  // (0, 1]
+  const double u2 = static_cast<double>(b >> 11) * 0x1.0p-53;        // [0, 1)
+  double normal = std::sqrt(-2.0 * std::log(u1)) * std::cos(6.283185307179586 * u2);
+  if ((b & 63) == 0) normal *= outlier_factor;
+  return static_cast<float>(normal);
+}
+
+// Fills bits[i] with round(dtype, scale * input_value(seed, i, outlier_factor)): the oracle and the
+// kernel both see exactly these rounded values.
+inline void fill_random(std::vector<uint16_t>& bits, DType dtype, uint64_t seed, float scale,
+                        float outlier_factor) {
+  constexpr size_t kChunk = size_t{1} << 16;
+  const size_t chunks = (bits.size() + kChunk - 1) / kChunk;
+  parallel_for(chunks, [&](size_t chunk) {
+    const size_t end = std::min(bits.size(), (chunk + 1) * kChunk);
+    for (size_t i = chunk * kChunk; i < end; ++i) {
+      bits[i] = flashkit::float_to_bits(dtype, scale * input_value(seed, i, outlier_factor));
+    }
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Test cases
+// ------------------------------------------------------------------------------------------------
+
+enum class AlibiKind { kNone, kPerHead, kPerBatchHead };
+
+inline const char* short_dtype_name(DType dtype) {
+  return dtype == DType::kBFloat16 ? "bf16" : dtype == DType::kFloat16 ? "fp16" : "other";
+}
+
+// Everything that defines one forward call. Fixed length uses seqlen_q/seqlen_k; varlen uses the
+// per-sequence lengths (and packs them, followed by tail_q/tail_k unused tokens).
+struct FwdCase {
+  std::string name;  // a GoogleTest-safe name ([A-Za-z0-9_])
   DType dtype = DType::kBFloat16;
-  int batch = 1;  // ignored for varlen: lens_q.size() is the batch
+  int batch = 1;
   int heads_q = 1;
   int heads_kv = 1;
   int head_dim = 64;
   int seqlen_q = 1;  // fixed length only
-  int seqlen_k = 1;
-  // Varlen when lens_q is not empty: per-sequence lengths; used_k (optional) becomes seqused_k.
-  std::vector<int> lens_q, lens_k, used_k;
-  int tail_tokens = 0;         // unused tokens after the last sequence of the packed q/k/v
-  float softmax_scale = 0.0f;  // 0: 1/sqrt(head_dim)
-  float softcap = 0.0f;
+  int seqlen_k = 1;  // fixed length only
+
+  bool varlen = false;
+  std::vector<int> lens_q;  // varlen: [batch]
+  std::vector<int> lens_k;  // varlen: [batch]
+  std::vector<int> used_k;  // varlen: seqused_k [batch]; empty: not passed
+  int tail_q = 0;           // varlen: tokens after cu_seqlens_q[batch] that belong to no sequence
+  int tail_k = 0;
+  int extra_max_seqlen_q = 0;  // varlen: max_seqlen_q is passed as max(lens_q) + this
+
   bool causal = false;
   int window_left = -1;
   int window_right = -1;
-  Alibi alibi = Alibi::kNone;
+  AlibiKind alibi = AlibiKind::kNone;
+  float softcap = 0.0f;
+  float softmax_scale = 0.0f;  // 0: the default 1/sqrt(head_dim)
+  float q_scale = 1.0f;        // multiplies the random queries: softcap needs large scores
   uint64_t seed = 1;
 
-  bool is_varlen() const { return !lens_q.empty(); }
+  int max_len_q() const {
+    return varlen ? *std::max_element(lens_q.begin(), lens_q.end()) + extra_max_seqlen_q : seqlen_q;
+  }
+  int max_len_k() const {
+    return varlen ? *std::max_element(lens_k.begin(), lens_k.end()) : seqlen_k;
+  }
+  // Rows per (batch, head) of softmax_lse (and of the oracle's output blocks).
+  int lse_rows() const { return max_len_q(); }
+  int len_q(int b) const { return varlen ? lens_q[b] : seqlen_q; }
+  int len_k(int b) const { return varlen ? lens_k[b] : seqlen_k; }
+  // Token index of the first query / key of sequence b in the packed (or [batch*seqlen]) arrays.
+  int64_t start_q(int b) const {
+    return varlen ? prefix_sums(lens_q, prefix_q_)[b] : int64_t{b} * seqlen_q;
+  }
+  int64_t start_k(int b) const {
+    return varlen ? prefix_sums(lens_k, prefix_k_)[b] : int64_t{b} * seqlen_k;
+  }
+  // Tokens written by a correct kernel (rows past them must keep their poison).
+  int64_t used_tokens_q() const { return varlen ? start_q(batch) : int64_t{batch} * seqlen_q; }
+  int64_t total_q() const { return used_tokens_q() + (varlen ? tail_q : 0); }
+  int64_t total_k() const { return varlen ? start_k(batch) + tail_k : int64_t{batch} * seqlen_k; }
+
+  std::string describe() const;
+
+ private:
+  // Prefix sums of `lens`, cached (batches of 70,000 sequences are looked up once per row). A
+  // case is built, then used: its lengths do not change after the first lookup.
+  static const std::vector<int64_t>& prefix_sums(const std::vector<int>& lens,
+                                                 std::vector<int64_t>& cache) {
+    if (cache.size() != lens.size() + 1) {
+      cache.assign(1, 0);
+      for (int len : lens) cache.push_back(cache.back() + len);
+    }
+    return cache;
+  }
+  mutable std::vector<int64_t> prefix_q_, prefix_k_;
 };
+
+inline std::string list_string(const std::vector<int>& v) {
+  std::ostringstream os;
+  os << "{";
+  const size_t shown = std::min<size_t>(v.size(), 24);
+  for (size_t i = 0; i < shown; ++i) os << (i ? ", " : "") << v[i];
+  if (shown < v.size()) os << ", ... (" << v.size() << " in all)";
+  os << "}";
+  return os.str();
+}
+
+inline std::string FwdCase::describe() const {
+  std::ostringstream os;
+  os << name << ": " << short_dtype_name(dtype) << " batch=" << batch << " heads_q=" << heads_q
+     << " heads_kv=" << heads_kv << " head_dim=" << head_dim;
+  if (varlen) {
+    os << " varlen lens_q=" << list_string(lens_q) << " lens_k=" << list_string(lens_k);
+    if (!used_k.empty()) os << " seqused_k=" << list_string(used_k);
+    os << " tail_q=" << tail_q << " tail_k=" << tail_k << " max_seqlen_q=" << max_len_q()
+       << " max_seqlen_k=" << max_len_k();
+  } else {
+    os << " seqlen_q=" << seqlen_q << " seqlen_k=" << seqlen_k;
+  }
+  os << " causal=" << (causal ? "true" : "false") << " window=(" << window_left << ", "
+     << window_right << ")";
+  if (alibi != AlibiKind::kNone) {
+    os << " alibi=" << (alibi == AlibiKind::kPerHead ? "[heads_q]" : "[batch, heads_q]");
+  }
+  if (softcap > 0.0f) os << " softcap=" << softcap;
+  os << " softmax_scale="
+     << (softmax_scale == 0.0f ? std::string("default") : std::to_string(softmax_scale));
+  if (q_scale != 1.0f) os << " q_scale=" << q_scale;
+  os << " seed=" << seed;
+  return os.str();
+}
+
+// GoogleTest prints parameters with this (instead of a byte dump).
+inline void PrintTo(const FwdCase& c, std::ostream* os) { *os << c.describe(); }
+
+// ------------------------------------------------------------------------------------------------
+// Host inputs
+// ------------------------------------------------------------------------------------------------
+
+struct HostInputs {
+  std::vector<uint16_t> q;  // [total_q, heads_q, head_dim] (fixed: [batch * seqlen_q, ...])
+  std::vector<uint16_t> k;  // [total_k, heads_kv, head_dim]
+  std::vector<uint16_t> v;
+  std::vector<float> alibi;  // [heads_q] or [batch, heads_q]
+  std::vector<int> cu_q;     // varlen: [batch + 1]
+  std::vector<int> cu_k;
+  std::vector<int> used_k;  // varlen with seqused_k: [batch]
+};
+
+inline HostInputs make_inputs(const FwdCase& c) {
+  HostInputs in;
+  const int d = c.head_dim;
+  in.q.resize(static_cast<size_t>(c.total_q()) * c.heads_q * d);
+  in.k.resize(static_cast<size_t>(c.total_k()) * c.heads_kv * d);
+  in.v.resize(in.k.size());
+  // Outliers (x4) in q and k give heavy-tailed scores: peaky rows, large running-max updates. v
+  // stays standard normal: the error rule takes one max over all outputs, and outliers in v would
+  // inflate the input-dtype reference's error (probability error x |v|) and with it the bound.
+  fill_random(in.q, c.dtype, splitmix64(c.seed * 4 + 0), c.q_scale, 4.0f);
+  fill_random(in.k, c.dtype, splitmix64(c.seed * 4 + 1), 1.0f, 4.0f);
+  fill_random(in.v, c.dtype, splitmix64(c.seed * 4 + 2), 1.0f, 1.0f);
+  if (c.alibi != AlibiKind::kNone) {
+    // The usual geometric slopes 2^(-8 (h + 1) / heads); per-batch slopes get a random factor in
+    // [0.5, 1.5) so that batches differ.
+    Rng rng(splitmix64(c.seed * 4 + 3));
+    const int rows = c.alibi == AlibiKind::kPerBatchHead ? c.batch : 1;
+    for (int b = 0; b < rows; ++b) {
+      for (int h = 0; h < c.heads_q; ++h) {
+        float slope = std::exp2(-8.0f * static_cast<float>(h + 1) / static_cast<float>(c.heads_q));
+        if (c.alibi == AlibiKind::kPerBatchHead) slope *= static_cast<float>(0.5 + rng.uniform01());
+        in.alibi.push_back(slope);
+      }
+    }
+  }
+  if (c.varlen) {
+    for (int b = 0; b <= c.batch; ++b) {
+      in.cu_q.push_back(static_cast<int>(c.start_q(b)));
+      in.cu_k.push_back(static_cast<int>(c.start_k(b)));
+    }
+    in.used_k = c.used_k;
+  }
+  return in;
+}
+
+// ------------------------------------------------------------------------------------------------
+// The case on the host, for the CPU tests
+// ------------------------------------------------------------------------------------------------
 
 // A quiet NaN of dtype, to poison outputs: a row the code under test forgets to write stays NaN.
 inline uint16_t nan_bits(DType dtype) { return dtype == DType::kFloat16 ? 0x7e00 : 0x7fc0; }
 
+// The inputs of make_inputs, out poisoned with nan_bits and lse with NaN, and the CPU views over
+// them. Tests may replace or resize any buffer before they ask for views.
 class AttentionCase {
  public:
-  explicit AttentionCase(const CaseSpec& spec) : spec_(spec) {
-    batch_ = spec.is_varlen() ? static_cast<int>(spec.lens_q.size()) : spec.batch;
-    if (spec.is_varlen()) {
-      cu_seqlens_q.assign(1, 0);
-      cu_seqlens_k.assign(1, 0);
-      for (int b = 0; b < batch_; ++b) {
-        cu_seqlens_q.push_back(cu_seqlens_q.back() + spec.lens_q[b]);
-        cu_seqlens_k.push_back(cu_seqlens_k.back() + spec.lens_k[b]);
-      }
-      seqused_k = spec.used_k;
-      max_seqlen_q = *std::max_element(spec.lens_q.begin(), spec.lens_q.end());
-      max_seqlen_k = *std::max_element(spec.lens_k.begin(), spec.lens_k.end());
-      total_q = cu_seqlens_q.back() + spec.tail_tokens;
-      total_k = cu_seqlens_k.back() + spec.tail_tokens;
-    } else {
-      max_seqlen_q = spec.seqlen_q;
-      max_seqlen_k = spec.seqlen_k;
-      total_q = static_cast<int64_t>(batch_) * spec.seqlen_q;
-      total_k = static_cast<int64_t>(batch_) * spec.seqlen_k;
-    }
-    std::mt19937_64 rng(spec.seed);
-    std::normal_distribution<float> normal(0.0f, 1.0f);
-    auto random_half = [&](int64_t count) {
-      std::vector<uint16_t> values(count);
-      for (auto& x : values) x = float_to_bits(spec.dtype, normal(rng));
-      return values;
-    };
-    q = random_half(total_q * spec.heads_q * spec.head_dim);
-    k = random_half(total_k * spec.heads_kv * spec.head_dim);
-    v = random_half(total_k * spec.heads_kv * spec.head_dim);
-    out.assign(q.size(), nan_bits(spec.dtype));
-    lse.assign(static_cast<size_t>(batch_) * spec.heads_q * max_seqlen_q, std::nanf(""));
-    if (spec.alibi != Alibi::kNone) {
-      std::uniform_real_distribution<float> slope(0.01f, 0.5f);
-      alibi_slopes.resize(spec.alibi == Alibi::kPerHead ? spec.heads_q : batch_ * spec.heads_q);
-      for (float& s : alibi_slopes) s = slope(rng);
-    }
+  explicit AttentionCase(FwdCase c) : case_(std::move(c)) {
+    in = make_inputs(case_);
+    out.assign(in.q.size(), nan_bits(case_.dtype));
+    lse.assign(static_cast<size_t>(case_.batch) * case_.heads_q * case_.lse_rows(), std::nanf(""));
   }
 
-  const CaseSpec& spec() const { return spec_; }
-  int batch() const { return batch_; }
+  const FwdCase& fwd_case() const { return case_; }
 
   // Element index of (token, head, c) in the contiguous q/out or k/v buffers (token counts over the
   // whole batch: b * seqlen + i for fixed length, the packed index for varlen).
   int64_t q_index(int64_t token, int head, int c) const {
-    return (token * spec_.heads_q + head) * spec_.head_dim + c;
+    return (token * case_.heads_q + head) * case_.head_dim + c;
   }
   int64_t k_index(int64_t token, int head, int c) const {
-    return (token * spec_.heads_kv + head) * spec_.head_dim + c;
+    return (token * case_.heads_kv + head) * case_.head_dim + c;
   }
 
   // The tensor views of the public API over this case's buffers (CPU).
   FwdCommon common_views() {
     const Device cpu{};
-    const DType t = spec_.dtype;
-    const int64_t hq = spec_.heads_q, hkv = spec_.heads_kv, d = spec_.head_dim;
-    FwdCommon c;
-    if (spec_.is_varlen()) {
-      c.q = make_view(q.data(), t, {total_q, hq, d}, cpu);
-      c.k = make_view(k.data(), t, {total_k, hkv, d}, cpu);
-      c.v = make_view(v.data(), t, {total_k, hkv, d}, cpu);
-      c.out = make_view(out.data(), t, {total_q, hq, d}, cpu);
+    const FwdCase& c = case_;
+    const int64_t hq = c.heads_q, hkv = c.heads_kv, d = c.head_dim;
+    FwdCommon f;
+    if (c.varlen) {
+      f.q = make_view(in.q.data(), c.dtype, {c.total_q(), hq, d}, cpu);
+      f.k = make_view(in.k.data(), c.dtype, {c.total_k(), hkv, d}, cpu);
+      f.v = make_view(in.v.data(), c.dtype, {c.total_k(), hkv, d}, cpu);
+      f.out = make_view(out.data(), c.dtype, {c.total_q(), hq, d}, cpu);
     } else {
-      c.q = make_view(q.data(), t, {batch_, spec_.seqlen_q, hq, d}, cpu);
-      c.k = make_view(k.data(), t, {batch_, spec_.seqlen_k, hkv, d}, cpu);
-      c.v = make_view(v.data(), t, {batch_, spec_.seqlen_k, hkv, d}, cpu);
-      c.out = make_view(out.data(), t, {batch_, spec_.seqlen_q, hq, d}, cpu);
+      f.q = make_view(in.q.data(), c.dtype, {c.batch, c.seqlen_q, hq, d}, cpu);
+      f.k = make_view(in.k.data(), c.dtype, {c.batch, c.seqlen_k, hkv, d}, cpu);
+      f.v = make_view(in.v.data(), c.dtype, {c.batch, c.seqlen_k, hkv, d}, cpu);
+      f.out = make_view(out.data(), c.dtype, {c.batch, c.seqlen_q, hq, d}, cpu);
     }
-    c.softmax_lse = make_view(lse.data(), DType::kFloat32, {batch_, hq, max_seqlen_q}, cpu);
-    if (spec_.alibi == Alibi::kPerHead) {
-      c.alibi_slopes = make_view(alibi_slopes.data(), DType::kFloat32, {hq}, cpu);
-    } else if (spec_.alibi == Alibi::kPerBatchHead) {
-      c.alibi_slopes = make_view(alibi_slopes.data(), DType::kFloat32, {batch_, hq}, cpu);
+    f.softmax_lse = make_view(lse.data(), DType::kFloat32, {c.batch, hq, c.lse_rows()}, cpu);
+    if (c.alibi == AlibiKind::kPerHead) {
+      f.alibi_slopes = make_view(in.alibi.data(), DType::kFloat32, {hq}, cpu);
+    } else if (c.alibi == AlibiKind::kPerBatchHead) {
+      f.alibi_slopes = make_view(in.alibi.data(), DType::kFloat32, {c.batch, hq}, cpu);
     }
-    c.softmax_scale = spec_.softmax_scale;
-    c.softcap = spec_.softcap;
-    c.mask = MaskSpec{spec_.causal, spec_.window_left, spec_.window_right};
-    return c;
+    f.softmax_scale = c.softmax_scale;
+    f.softcap = c.softcap;
+    f.mask = MaskSpec{c.causal, c.window_left, c.window_right};
+    return f;
   }
 
   MhaFwdParams fwd_params() {
@@ -139,72 +346,69 @@ class AttentionCase {
     MhaVarlenFwdParams p;
     static_cast<FwdCommon&>(p) = common_views();
     const Device cpu{};
-    p.cu_seqlens_q = make_view(cu_seqlens_q.data(), DType::kInt32, {batch_ + 1}, cpu);
-    p.cu_seqlens_k = make_view(cu_seqlens_k.data(), DType::kInt32, {batch_ + 1}, cpu);
-    if (!seqused_k.empty()) {
-      p.seqused_k = make_view(seqused_k.data(), DType::kInt32, {batch_}, cpu);
+    const int batch = case_.batch;
+    p.cu_seqlens_q = make_view(in.cu_q.data(), DType::kInt32, {batch + 1}, cpu);
+    p.cu_seqlens_k = make_view(in.cu_k.data(), DType::kInt32, {batch + 1}, cpu);
+    if (!in.used_k.empty()) {
+      p.seqused_k = make_view(in.used_k.data(), DType::kInt32, {batch}, cpu);
     }
-    p.max_seqlen_q = max_seqlen_q;
-    p.max_seqlen_k = max_seqlen_k;
+    p.max_seqlen_q = case_.max_len_q();
+    p.max_seqlen_k = case_.max_len_k();
     return p;
   }
 
   // The problem exactly as specified, built without validation: only the softmax scale default and
   // causal (window_right = 0) are applied, so windows reach the reference unresolved.
   FwdProblem problem() {
+    const FwdCase& c = case_;
     FwdProblem p;
-    p.dtype = spec_.dtype;
-    p.batch = batch_;
-    p.heads_q = spec_.heads_q;
-    p.heads_kv = spec_.heads_kv;
-    p.head_dim = spec_.head_dim;
-    p.seqlen_q = max_seqlen_q;
-    p.seqlen_k = max_seqlen_k;
-    p.q = q.data();
-    p.k = k.data();
-    p.v = v.data();
+    p.dtype = c.dtype;
+    p.batch = c.batch;
+    p.heads_q = c.heads_q;
+    p.heads_kv = c.heads_kv;
+    p.head_dim = c.head_dim;
+    p.seqlen_q = c.max_len_q();
+    p.seqlen_k = c.max_len_k();
+    p.q = in.q.data();
+    p.k = in.k.data();
+    p.v = in.v.data();
     p.out = out.data();
-    const int64_t hq = spec_.heads_q, hkv = spec_.heads_kv, d = spec_.head_dim;
+    const int64_t hq = c.heads_q, hkv = c.heads_kv, d = c.head_dim;
     p.q_row_stride = p.out_row_stride = hq * d;
     p.q_head_stride = p.out_head_stride = d;
     p.k_row_stride = p.v_row_stride = hkv * d;
     p.k_head_stride = p.v_head_stride = d;
-    if (!spec_.is_varlen()) {
-      p.q_batch_stride = p.out_batch_stride = spec_.seqlen_q * hq * d;
-      p.k_batch_stride = p.v_batch_stride = spec_.seqlen_k * hkv * d;
+    if (!c.varlen) {
+      p.q_batch_stride = p.out_batch_stride = c.seqlen_q * hq * d;
+      p.k_batch_stride = p.v_batch_stride = c.seqlen_k * hkv * d;
     } else {
-      p.cu_seqlens_q = cu_seqlens_q.data();
-      p.cu_seqlens_k = cu_seqlens_k.data();
-      p.seqused_k = seqused_k.empty() ? nullptr : seqused_k.data();
+      p.cu_seqlens_q = in.cu_q.data();
+      p.cu_seqlens_k = in.cu_k.data();
+      p.seqused_k = in.used_k.empty() ? nullptr : in.used_k.data();
     }
     p.lse = lse.data();
-    p.lse_head_stride = max_seqlen_q;
-    p.lse_batch_stride = hq * max_seqlen_q;
-    if (spec_.alibi != Alibi::kNone) {
-      p.alibi_slopes = alibi_slopes.data();
-      p.alibi_batch_stride = spec_.alibi == Alibi::kPerBatchHead ? hq : 0;
+    p.lse_head_stride = c.lse_rows();
+    p.lse_batch_stride = hq * c.lse_rows();
+    if (c.alibi != AlibiKind::kNone) {
+      p.alibi_slopes = in.alibi.data();
+      p.alibi_batch_stride = c.alibi == AlibiKind::kPerBatchHead ? hq : 0;
     }
-    p.softmax_scale = spec_.softmax_scale != 0.0f
-                          ? spec_.softmax_scale
+    p.softmax_scale = c.softmax_scale != 0.0f
+                          ? c.softmax_scale
                           : static_cast<float>(1.0 / std::sqrt(static_cast<double>(d)));
-    p.softcap = spec_.softcap;
-    p.causal = spec_.causal;
-    p.window_left = spec_.window_left;
-    p.window_right = spec_.causal ? 0 : spec_.window_right;
+    p.softcap = c.softcap;
+    p.causal = c.causal;
+    p.window_left = c.window_left;
+    p.window_right = c.causal ? 0 : c.window_right;
     return p;
   }
 
-  std::vector<uint16_t> q, k, v, out;
-  std::vector<float> lse, alibi_slopes;
-  std::vector<int32_t> cu_seqlens_q, cu_seqlens_k, seqused_k;
-  int max_seqlen_q = 0;
-  int max_seqlen_k = 0;
-  int64_t total_q = 0;
-  int64_t total_k = 0;
+  HostInputs in;
+  std::vector<uint16_t> out;
+  std::vector<float> lse;
 
  private:
-  CaseSpec spec_;
-  int batch_ = 0;
+  FwdCase case_;
 };
 
 }  // namespace flashkit::test

@@ -40,7 +40,7 @@
 #include "flashkit/flashkit.h"
 #include "gpu_test_util.h"
 
-namespace flashkit_test {
+namespace flashkit::test {
 namespace {
 
 // ------------------------------------------------------------------------------------------------
@@ -1001,4 +1001,4 @@ TEST_F(GpuFwdTest, DeterministicVarlenAlibiSoftcap) {
 }
 
 }  // namespace
-}  // namespace flashkit_test
+}  // namespace flashkit::test

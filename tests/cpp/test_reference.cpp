@@ -35,14 +35,14 @@ struct NaiveResult {
 };
 
 // Reads the inputs straight from the case's contiguous buffers and the sequence lengths from its
-// spec; only the scalar options (scale, softcap, windows) come from the problem.
+// FwdCase; only the scalar options (scale, softcap, windows) come from the problem.
 //
 // T = double: the exact oracle. T = float: an emulation of plain framework code in the input dtype
 // (fp32 dot products rounded to the dtype, fp32 softmax, probabilities and outputs rounded to the
 // dtype), independent of the reference's kInputDtype mode.
 template <typename T>
 NaiveResult naive_attention(const AttentionCase& c, const FwdProblem& p) {
-  const CaseSpec& spec = c.spec();
+  const FwdCase& spec = c.fwd_case();
   const bool emulate_input_dtype = std::is_same_v<T, float>;
   auto to_input_dtype = [&](T x) {
     return emulate_input_dtype ? static_cast<T>(round_to(spec.dtype, static_cast<float>(x))) : x;
@@ -50,22 +50,22 @@ NaiveResult naive_attention(const AttentionCase& c, const FwdProblem& p) {
   auto input = [&](const std::vector<uint16_t>& buffer, int64_t index) {
     return static_cast<T>(bits_to_float(spec.dtype, buffer[index]));
   };
-  const int batch = c.batch(), hq = spec.heads_q, d = spec.head_dim;
+  const int batch = spec.batch, hq = spec.heads_q, d = spec.head_dim;
   const int group = spec.heads_q / spec.heads_kv;
-  const int rows = c.max_seqlen_q;
+  const int rows = spec.lse_rows();
   NaiveResult result{std::vector<double>(static_cast<size_t>(batch) * hq * rows * d, std::nan("")),
                      std::vector<double>(static_cast<size_t>(batch) * hq * rows, std::nan(""))};
 
   int64_t q_start = 0, k_start = 0;
   for (int b = 0; b < batch; ++b) {
-    const int len_q = spec.is_varlen() ? spec.lens_q[b] : spec.seqlen_q;
-    const int stored_k = spec.is_varlen() ? spec.lens_k[b] : spec.seqlen_k;
+    const int len_q = spec.varlen ? spec.lens_q[b] : spec.seqlen_q;
+    const int stored_k = spec.varlen ? spec.lens_k[b] : spec.seqlen_k;
     const int len_k = spec.used_k.empty() ? stored_k : spec.used_k[b];
     for (int h = 0; h < hq; ++h) {
       const int kv_head = h / group;
       T slope = 0;
-      if (spec.alibi == Alibi::kPerHead) slope = c.alibi_slopes[h];
-      if (spec.alibi == Alibi::kPerBatchHead) slope = c.alibi_slopes[b * hq + h];
+      if (spec.alibi == AlibiKind::kPerHead) slope = c.in.alibi[h];
+      if (spec.alibi == AlibiKind::kPerBatchHead) slope = c.in.alibi[b * hq + h];
 
       std::vector<T> scores(static_cast<size_t>(len_q) * len_k);
       std::vector<bool> allowed(scores.size());
@@ -73,8 +73,8 @@ NaiveResult naive_attention(const AttentionCase& c, const FwdProblem& p) {
         for (int j = 0; j < len_k; ++j) {
           T dot = 0;
           for (int e = 0; e < d; ++e) {
-            dot += input(c.q, c.q_index(q_start + i, h, e)) *
-                   input(c.k, c.k_index(k_start + j, kv_head, e));
+            dot += input(c.in.q, c.q_index(q_start + i, h, e)) *
+                   input(c.in.k, c.k_index(k_start + j, kv_head, e));
           }
           T s = to_input_dtype(dot) * static_cast<T>(p.softmax_scale);
           if (p.softcap > 0.0f) {
@@ -108,14 +108,14 @@ NaiveResult naive_attention(const AttentionCase& c, const FwdProblem& p) {
           if (!allowed[i * len_k + j]) continue;
           const T prob = to_input_dtype(std::exp(scores[i * len_k + j] - max_score) / sum);
           for (int e = 0; e < d; ++e) {
-            out_row[e] += prob * input(c.v, c.k_index(k_start + j, kv_head, e));
+            out_row[e] += prob * input(c.in.v, c.k_index(k_start + j, kv_head, e));
           }
         }
         for (int e = 0; e < d; ++e) result.out[row * d + e] = to_input_dtype(out_row[e]);
         result.lse[row] = max_score + std::log(sum);
       }
     }
-    q_start += spec.is_varlen() ? spec.lens_q[b] : spec.seqlen_q;
+    q_start += len_q;
     k_start += stored_k;
   }
   return result;
@@ -164,25 +164,6 @@ void expect_reference_matches_naive(AttentionCase& c) {
   expect_close(r.lse, naive.lse, 1e-6, 1e-6, "lse");
 }
 
-std::string describe(const CaseSpec& s) {
-  std::string text = std::string(dtype_name(s.dtype)) + " d=" + std::to_string(s.head_dim) +
-                     " heads=" + std::to_string(s.heads_q) + "/" + std::to_string(s.heads_kv);
-  if (s.is_varlen()) {
-    text += " varlen q,k,used:";
-    for (size_t b = 0; b < s.lens_q.size(); ++b) {
-      text += " " + std::to_string(s.lens_q[b]) + "," + std::to_string(s.lens_k[b]);
-      if (!s.used_k.empty()) text += "," + std::to_string(s.used_k[b]);
-    }
-  } else {
-    text += " b=" + std::to_string(s.batch) + " sq=" + std::to_string(s.seqlen_q) +
-            " sk=" + std::to_string(s.seqlen_k);
-  }
-  text += " causal=" + std::to_string(s.causal) + " window=(" + std::to_string(s.window_left) +
-          "," + std::to_string(s.window_right) + ") softcap=" + std::to_string(s.softcap) +
-          " alibi=" + std::to_string(static_cast<int>(s.alibi)) + " seed=" + std::to_string(s.seed);
-  return text;
-}
-
 // ---- random cases ----
 
 enum class MaskKind { kNone, kCausal, kWindow, kCausalWithLeftWindow };
@@ -196,30 +177,32 @@ int odd_length(std::mt19937_64& rng, bool allow_zero) {
   return kLengths[n];
 }
 
-// A spec with the given dtype / head dim / heads / mask and everything else drawn from `rng`:
+// A case with the given dtype / head dim / heads / mask and everything else drawn from `rng`:
 // ALiBi (none, per head, per batch and head), softcap, fixed or variable length (with zero-length
 // sequences, seqused_k and unused tail tokens), odd lengths with seqlen_q above and below seqlen_k.
-CaseSpec random_spec(std::mt19937_64& rng, DType dtype, int head_dim, int heads_q, int heads_kv,
-                     MaskKind mask) {
+FwdCase random_case(std::mt19937_64& rng, DType dtype, int head_dim, int heads_q, int heads_kv,
+                    MaskKind mask) {
   auto coin = [&](double p) { return std::bernoulli_distribution(p)(rng); };
-  CaseSpec s;
+  FwdCase s;
+  s.name = "random";
   s.dtype = dtype;
   s.head_dim = head_dim;
   s.heads_q = heads_q;
   s.heads_kv = heads_kv;
   s.seed = rng();
   if (coin(0.5)) {
-    const int batch = std::uniform_int_distribution<int>(1, 4)(rng);
-    for (int b = 0; b < batch; ++b) {
+    s.varlen = true;
+    s.batch = std::uniform_int_distribution<int>(1, 4)(rng);
+    for (int b = 0; b < s.batch; ++b) {
       s.lens_q.push_back(odd_length(rng, true));
       s.lens_k.push_back(odd_length(rng, true));
     }
     if (coin(0.4)) {
-      for (int b = 0; b < batch; ++b) {
+      for (int b = 0; b < s.batch; ++b) {
         s.used_k.push_back(std::uniform_int_distribution<int>(0, s.lens_k[b])(rng));
       }
     }
-    s.tail_tokens = coin(0.3) ? 5 : 0;
+    s.tail_q = s.tail_k = coin(0.3) ? 5 : 0;
   } else {
     s.batch = std::uniform_int_distribution<int>(1, 3)(rng);
     s.seqlen_q = odd_length(rng, false);
@@ -245,7 +228,9 @@ CaseSpec random_spec(std::mt19937_64& rng, DType dtype, int head_dim, int heads_
       break;
   }
   const int alibi = std::uniform_int_distribution<int>(0, 2)(rng);
-  s.alibi = alibi == 0 ? Alibi::kNone : alibi == 1 ? Alibi::kPerHead : Alibi::kPerBatchHead;
+  s.alibi = alibi == 0   ? AlibiKind::kNone
+            : alibi == 1 ? AlibiKind::kPerHead
+                         : AlibiKind::kPerBatchHead;
   if (coin(0.35)) s.softcap = std::uniform_real_distribution<float>(0.5f, 10.0f)(rng);
   if (coin(0.3)) s.softmax_scale = std::uniform_real_distribution<float>(0.05f, 0.5f)(rng);
   return s;
@@ -262,8 +247,8 @@ TEST(ReferenceVsNaive, FeatureGrid) {
     for (int head_dim : head_dims) {
       for (const auto& h : heads) {
         for (MaskKind mask : masks) {
-          AttentionCase c(random_spec(rng, dtype, head_dim, h[0], h[1], mask));
-          SCOPED_TRACE(describe(c.spec()));
+          AttentionCase c(random_case(rng, dtype, head_dim, h[0], h[1], mask));
+          SCOPED_TRACE(c.fwd_case().describe());
           expect_reference_matches_naive(c);
           if (HasFatalFailure()) return;
         }
@@ -280,8 +265,8 @@ TEST(ReferenceVsNaive, RandomCases) {
     const int heads_kv = std::uniform_int_distribution<int>(1, 3)(rng);
     const int heads_q = heads_kv * std::uniform_int_distribution<int>(1, 3)(rng);
     const auto mask = static_cast<MaskKind>(std::uniform_int_distribution<int>(0, 3)(rng));
-    AttentionCase c(random_spec(rng, dtype, head_dim, heads_q, heads_kv, mask));
-    SCOPED_TRACE(describe(c.spec()));
+    AttentionCase c(random_case(rng, dtype, head_dim, heads_q, heads_kv, mask));
+    SCOPED_TRACE(c.fwd_case().describe());
     expect_reference_matches_naive(c);
     if (HasFatalFailure()) return;
   }
@@ -293,7 +278,8 @@ TEST(ReferenceVsNaive, QueryAndKeyLengthsBothWays) {
   uint64_t seed = 5;
   for (const auto& len : lengths) {
     for (int variant = 0; variant < 4; ++variant) {
-      CaseSpec s;
+      FwdCase s;
+      s.name = "lengths";
       s.dtype = DType::kFloat16;
       s.batch = 2;
       s.heads_q = 4;
@@ -303,10 +289,10 @@ TEST(ReferenceVsNaive, QueryAndKeyLengthsBothWays) {
       s.seqlen_k = len[1];
       s.causal = variant == 1 || variant == 3;
       if (variant == 2) s.window_left = s.window_right = 2;
-      if (variant == 3) s.alibi = Alibi::kPerHead;
+      if (variant == 3) s.alibi = AlibiKind::kPerHead;
       s.seed = ++seed;
       AttentionCase c(s);
-      SCOPED_TRACE(describe(s));
+      SCOPED_TRACE(s.describe());
       expect_reference_matches_naive(c);
       if (HasFatalFailure()) return;
     }
@@ -315,7 +301,7 @@ TEST(ReferenceVsNaive, QueryAndKeyLengthsBothWays) {
 
 // Large enough to run on several threads and to cross many row blocks.
 TEST(ReferenceVsNaive, LargerProblemOnSeveralThreads) {
-  CaseSpec s;
+  FwdCase s;
   s.dtype = DType::kBFloat16;
   s.batch = 2;
   s.heads_q = 4;
@@ -324,7 +310,7 @@ TEST(ReferenceVsNaive, LargerProblemOnSeveralThreads) {
   s.seqlen_q = 150;
   s.seqlen_k = 203;
   s.causal = true;
-  s.alibi = Alibi::kPerBatchHead;
+  s.alibi = AlibiKind::kPerBatchHead;
   s.seed = 99;
   AttentionCase c(s);
   expect_reference_matches_naive(c);
@@ -332,8 +318,8 @@ TEST(ReferenceVsNaive, LargerProblemOnSeveralThreads) {
 
 // ---- the mask semantics, spelled out ----
 
-CaseSpec tiny_spec(int seqlen_q, int seqlen_k) {
-  CaseSpec s;
+FwdCase tiny_case(int seqlen_q, int seqlen_k) {
+  FwdCase s;
   s.dtype = DType::kFloat16;
   s.batch = 1;
   s.heads_q = 2;
@@ -346,16 +332,16 @@ CaseSpec tiny_spec(int seqlen_q, int seqlen_k) {
 }
 
 float value_of(const AttentionCase& c, const std::vector<uint16_t>& buffer, int64_t index) {
-  return bits_to_float(c.spec().dtype, buffer[index]);
+  return bits_to_float(c.fwd_case().dtype, buffer[index]);
 }
 
 // The score of (query token i, key token j) for query head h, as the reference defines it.
 double score_of(const AttentionCase& c, float scale, int64_t i, int64_t j, int h) {
-  const CaseSpec& s = c.spec();
+  const FwdCase& s = c.fwd_case();
   double dot = 0.0;
   for (int e = 0; e < s.head_dim; ++e) {
-    dot += static_cast<double>(value_of(c, c.q, c.q_index(i, h, e))) *
-           value_of(c, c.k, c.k_index(j, h / (s.heads_q / s.heads_kv), e));
+    dot += static_cast<double>(value_of(c, c.in.q, c.q_index(i, h, e))) *
+           value_of(c, c.in.k, c.k_index(j, h / (s.heads_q / s.heads_kv), e));
   }
   return scale * dot;
 }
@@ -363,7 +349,7 @@ double score_of(const AttentionCase& c, float scale, int64_t i, int64_t j, int h
 // Bottom-right alignment: with 8 queries and 3 keys, row i sees keys j <= i - 5, so rows 0..4 see
 // none (zeros, lse -inf) and row 5 sees key 0 alone (out = v_0, lse = its score).
 TEST(MaskSemantics, CausalWithMoreQueriesThanKeysLeavesFirstRowsEmpty) {
-  CaseSpec s = tiny_spec(8, 3);
+  FwdCase s = tiny_case(8, 3);
   s.causal = true;
   AttentionCase c(s);
   const FwdProblem p = c.problem();
@@ -376,7 +362,7 @@ TEST(MaskSemantics, CausalWithMoreQueriesThanKeysLeavesFirstRowsEmpty) {
     }
     EXPECT_FLOAT_EQ(r.lse[h * 8 + 5], static_cast<float>(score_of(c, p.softmax_scale, 5, 0, h)));
     for (int e = 0; e < d; ++e) {
-      EXPECT_FLOAT_EQ(r.out[(h * 8 + 5) * d + e], value_of(c, c.v, c.k_index(0, 0, e)));
+      EXPECT_FLOAT_EQ(r.out[(h * 8 + 5) * d + e], value_of(c, c.in.v, c.k_index(0, 0, e)));
     }
     EXPECT_NE(r.lse[h * 8 + 6], -std::numeric_limits<float>::infinity());
   }
@@ -387,7 +373,7 @@ TEST(MaskSemantics, CausalWithMoreQueriesThanKeysLeavesFirstRowsEmpty) {
 TEST(MaskSemantics, WindowZeroZeroAttendsToTheAlignedDiagonalOnly) {
   const int lengths[][2] = {{5, 5}, {3, 7}};
   for (const auto& len : lengths) {
-    CaseSpec s = tiny_spec(len[0], len[1]);
+    FwdCase s = tiny_case(len[0], len[1]);
     s.window_left = 0;
     s.window_right = 0;
     AttentionCase c(s);
@@ -399,7 +385,7 @@ TEST(MaskSemantics, WindowZeroZeroAttendsToTheAlignedDiagonalOnly) {
         const int64_t row = h * len[0] + i;
         EXPECT_FLOAT_EQ(r.lse[row], static_cast<float>(score_of(c, p.softmax_scale, i, j, h)));
         for (int e = 0; e < s.head_dim; ++e) {
-          EXPECT_FLOAT_EQ(r.out[row * s.head_dim + e], value_of(c, c.v, c.k_index(j, 0, e)));
+          EXPECT_FLOAT_EQ(r.out[row * s.head_dim + e], value_of(c, c.in.v, c.k_index(j, 0, e)));
         }
       }
     }
@@ -408,18 +394,20 @@ TEST(MaskSemantics, WindowZeroZeroAttendsToTheAlignedDiagonalOnly) {
 
 // No key at all (seqlen_k == 0, a zero-length key sequence, seqused_k == 0): zeros and -inf.
 TEST(MaskSemantics, NoKeysGivesZeroRowsAndMinusInfinity) {
-  AttentionCase fixed(tiny_spec(4, 0));
+  AttentionCase fixed(tiny_case(4, 0));
   const Fp32Result r = run_reference_fp32(fixed.problem(), cpu::RefPrecision::kExact);
   for (float x : r.out) EXPECT_EQ(x, 0.0f);
   for (float x : r.lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
 
-  CaseSpec s = tiny_spec(0, 0);
+  FwdCase s = tiny_case(0, 0);
+  s.varlen = true;
+  s.batch = 2;
   s.lens_q = {3, 2};
   s.lens_k = {0, 4};
   s.used_k = {0, 0};
   AttentionCase varlen(s);
   const Fp32Result rv = run_reference_fp32(varlen.problem(), cpu::RefPrecision::kExact);
-  const int rows = varlen.max_seqlen_q;
+  const int rows = s.lse_rows();
   for (int b = 0; b < 2; ++b) {
     for (int h = 0; h < s.heads_q; ++h) {
       for (int i = 0; i < s.lens_q[b]; ++i) {
@@ -431,7 +419,9 @@ TEST(MaskSemantics, NoKeysGivesZeroRowsAndMinusInfinity) {
 
 // Varlen: rows past a sequence's length belong to no query; the fp32 oracle leaves them alone.
 TEST(MaskSemantics, VarlenRowsPastTheSequenceAreLeftUntouched) {
-  CaseSpec s = tiny_spec(0, 0);
+  FwdCase s = tiny_case(0, 0);
+  s.varlen = true;
+  s.batch = 3;
   s.lens_q = {5, 0, 2};
   s.lens_k = {3, 4, 0};
   AttentionCase c(s);
@@ -452,7 +442,7 @@ TEST(MaskSemantics, VarlenRowsPastTheSequenceAreLeftUntouched) {
 // kExact, but only by what that rounding explains.
 TEST(Precision, InputDtypeModeDiffersFromExactByAPlausibleAmount) {
   for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
-    CaseSpec s;
+    FwdCase s;
     s.dtype = dtype;
     s.batch = 2;
     s.heads_q = 4;
@@ -462,7 +452,7 @@ TEST(Precision, InputDtypeModeDiffersFromExactByAPlausibleAmount) {
     s.seqlen_k = 97;
     s.causal = true;
     s.softcap = 8.0f;
-    s.alibi = Alibi::kPerHead;
+    s.alibi = AlibiKind::kPerHead;
     s.seed = 3;
     AttentionCase c(s);
     const FwdProblem p = c.problem();
@@ -493,9 +483,9 @@ TEST(Precision, InputDtypeModeMatchesANaiveEmulation) {
   std::mt19937_64 rng(4242);
   for (int n = 0; n < 40; ++n) {
     const DType dtype = n % 2 ? DType::kFloat16 : DType::kBFloat16;
-    AttentionCase c(random_spec(rng, dtype, 8 * (1 + n % 32), 4, n % 3 == 0 ? 1 : 2,
+    AttentionCase c(random_case(rng, dtype, 8 * (1 + n % 32), 4, n % 3 == 0 ? 1 : 2,
                                 static_cast<MaskKind>(n % 4)));
-    SCOPED_TRACE(describe(c.spec()));
+    SCOPED_TRACE(c.fwd_case().describe());
     const FwdProblem p = c.problem();
     const Fp32Result r = run_reference_fp32(p, cpu::RefPrecision::kInputDtype);
     const NaiveResult naive = naive_attention<float>(c, p);
@@ -519,14 +509,14 @@ TEST(Precision, InputDtypeModeMatchesANaiveEmulation) {
 // half an ulp, the two being rounded from the same fp64 value), and the same lse.
 void expect_api_matches_oracle(AttentionCase& c, const FwdProblem& validated) {
   const Fp32Result oracle = run_reference_fp32(validated, cpu::RefPrecision::kExact);
-  const CaseSpec& s = c.spec();
+  const FwdCase& s = c.fwd_case();
   const double half_ulp = s.dtype == DType::kFloat16 ? std::ldexp(1.0, -11) : std::ldexp(1.0, -8);
   int64_t q_start = 0;
-  for (int b = 0; b < c.batch(); ++b) {
-    const int len_q = s.is_varlen() ? s.lens_q[b] : s.seqlen_q;
+  for (int b = 0; b < s.batch; ++b) {
+    const int len_q = s.len_q(b);
     for (int h = 0; h < s.heads_q; ++h) {
       for (int i = 0; i < len_q; ++i) {
-        const int64_t row = (static_cast<int64_t>(b) * s.heads_q + h) * c.max_seqlen_q + i;
+        const int64_t row = (static_cast<int64_t>(b) * s.heads_q + h) * s.lse_rows() + i;
         ASSERT_EQ(c.lse[row], oracle.lse[row]) << "lse b=" << b << " h=" << h << " i=" << i;
         for (int e = 0; e < s.head_dim; ++e) {
           const double expected = oracle.out[row * s.head_dim + e];
@@ -543,16 +533,14 @@ void expect_api_matches_oracle(AttentionCase& c, const FwdProblem& validated) {
 TEST(PublicApi, MhaFwdOnCpuViewsMatchesTheFp32Reference) {
   std::mt19937_64 rng(31);
   for (int n = 0; n < 24; ++n) {
-    CaseSpec s = random_spec(rng, n % 2 ? DType::kFloat16 : DType::kBFloat16, 8 * (1 + n % 8), 4,
-                             n % 3 == 0 ? 1 : 2, static_cast<MaskKind>(n % 4));
-    s.lens_q.clear();
-    s.lens_k.clear();
-    s.used_k.clear();
+    FwdCase s = random_case(rng, n % 2 ? DType::kFloat16 : DType::kBFloat16, 8 * (1 + n % 8), 4,
+                            n % 3 == 0 ? 1 : 2, static_cast<MaskKind>(n % 4));
+    s.varlen = false;
     s.batch = 2;
     s.seqlen_q = odd_length(rng, false);
     s.seqlen_k = odd_length(rng, false);
     AttentionCase c(s);
-    SCOPED_TRACE(describe(s));
+    SCOPED_TRACE(s.describe());
     const MhaFwdParams params = c.fwd_params();
     mha_fwd(params);
     expect_api_matches_oracle(c, api::validate_mha_fwd(params));
@@ -563,13 +551,13 @@ TEST(PublicApi, MhaFwdOnCpuViewsMatchesTheFp32Reference) {
 TEST(PublicApi, MhaVarlenFwdOnCpuViewsMatchesTheFp32Reference) {
   std::mt19937_64 rng(32);
   for (int n = 0; n < 24; ++n) {
-    CaseSpec s;
+    FwdCase s;
     do {
-      s = random_spec(rng, n % 2 ? DType::kFloat16 : DType::kBFloat16, 8 * (1 + n % 8), 6, 2,
+      s = random_case(rng, n % 2 ? DType::kFloat16 : DType::kBFloat16, 8 * (1 + n % 8), 6, 2,
                       static_cast<MaskKind>(n % 4));
-    } while (!s.is_varlen());
+    } while (!s.varlen);
     AttentionCase c(s);
-    SCOPED_TRACE(describe(s));
+    SCOPED_TRACE(s.describe());
     const MhaVarlenFwdParams params = c.varlen_params();
     mha_varlen_fwd(params);
     expect_api_matches_oracle(c, api::validate_mha_varlen_fwd(params));
@@ -579,15 +567,15 @@ TEST(PublicApi, MhaVarlenFwdOnCpuViewsMatchesTheFp32Reference) {
 
 // seqlen_k == 0 through the API: every row is zero with lse -inf (written, not left poisoned).
 TEST(PublicApi, NoKeysWritesZerosAndMinusInfinity) {
-  AttentionCase c(tiny_spec(3, 0));
+  AttentionCase c(tiny_case(3, 0));
   mha_fwd(c.fwd_params());
-  for (uint16_t bits : c.out) EXPECT_EQ(bits_to_float(c.spec().dtype, bits), 0.0f);
+  for (uint16_t bits : c.out) EXPECT_EQ(bits_to_float(c.fwd_case().dtype, bits), 0.0f);
   for (float x : c.lse) EXPECT_EQ(x, -std::numeric_limits<float>::infinity());
 }
 
 // seqlen_q == 0 is valid and leaves nothing to do.
 TEST(PublicApi, NoQueriesIsValidAndWritesNothing) {
-  AttentionCase c(tiny_spec(0, 5));
+  AttentionCase c(tiny_case(0, 5));
   EXPECT_NO_THROW(mha_fwd(c.fwd_params()));
 }
 
@@ -597,7 +585,7 @@ TEST(PublicApi, NoQueriesIsValidAndWritesNothing) {
 // k/v [seqlen, batch, heads, dim + pad], lse [heads, batch, seqlen + pad]) give bit-identical
 // results.
 TEST(Layout, NonContiguousStridesGiveTheSameResult) {
-  CaseSpec s;
+  FwdCase s;
   s.dtype = DType::kBFloat16;
   s.batch = 2;
   s.heads_q = 4;
@@ -606,7 +594,7 @@ TEST(Layout, NonContiguousStridesGiveTheSameResult) {
   s.seqlen_q = 17;
   s.seqlen_k = 33;
   s.causal = true;
-  s.alibi = Alibi::kPerBatchHead;
+  s.alibi = AlibiKind::kPerBatchHead;
   s.seed = 8;
   AttentionCase c(s);
   mha_fwd(c.fwd_params());
@@ -624,14 +612,14 @@ TEST(Layout, NonContiguousStridesGiveTheSameResult) {
     for (int64_t i = 0; i < SQ; ++i) {
       for (int64_t h = 0; h < H; ++h) {
         for (int64_t e = 0; e < D; ++e)
-          q[((b * H + h) * SQ + i) * P + e] = c.q[c.q_index(b * SQ + i, h, e)];
+          q[((b * H + h) * SQ + i) * P + e] = c.in.q[c.q_index(b * SQ + i, h, e)];
       }
     }
     for (int64_t j = 0; j < SK; ++j) {
       for (int64_t g = 0; g < G; ++g) {
         for (int64_t e = 0; e < D; ++e) {
-          k[((j * B + b) * G + g) * P + e] = c.k[c.k_index(b * SK + j, g, e)];
-          v[((j * B + b) * G + g) * P + e] = c.v[c.k_index(b * SK + j, g, e)];
+          k[((j * B + b) * G + g) * P + e] = c.in.k[c.k_index(b * SK + j, g, e)];
+          v[((j * B + b) * G + g) * P + e] = c.in.v[c.k_index(b * SK + j, g, e)];
         }
       }
     }
@@ -667,7 +655,7 @@ TEST(Layout, NonContiguousStridesGiveTheSameResult) {
 // ---- what the reference refuses ----
 
 TEST(Reference, RejectsDropoutUntilItIsImplemented) {
-  AttentionCase c(tiny_spec(3, 3));
+  AttentionCase c(tiny_case(3, 3));
   FwdProblem p = c.problem();
   p.dropout_p = 0.1f;
   EXPECT_THROW(cpu::reference_fwd(p), Error);

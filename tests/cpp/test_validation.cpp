@@ -50,8 +50,8 @@ constexpr Device kCuda0{DeviceKind::kCuda, 0};
 
 // A valid fixed-length problem: fp16, batch 2, 5 queries, 7 keys, 4 query heads over 2 kv heads,
 // head dim 16.
-CaseSpec fixed_spec() {
-  CaseSpec s;
+FwdCase fixed_case() {
+  FwdCase s;
   s.dtype = DType::kFloat16;
   s.batch = 2;
   s.heads_q = 4;
@@ -64,8 +64,10 @@ CaseSpec fixed_spec() {
 }
 
 // A valid varlen batch of 3 sequences, one of them with no query.
-CaseSpec varlen_spec() {
-  CaseSpec s = fixed_spec();
+FwdCase varlen_case() {
+  FwdCase s = fixed_case();
+  s.varlen = true;
+  s.batch = 3;
   s.lens_q = {3, 0, 5};
   s.lens_k = {4, 2, 6};
   return s;
@@ -81,13 +83,13 @@ void label_all_cuda(FwdCommon& p) {
 
 class MhaFwdValidation : public ::testing::Test {
  protected:
-  AttentionCase c{fixed_spec()};
+  AttentionCase c{fixed_case()};
   MhaFwdParams p = c.fwd_params();
 };
 
 class MhaVarlenFwdValidation : public ::testing::Test {
  protected:
-  AttentionCase c{varlen_spec()};
+  AttentionCase c{varlen_case()};
   MhaVarlenFwdParams p = c.varlen_params();
 };
 
@@ -151,8 +153,8 @@ TEST_F(MhaFwdValidation, AllTensorsMustBeOnOneDevice) {
 }
 
 TEST_F(MhaFwdValidation, AlibiMustBeOnTheDeviceOfQ) {
-  c.alibi_slopes.assign(4, 0.1f);
-  p.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {4}, kCuda0);
+  c.in.alibi.assign(4, 0.1f);
+  p.alibi_slopes = make_view(c.in.alibi.data(), DType::kFloat32, {4}, kCuda0);
   EXPECT_ERROR_MENTIONS(mha_fwd(p), "alibi_slopes is on cuda:0 but q is on cpu");
 }
 
@@ -160,38 +162,38 @@ TEST_F(MhaFwdValidation, AlibiMustBeOnTheDeviceOfQ) {
 
 TEST_F(MhaFwdValidation, RanksMustBeFour) {
   MhaFwdParams bad = p;
-  bad.q = make_view(c.q.data(), DType::kFloat16, {10, 4, 16}, Device{});
+  bad.q = make_view(c.in.q.data(), DType::kFloat16, {10, 4, 16}, Device{});
   EXPECT_ERROR_MENTIONS(mha_fwd(bad), "q has rank 3", "expected rank 4");
   bad = p;
-  bad.k = make_view(c.k.data(), DType::kFloat16, {14, 2, 16}, Device{});
+  bad.k = make_view(c.in.k.data(), DType::kFloat16, {14, 2, 16}, Device{});
   EXPECT_ERROR_MENTIONS(mha_fwd(bad), "k has rank 3", "[batch, seqlen_k, heads_kv, head_dim]");
 }
 
 TEST_F(MhaFwdValidation, BatchMustBePositive) {
-  p.q = make_view(c.q.data(), DType::kFloat16, {0, 5, 4, 16}, Device{});
+  p.q = make_view(c.in.q.data(), DType::kFloat16, {0, 5, 4, 16}, Device{});
   EXPECT_ERROR_MENTIONS(mha_fwd(p), "batch (q.size(0)) is 0");
 }
 
 TEST_F(MhaFwdValidation, HeadDimMustBeAMultipleOf8UpTo256) {
   for (int64_t head_dim : {12, 264, 0}) {
     MhaFwdParams bad = p;
-    bad.q = make_view(c.q.data(), DType::kFloat16, {2, 5, 4, head_dim}, Device{});
+    bad.q = make_view(c.in.q.data(), DType::kFloat16, {2, 5, 4, head_dim}, Device{});
     const std::string value = "head_dim (q.size(-1)) is " + std::to_string(head_dim);
     EXPECT_ERROR_MENTIONS(mha_fwd(bad), value.c_str(), "a multiple of 8 from 8 to 256");
   }
 }
 
 TEST_F(MhaFwdValidation, QueryHeadsMustBeAMultipleOfKvHeads) {
-  p.k = make_view(c.k.data(), DType::kFloat16, {2, 7, 3, 16}, Device{});
+  p.k = make_view(c.in.k.data(), DType::kFloat16, {2, 7, 3, 16}, Device{});
   EXPECT_ERROR_MENTIONS(mha_fwd(p), "q has 4 heads and k has 3", "multiple of heads_kv");
 }
 
 TEST_F(MhaFwdValidation, ShapesMustMatchAndNameTheExpectedShape) {
   MhaFwdParams bad = p;
-  bad.k = make_view(c.k.data(), DType::kFloat16, {1, 7, 2, 16}, Device{});
+  bad.k = make_view(c.in.k.data(), DType::kFloat16, {1, 7, 2, 16}, Device{});
   EXPECT_ERROR_MENTIONS(mha_fwd(bad), "k has shape [1, 7, 2, 16]; expected [2, 7, 2, 16]");
   bad = p;
-  bad.v = make_view(c.v.data(), DType::kFloat16, {2, 6, 2, 16}, Device{});
+  bad.v = make_view(c.in.v.data(), DType::kFloat16, {2, 6, 2, 16}, Device{});
   EXPECT_ERROR_MENTIONS(mha_fwd(bad), "v has shape [2, 6, 2, 16]; expected [2, 7, 2, 16]");
   bad = p;
   bad.out = make_view(c.out.data(), DType::kFloat16, {2, 5, 2, 16}, Device{});
@@ -205,11 +207,14 @@ TEST_F(MhaFwdValidation, ShapesMustMatchAndNameTheExpectedShape) {
 
 TEST_F(MhaFwdValidation, LastDimMustBeContiguous) {
   MhaFwdParams bad = p;
-  bad.q = make_strided_view(c.q.data(), DType::kFloat16, {2, 5, 4, 8}, {320, 64, 16, 2}, Device{});
+  bad.q =
+      make_strided_view(c.in.q.data(), DType::kFloat16, {2, 5, 4, 8}, {320, 64, 16, 2}, Device{});
   bad.out =
       make_strided_view(c.out.data(), DType::kFloat16, {2, 5, 4, 8}, {320, 64, 16, 2}, Device{});
-  bad.k = make_strided_view(c.k.data(), DType::kFloat16, {2, 7, 2, 8}, {224, 32, 16, 2}, Device{});
-  bad.v = make_strided_view(c.v.data(), DType::kFloat16, {2, 7, 2, 8}, {224, 32, 16, 2}, Device{});
+  bad.k =
+      make_strided_view(c.in.k.data(), DType::kFloat16, {2, 7, 2, 8}, {224, 32, 16, 2}, Device{});
+  bad.v =
+      make_strided_view(c.in.v.data(), DType::kFloat16, {2, 7, 2, 8}, {224, 32, 16, 2}, Device{});
   EXPECT_ERROR_MENTIONS(mha_fwd(bad), "q.stride(-1) is 2", "stride 1");
 }
 
@@ -232,17 +237,17 @@ TEST_F(MhaFwdValidation, DataPointersMustBeSetAndElementAligned) {
 TEST_F(MhaFwdValidation, CudaPointersMustBe16ByteAligned) {
   label_all_cuda(p);
   MhaFwdParams bad = p;
-  bad.q.data = c.q.data() + 1;
+  bad.q.data = c.in.q.data() + 1;
   EXPECT_ERROR_MENTIONS(mha_fwd(bad), "q.data", "is not 16-byte aligned");
   bad = p;
-  bad.v.data = c.v.data() + 4;
+  bad.v.data = c.in.v.data() + 4;
   EXPECT_ERROR_MENTIONS(mha_fwd(bad), "v.data", "is not 16-byte aligned");
 }
 
 TEST_F(MhaFwdValidation, CudaStridesMustBeMultiplesOf8Elements) {
   label_all_cuda(p);
-  c.q.resize(2 * 5 * 4 * 20);
-  p.q = make_strided_view(c.q.data(), DType::kFloat16, {2, 5, 4, 16}, {400, 80, 20, 1}, kCuda0);
+  c.in.q.resize(2 * 5 * 4 * 20);
+  p.q = make_strided_view(c.in.q.data(), DType::kFloat16, {2, 5, 4, 16}, {400, 80, 20, 1}, kCuda0);
   EXPECT_ERROR_MENTIONS(mha_fwd(p), "q.stride(2) is 20", "multiple of 8 elements");
 }
 
@@ -254,7 +259,7 @@ TEST_F(MhaFwdValidation, CpuViewsMayHaveAnyStridesAndOffsets) {
   std::vector<uint16_t> q(1 + 2 * 5 * 4 * 17), out(q.size(), nan_bits(DType::kFloat16));
   for (int64_t t = 0; t < 10; ++t) {
     for (int h = 0; h < 4; ++h) {
-      for (int e = 0; e < 16; ++e) q[1 + (t * 4 + h) * 17 + e] = c.q[c.q_index(t, h, e)];
+      for (int e = 0; e < 16; ++e) q[1 + (t * 4 + h) * 17 + e] = c.in.q[c.q_index(t, h, e)];
     }
   }
   p.q = make_strided_view(q.data() + 1, DType::kFloat16, {2, 5, 4, 16}, {340, 68, 17, 1}, Device{});
@@ -279,25 +284,24 @@ TEST_F(MhaFwdValidation, AlibiMustBeFp32) {
 }
 
 TEST_F(MhaFwdValidation, AlibiShapeMustBeHeadsOrBatchByHeads) {
-  c.alibi_slopes.assign(16, 0.25f);
+  c.in.alibi.assign(16, 0.25f);
   MhaFwdParams ok = p;
-  ok.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {4}, Device{});
+  ok.alibi_slopes = make_view(c.in.alibi.data(), DType::kFloat32, {4}, Device{});
   EXPECT_NO_THROW(mha_fwd(ok));
-  ok.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {2, 4}, Device{});
+  ok.alibi_slopes = make_view(c.in.alibi.data(), DType::kFloat32, {2, 4}, Device{});
   EXPECT_NO_THROW(mha_fwd(ok));
 
   MhaFwdParams bad = p;
-  bad.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {3}, Device{});
+  bad.alibi_slopes = make_view(c.in.alibi.data(), DType::kFloat32, {3}, Device{});
   EXPECT_ERROR_MENTIONS(mha_fwd(bad), "alibi_slopes has shape [3]",
                         "expected [heads_q] = [4] or [batch, heads_q] = [2, 4]");
-  bad.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {4, 2}, Device{});
+  bad.alibi_slopes = make_view(c.in.alibi.data(), DType::kFloat32, {4, 2}, Device{});
   EXPECT_ERROR_MENTIONS(mha_fwd(bad), "alibi_slopes has shape [4, 2]");
 }
 
 TEST_F(MhaFwdValidation, AlibiLastDimMustBeContiguous) {
-  c.alibi_slopes.assign(16, 0.25f);
-  p.alibi_slopes =
-      make_strided_view(c.alibi_slopes.data(), DType::kFloat32, {2, 4}, {8, 2}, Device{});
+  c.in.alibi.assign(16, 0.25f);
+  p.alibi_slopes = make_strided_view(c.in.alibi.data(), DType::kFloat32, {2, 4}, {8, 2}, Device{});
   EXPECT_ERROR_MENTIONS(mha_fwd(p), "alibi_slopes.stride(-1) is 2");
 }
 
@@ -379,7 +383,7 @@ TEST_F(MhaFwdValidation, WindowSidesReachingSeqlenKBecomeUnbounded) {
 }
 
 TEST(MhaFwdDefaults, OneQueryRowWithoutAlibiDropsCausal) {
-  CaseSpec s = fixed_spec();
+  FwdCase s = fixed_case();
   s.seqlen_q = 1;
   s.causal = true;
   AttentionCase c(s);
@@ -388,16 +392,16 @@ TEST(MhaFwdDefaults, OneQueryRowWithoutAlibiDropsCausal) {
   EXPECT_FALSE(problem.causal);
   EXPECT_EQ(problem.window_right, -1);
 
-  c.alibi_slopes.assign(4, 0.3f);
-  p.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {4}, Device{});
+  c.in.alibi.assign(4, 0.3f);
+  p.alibi_slopes = make_view(c.in.alibi.data(), DType::kFloat32, {4}, Device{});
   problem = api::validate_mha_fwd(p);
   EXPECT_TRUE(problem.causal);
   EXPECT_EQ(problem.window_right, 0);
 }
 
 TEST_F(MhaFwdValidation, StridesAndPointersReachTheProblem) {
-  c.alibi_slopes.assign(8, 0.1f);
-  p.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {2, 4}, Device{});
+  c.in.alibi.assign(8, 0.1f);
+  p.alibi_slopes = make_view(c.in.alibi.data(), DType::kFloat32, {2, 4}, Device{});
   const FwdProblem problem = api::validate_mha_fwd(p);
   EXPECT_EQ(problem.dtype, DType::kFloat16);
   EXPECT_EQ(problem.batch, 2);
@@ -406,7 +410,7 @@ TEST_F(MhaFwdValidation, StridesAndPointersReachTheProblem) {
   EXPECT_EQ(problem.heads_q, 4);
   EXPECT_EQ(problem.heads_kv, 2);
   EXPECT_EQ(problem.head_dim, 16);
-  EXPECT_EQ(problem.q, c.q.data());
+  EXPECT_EQ(problem.q, c.in.q.data());
   EXPECT_EQ(problem.out, c.out.data());
   EXPECT_EQ(problem.q_batch_stride, 5 * 4 * 16);
   EXPECT_EQ(problem.q_row_stride, 4 * 16);
@@ -448,7 +452,7 @@ TEST_F(MhaFwdValidation, AKernelLeftOutOfTheBuildIsRefused) {
   for (DType dtype : {DType::kFloat16, DType::kBFloat16}) {
     for (int head_dim = 8; head_dim <= 256; head_dim += 8) {
       if (cuda_fwd_built(dtype, head_dim)) continue;
-      CaseSpec s = fixed_spec();
+      FwdCase s = fixed_case();
       s.dtype = dtype;
       s.head_dim = head_dim;
       AttentionCase missing(s);
@@ -499,7 +503,7 @@ TEST_F(MhaVarlenFwdValidation, CuSeqlensMustBeOnTheDeviceOfQ) {
 
 TEST_F(MhaVarlenFwdValidation, CuSeqlensMustBeOneDimensionalAndContiguous) {
   MhaVarlenFwdParams bad = p;
-  bad.cu_seqlens_q = make_view(c.cu_seqlens_q.data(), DType::kInt32, {2, 2}, Device{});
+  bad.cu_seqlens_q = make_view(c.in.cu_q.data(), DType::kInt32, {2, 2}, Device{});
   EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "cu_seqlens_q has rank 2", "[batch + 1]");
   bad = p;
   std::vector<int32_t> spread(8);
@@ -509,10 +513,10 @@ TEST_F(MhaVarlenFwdValidation, CuSeqlensMustBeOneDimensionalAndContiguous) {
 
 TEST_F(MhaVarlenFwdValidation, CuSeqlensShapesMustBeBatchPlusOne) {
   MhaVarlenFwdParams bad = p;
-  bad.cu_seqlens_k = make_view(c.cu_seqlens_k.data(), DType::kInt32, {3}, Device{});
+  bad.cu_seqlens_k = make_view(c.in.cu_k.data(), DType::kInt32, {3}, Device{});
   EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "cu_seqlens_k has shape [3] but cu_seqlens_q has [4]");
   bad = p;
-  bad.cu_seqlens_q = make_view(c.cu_seqlens_q.data(), DType::kInt32, {1}, Device{});
+  bad.cu_seqlens_q = make_view(c.in.cu_q.data(), DType::kInt32, {1}, Device{});
   EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "cu_seqlens_q has shape [1]", "batch >= 1");
 }
 
@@ -542,7 +546,7 @@ TEST_F(MhaVarlenFwdValidation, MaxSeqlensMustBeNonNegative) {
 }
 
 TEST_F(MhaVarlenFwdValidation, PackedTensorsHaveRankThree) {
-  p.q = make_view(c.q.data(), DType::kFloat16, {1, 8, 4, 16}, Device{});
+  p.q = make_view(c.in.q.data(), DType::kFloat16, {1, 8, 4, 16}, Device{});
   EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "q has rank 4", "[total_q, heads_q, head_dim]");
 }
 
@@ -562,27 +566,27 @@ TEST_F(MhaVarlenFwdValidation, LseIsBatchByHeadsByMaxSeqlenQ) {
 }
 
 TEST_F(MhaVarlenFwdValidation, AlibiBatchComesFromCuSeqlens) {
-  c.alibi_slopes.assign(12, 0.2f);
+  c.in.alibi.assign(12, 0.2f);
   MhaVarlenFwdParams ok = p;
-  ok.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {3, 4}, Device{});
+  ok.alibi_slopes = make_view(c.in.alibi.data(), DType::kFloat32, {3, 4}, Device{});
   EXPECT_NO_THROW(mha_varlen_fwd(ok));
-  p.alibi_slopes = make_view(c.alibi_slopes.data(), DType::kFloat32, {2, 4}, Device{});
+  p.alibi_slopes = make_view(c.in.alibi.data(), DType::kFloat32, {2, 4}, Device{});
   EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "alibi_slopes has shape [2, 4]", "[3, 4]");
 }
 
 // On the CPU the prefix sums are host memory the reference indexes with: they are checked.
 TEST_F(MhaVarlenFwdValidation, CpuPrefixSumsAreCheckedAgainstTheTensors) {
-  c.cu_seqlens_q = {0, 3, 2, 8};
+  c.in.cu_q = {0, 3, 2, 8};
   EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "cu_seqlens_q[2] = 2 is less than cu_seqlens_q[1] = 3",
                         "nondecreasing");
-  c.cu_seqlens_q = {0, 3, 3, 9};
+  c.in.cu_q = {0, 3, 3, 9};
   EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "cu_seqlens_q[3] is 9", "q.size(0) (total_q) is 8");
-  c.cu_seqlens_q = {0, 1, 1, 8};  // sequence 2 has 7 queries; max_seqlen_q is 5
+  c.in.cu_q = {0, 1, 1, 8};  // sequence 2 has 7 queries; max_seqlen_q is 5
   EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "sequence 2 has 7 query tokens", "max_seqlen_q is 5");
-  c.cu_seqlens_q = {0, 3, 3, 8};
-  c.cu_seqlens_k = {-1, 4, 6, 12};
+  c.in.cu_q = {0, 3, 3, 8};
+  c.in.cu_k = {-1, 4, 6, 12};
   EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "cu_seqlens_k[0] is -1");
-  c.cu_seqlens_k = {0, 4, 6, 12};
+  c.in.cu_k = {0, 4, 6, 12};
   std::vector<int32_t> used = {4, 3, 0};
   p.seqused_k = make_view(used.data(), DType::kInt32, {3}, Device{});
   EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "seqused_k[1] is 3", "[0, 2]");
@@ -606,7 +610,7 @@ TEST_F(MhaVarlenFwdValidation, TheProblemHasNoBatchStridesAndTheMaxSeqlens) {
   EXPECT_EQ(problem.q_row_stride, 4 * 16);
   EXPECT_EQ(problem.k_row_stride, 2 * 16);
   EXPECT_EQ(problem.lse_batch_stride, 4 * 5);
-  EXPECT_EQ(problem.cu_seqlens_q, c.cu_seqlens_q.data());
+  EXPECT_EQ(problem.cu_seqlens_q, c.in.cu_q.data());
   EXPECT_EQ(problem.seqused_k, nullptr);
 }
 
@@ -629,7 +633,7 @@ TEST_F(MhaVarlenFwdValidation, TheNextValidCallWorksAfterAnError) {
   bad.max_seqlen_q = -1;
   EXPECT_THROW(mha_varlen_fwd(bad), Error);
   ASSERT_NO_THROW(mha_varlen_fwd(p));
-  for (int64_t n = 0; n < c.cu_seqlens_q.back() * 4 * 16; ++n) {
+  for (int64_t n = 0; n < c.in.cu_q.back() * 4 * 16; ++n) {
     ASSERT_FALSE(std::isnan(bits_to_float(DType::kFloat16, c.out[n])));
   }
 }
@@ -648,7 +652,7 @@ TEST(DebugSwitch, NamesTheBackend) {
 
 // One valid CPU call; the child process of DebugSwitch.NamesTheBackend runs only this.
 TEST(DebugSwitch, OneCpuCall) {
-  AttentionCase c(fixed_spec());
+  AttentionCase c(fixed_case());
   mha_fwd(c.fwd_params());
 }
 
