@@ -42,6 +42,17 @@ __device__ __forceinline__ void mma_16x8x16(float (&d)[4], const uint32_t (&a)[4
   }
 }
 
+// Clears a [tiles x column tiles] block of mma accumulator fragments.
+template <int kRowTiles, int kColTiles>
+__device__ __forceinline__ void zero_accumulators(float (&acc)[kRowTiles][kColTiles][4]) {
+#pragma unroll
+  for (int r = 0; r < kRowTiles; ++r)
+#pragma unroll
+    for (int c = 0; c < kColTiles; ++c)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[r][c][i] = 0.0f;
+}
+
 // One B fragment pair from ldmatrix.x4 (b[0..1]: 8 columns, b[2..3]: the next 8) against every
 // m-tile's A fragment: acc[mt][2j] and acc[mt][2j + 1] += a[mt] * B. Both GEMMs of the attention
 // kernel are sequences of these, so each B fragment read from shared memory feeds kMTiles tiles.

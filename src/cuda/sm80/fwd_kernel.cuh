@@ -283,12 +283,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int n_end = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN : n_begin;
 
   float acc_o[kMTiles][kDTiles][4];
-#pragma unroll
-  for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc_o[mt][dt][i] = 0.0f;
+  zero_accumulators(acc_o);
 
   OnlineSoftmax<kMTiles, kNTiles, kDTiles> softmax;
   softmax.init();
@@ -339,12 +334,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       // S = Q K^T for this warp's rows: each K fragment (ldmatrix.x4: two 8-key tiles x 16 dims)
       // feeds every m-tile of the warp.
       float acc_s[kMTiles][kNTiles][4];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc_s[mt][nt][i] = 0.0f;
+      zero_accumulators(acc_s);
 
 #pragma unroll
       for (int kk = 0; kk < Traits::kQkSteps; ++kk) {
