@@ -279,8 +279,27 @@ void fill_options(const FwdCommon& p, int seqlen_q, int seqlen_k, FwdProblem& pr
   problem.dropout_offset = p.dropout.offset;
 }
 
-void fill_tensors(const FwdCommon& p, FwdProblem& problem) {
+// Pointers and strides of the validated tensors. q/k/v/out are [batch, seqlen, heads, dim] or, for
+// varlen, [total, heads, dim]: row and head strides are those of the last-but-two and last-but-one
+// dims either way, and a varlen batch has no batch stride (cu_seqlens gives its offsets).
+void fill_tensors(const FwdCommon& p, int64_t alibi_batch_stride, FwdProblem& problem) {
   problem.dtype = p.q.dtype;
+  const struct {
+    const TensorView& view;
+    int64_t& batch_stride;
+    int64_t& row_stride;
+    int64_t& head_stride;
+  } tensors[] = {
+      {p.q, problem.q_batch_stride, problem.q_row_stride, problem.q_head_stride},
+      {p.k, problem.k_batch_stride, problem.k_row_stride, problem.k_head_stride},
+      {p.v, problem.v_batch_stride, problem.v_row_stride, problem.v_head_stride},
+      {p.out, problem.out_batch_stride, problem.out_row_stride, problem.out_head_stride},
+  };
+  for (const auto& t : tensors) {
+    t.batch_stride = t.view.rank == 4 ? t.view.strides[0] : 0;
+    t.row_stride = t.view.stride(-3);
+    t.head_stride = t.view.stride(-2);
+  }
   problem.q = p.q.data;
   problem.k = p.k.data;
   problem.v = p.v.data;
@@ -288,6 +307,8 @@ void fill_tensors(const FwdCommon& p, FwdProblem& problem) {
   problem.lse = static_cast<float*>(p.softmax_lse.data);
   problem.lse_batch_stride = p.softmax_lse.strides[0];
   problem.lse_head_stride = p.softmax_lse.strides[1];
+  problem.alibi_slopes = static_cast<const float*>(p.alibi_slopes.data);
+  problem.alibi_batch_stride = alibi_batch_stride;
 }
 
 // cu_seqlens_q / cu_seqlens_k / seqused_k of a varlen batch: shapes here, contents (CPU only) in
@@ -404,21 +425,7 @@ FwdProblem validate_mha_fwd(const MhaFwdParams& p) {
   problem.head_dim = static_cast<int>(head_dim);
   problem.seqlen_q = to_int(fn, "seqlen_q (q.size(1))", seqlen_q);
   problem.seqlen_k = to_int(fn, "seqlen_k (k.size(1))", seqlen_k);
-  fill_tensors(p, problem);
-  problem.q_batch_stride = p.q.strides[0];
-  problem.q_row_stride = p.q.strides[1];
-  problem.q_head_stride = p.q.strides[2];
-  problem.k_batch_stride = p.k.strides[0];
-  problem.k_row_stride = p.k.strides[1];
-  problem.k_head_stride = p.k.strides[2];
-  problem.v_batch_stride = p.v.strides[0];
-  problem.v_row_stride = p.v.strides[1];
-  problem.v_head_stride = p.v.strides[2];
-  problem.out_batch_stride = p.out.strides[0];
-  problem.out_row_stride = p.out.strides[1];
-  problem.out_head_stride = p.out.strides[2];
-  problem.alibi_slopes = static_cast<const float*>(p.alibi_slopes.data);
-  problem.alibi_batch_stride = alibi_batch_stride;
+  fill_tensors(p, alibi_batch_stride, problem);
   fill_options(p, problem.seqlen_q, problem.seqlen_k, problem);
   return problem;
 }
@@ -457,20 +464,10 @@ FwdProblem validate_mha_varlen_fwd(const MhaVarlenFwdParams& p) {
   problem.head_dim = static_cast<int>(head_dim);
   problem.seqlen_q = p.max_seqlen_q;
   problem.seqlen_k = p.max_seqlen_k;
-  fill_tensors(p, problem);
-  problem.q_row_stride = p.q.strides[0];
-  problem.q_head_stride = p.q.strides[1];
-  problem.k_row_stride = p.k.strides[0];
-  problem.k_head_stride = p.k.strides[1];
-  problem.v_row_stride = p.v.strides[0];
-  problem.v_head_stride = p.v.strides[1];
-  problem.out_row_stride = p.out.strides[0];
-  problem.out_head_stride = p.out.strides[1];
+  fill_tensors(p, alibi_batch_stride, problem);
   problem.cu_seqlens_q = static_cast<const int*>(p.cu_seqlens_q.data);
   problem.cu_seqlens_k = static_cast<const int*>(p.cu_seqlens_k.data);
   problem.seqused_k = static_cast<const int*>(p.seqused_k.data);
-  problem.alibi_slopes = static_cast<const float*>(p.alibi_slopes.data);
-  problem.alibi_batch_stride = alibi_batch_stride;
   fill_options(p, problem.seqlen_q, problem.seqlen_k, problem);
   return problem;
 }
