@@ -13,6 +13,14 @@ namespace flashkit {
 void mha_fwd(const MhaFwdParams& params, void* stream = nullptr);
 void mha_varlen_fwd(const MhaVarlenFwdParams& params, void* stream = nullptr);
 
+// The gradients of mha_fwd / mha_varlen_fwd: dq, dk and dv from dout and what the forward saved.
+// params.workspace must hold at least the size query's bytes (see BwdCommon::workspace).
+void mha_bwd(const MhaBwdParams& params, void* stream = nullptr);
+void mha_varlen_bwd(const MhaVarlenBwdParams& params, void* stream = nullptr);
+// Bytes of workspace a call with these params needs (validates the params the size depends on).
+size_t mha_bwd_workspace_size(const MhaBwdParams& params);
+size_t mha_varlen_bwd_workspace_size(const MhaVarlenBwdParams& params);
+
 // The head dims the CUDA kernels of this build were compiled for are rounded up to one of these
 // families; a head dim whose family was left out of the build is rejected with an error that says
 // how to rebuild. Returns true when `head_dim` (a multiple of 8, at most 256) is served on CUDA.

@@ -5,6 +5,7 @@
 // Every tensor is a caller-owned TensorView; optional tensors are left as empty views.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "flashkit/tensor.h"
@@ -58,6 +59,47 @@ struct MhaVarlenFwdParams : FwdCommon {
   TensorView seqused_k;     // optional int32 [batch]: use only the first seqused_k[b] keys of sequence b
   int max_seqlen_q = 0;     // >= every query length (sizes softmax_lse and the grid)
   int max_seqlen_k = 0;     // >= every key length
+};
+
+// Arguments shared by the fixed-length and the variable-length backward pass. The forward's inputs
+// and options must be passed unchanged (same q, k, v, out, softmax_lse, scale, mask, softcap, ALiBi,
+// dropout seed and offset); the backward recomputes the probabilities from them.
+struct BwdCommon {
+  TensorView dout;         // gradient of out: same shape as q (any strides, last dim contiguous)
+  TensorView q;            // as given to the forward
+  TensorView k;
+  TensorView v;
+  TensorView out;          // what the forward wrote
+  TensorView softmax_lse;  // what the forward wrote: fp32 [batch, heads_q, seqlen_q]
+                           // (varlen: [batch, heads_q, max_seqlen_q])
+  TensorView dq;           // written: same shape and dtype as q
+  TensorView dk;           // written: same shape and dtype as k (summed over each query-head group)
+  TensorView dv;           // written: same shape and dtype as v
+  TensorView alibi_slopes;
+  float softmax_scale = 0.0f;
+  float softcap = 0.0f;
+  MaskSpec mask{};
+  DropoutSpec dropout{};
+  // true: dq, dk and dv are bit-identical from run to run (no order-dependent atomics), at a cost.
+  bool deterministic = false;
+  // Scratch memory on the tensors' device, at least mha_bwd_workspace_size(params) bytes (the
+  // varlen call's query likewise), 256-byte aligned; its contents on entry do not matter. It holds
+  // the fp32 dq accumulator, the dot(dout, out) rows and, for GQA/MQA, the per-query-head dk/dv
+  // before the group sum. May be null when the size query returns 0.
+  void* workspace = nullptr;
+  size_t workspace_bytes = 0;
+};
+
+// mha_bwd: the gradients of mha_fwd.
+struct MhaBwdParams : BwdCommon {};
+
+// mha_varlen_bwd: the gradients of mha_varlen_fwd; same packing and lengths as the forward call.
+struct MhaVarlenBwdParams : BwdCommon {
+  TensorView cu_seqlens_q;
+  TensorView cu_seqlens_k;
+  TensorView seqused_k;
+  int max_seqlen_q = 0;
+  int max_seqlen_k = 0;
 };
 
 }  // namespace flashkit

@@ -7,9 +7,9 @@
 // lists which ones it did. Everything that can be rejected without the GPU is rejected before the
 // first CUDA runtime call, so bad input never touches the device.
 #include <cstdio>
-#include <cstdlib>
 #include <string>
 
+#include "api/dispatch_support.h"
 #include "api/validate_fwd.h"
 #include "build_config.h"
 #include "cpu/reference_fwd.h"
@@ -27,29 +27,11 @@
 namespace flashkit {
 namespace {
 
-// FLASHKIT_DEBUG=1 in the environment prints the backend and kernel configuration each call runs
-// on, to stderr: the first thing to check when a shape is slower than expected.
-bool debug_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("FLASHKIT_DEBUG");
-    return value != nullptr && value[0] != '\0' && value[0] != '0';
-  }();
-  return enabled;
-}
+using api::build_dtype_name;
+using api::debug_enabled;
+using api::list_with;
 
 #ifdef FLASHKIT_WITH_CUDA
-
-// The short dtype names the build options use (FLASHKIT_DTYPES).
-const char* build_dtype_name(DType dtype) { return dtype == DType::kBFloat16 ? "bf16" : "fp16"; }
-
-// A CMake list with `item` appended to the space-separated `built` list, e.g. "64;128;96".
-std::string list_with(const char* built, const std::string& item) {
-  std::string list = built;
-  for (char& c : list) {
-    if (c == ' ') c = ';';
-  }
-  return (list.empty() ? "" : list + ";") + item;
-}
 
 using RunFwd = void (*)(const FwdProblem&, void*);
 
@@ -74,24 +56,6 @@ bool dtype_built_for_some_family(DType dtype) {
   }
   return false;
 }
-
-// Makes `device` current for the lifetime of the guard and restores the caller's device after, so
-// that a call on cuda:1 leaves a caller working on cuda:0 where it was.
-class CurrentDeviceGuard {
- public:
-  explicit CurrentDeviceGuard(int device) {
-    cuda::check(cudaGetDevice(&previous_), "cudaGetDevice");
-    if (device != previous_) cuda::check(cudaSetDevice(device), "cudaSetDevice");
-  }
-  // Restoring cannot fail for a device that was current a moment ago; a destructor must not throw,
-  // so the code is not checked.
-  ~CurrentDeviceGuard() { cudaSetDevice(previous_); }
-  CurrentDeviceGuard(const CurrentDeviceGuard&) = delete;
-  CurrentDeviceGuard& operator=(const CurrentDeviceGuard&) = delete;
-
- private:
-  int previous_ = 0;
-};
 
 void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* stream) {
   const int family = sm80::fwd_head_dim_family(problem.head_dim);
@@ -126,7 +90,7 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
                  problem.seqlen_k, problem.is_varlen() ? " (varlen maxima)" : "");
   }
 
-  const CurrentDeviceGuard device_guard(device);
+  const api::CurrentDeviceGuard device_guard(device);
   const int arch = cuda::current_device_arch();
   if (arch < 80) {
     throw Error(std::string(fn) + ": cuda:" + std::to_string(device) + " has compute capability " +

@@ -1,0 +1,132 @@
+// src/api/tensor_checks.cpp
+// \brief The single-view checks shared by every entry point's validation (see tensor_checks.h).
+#include "api/tensor_checks.h"
+
+#include <climits>
+
+namespace flashkit::api {
+
+std::string device_string(const Device& device) {
+  return device.kind == DeviceKind::kCpu ? "cpu" : "cuda:" + std::to_string(device.index);
+}
+
+std::string shape_string(std::initializer_list<int64_t> sizes) {
+  std::string text = "[";
+  for (auto it = sizes.begin(); it != sizes.end(); ++it) {
+    if (it != sizes.begin()) text += ", ";
+    text += std::to_string(*it);
+  }
+  return text + "]";
+}
+
+void check_defined(const char* fn, const char* name, const TensorView& view, const char* what) {
+  if (!view.defined()) fail(fn, name, " is undefined (an empty view); it is required: ", what);
+}
+
+void check_dtype(const char* fn, const char* name, const TensorView& view, DType expected) {
+  if (view.dtype != expected) {
+    fail(fn, name, ".dtype is ", dtype_name(view.dtype), "; it must be ", dtype_name(expected));
+  }
+}
+
+void check_same_dtype_as_q(const char* fn, const char* name, const TensorView& view,
+                           const TensorView& q) {
+  if (view.dtype != q.dtype) {
+    fail(fn, name, ".dtype is ", dtype_name(view.dtype), " but q.dtype is ", dtype_name(q.dtype),
+         "; the attention tensors of one call (q, k, v, out and their gradients) must share one dtype");
+  }
+}
+
+void check_same_device_as_q(const char* fn, const char* name, const TensorView& view,
+                            const TensorView& q) {
+  if (view.device != q.device) {
+    fail(fn, name, " is on ", device_string(view.device), " but q is on ", device_string(q.device),
+         "; every tensor of one call must be on the same device");
+  }
+}
+
+// Rank, then sizes that a hand-filled view could get wrong (negative, or too large for the int
+// fields of FwdProblem).
+void check_rank(const char* fn, const char* name, const TensorView& view, int expected_rank,
+                const char* layout) {
+  if (view.rank != expected_rank) {
+    fail(fn, name, " has rank ", view.rank, " (shape ", view.shape_string(), "); expected rank ",
+         expected_rank, ": ", layout);
+  }
+  for (int d = 0; d < view.rank; ++d) {
+    if (view.sizes[d] < 0) {
+      fail(fn, name, ".size(", d, ") is ", view.sizes[d], "; sizes must be >= 0");
+    }
+  }
+}
+
+int to_int(const char* fn, const char* what, int64_t value) {
+  if (value > INT_MAX) fail(fn, what, " is ", value, "; at most ", INT_MAX, " is supported");
+  return static_cast<int>(value);
+}
+
+void check_shape(const char* fn, const char* name, const TensorView& view,
+                 std::initializer_list<int64_t> expected, const char* layout) {
+  bool same = view.rank == static_cast<int>(expected.size());
+  int d = 0;
+  for (int64_t size : expected) {
+    same = same && view.sizes[d++] == size;
+  }
+  if (!same) {
+    fail(fn, name, " has shape ", view.shape_string(), "; expected ", shape_string(expected), " ",
+         layout);
+  }
+}
+
+void check_last_dim_contiguous(const char* fn, const char* name, const TensorView& view) {
+  if (view.stride(-1) != 1) {
+    fail(fn, name, ".stride(-1) is ", view.stride(-1),
+         "; the last dim must be contiguous (stride 1)");
+  }
+}
+
+void check_contiguous(const char* fn, const char* name, const TensorView& view) {
+  if (!view.is_contiguous()) {
+    fail(fn, name, " with shape ", view.shape_string(), " has stride ", view.stride(0),
+         "; it must be contiguous");
+  }
+}
+
+// Every view with elements needs a pointer aligned to its element type, on any device.
+void check_data_pointer(const char* fn, const char* name, const TensorView& view) {
+  if (view.numel() == 0) return;
+  if (view.data == nullptr) {
+    fail(fn, name, ".data is null but ", name, " has ", view.numel(), " elements");
+  }
+  const auto address = reinterpret_cast<uintptr_t>(view.data);
+  if (address % static_cast<uintptr_t>(dtype_size(view.dtype)) != 0) {
+    fail(fn, name, ".data (", view.data, ") is not aligned to its ", dtype_size(view.dtype),
+         "-byte ", dtype_name(view.dtype), " elements");
+  }
+}
+
+// q/k/v/out on CUDA: 16-byte aligned rows (see kCudaAlignmentBytes). The stride of a dim of size
+// 1 never moves the pointer, so it is not constrained.
+void check_cuda_vector_alignment(const char* fn, const char* name, const TensorView& view) {
+  if (view.device.kind != DeviceKind::kCuda || view.numel() == 0) return;
+  const auto address = reinterpret_cast<uintptr_t>(view.data);
+  if (address % kCudaAlignmentBytes != 0) {
+    fail(fn, name, ".data (", view.data, ") is not ", kCudaAlignmentBytes,
+         "-byte aligned; the CUDA kernels move attention tensors in 16-byte vectors");
+  }
+  for (int d = 0; d + 1 < view.rank; ++d) {
+    if (view.sizes[d] > 1 && view.strides[d] % kCudaStrideMultiple != 0) {
+      fail(fn, name, ".stride(", d, ") is ", view.strides[d],
+           "; on CUDA every stride but the last ", "must be a multiple of ", kCudaStrideMultiple,
+           " elements (16 bytes)");
+    }
+  }
+}
+
+void check_device_index(const char* fn, const TensorView& q) {
+  if (q.device.kind == DeviceKind::kCuda && q.device.index < 0) {
+    fail(fn, "q.device is ", device_string(q.device), "; a CUDA device index must be >= 0");
+  }
+}
+
+}  // namespace flashkit::api

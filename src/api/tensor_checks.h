@@ -1,0 +1,63 @@
+// src/api/tensor_checks.h
+// \brief The checks every entry point's validation shares: presence, dtype, device, rank, shape,
+// strides and pointer alignment of one view, each throwing flashkit::Error with a message that names
+// the function, the argument, the value it got and what is supported.
+//
+// Per-op rules (which tensors, which shapes, which options) live in validate_<op>.cpp; only the
+// checks of a single view, which read nothing but its metadata, live here.
+#pragma once
+
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <string>
+
+#include "flashkit/error.h"
+#include "flashkit/tensor.h"
+
+namespace flashkit::api {
+
+// The CUDA kernels move q/k/v/out in 16-byte vectors: the data pointers and the strides of every
+// dim but the last must keep each row start 16-byte aligned.
+constexpr int64_t kCudaAlignmentBytes = 16;
+constexpr int64_t kCudaStrideMultiple = kCudaAlignmentBytes / 2;  // in 16-bit elements
+
+constexpr int kMaxHeadDim = 256;
+constexpr int kHeadDimMultiple = 8;
+
+// Throws Error("<fn>: <parts...>").
+template <typename... Parts>
+[[noreturn]] void fail(const char* fn, const Parts&... parts) {
+  std::ostringstream message;
+  message << fn << ": ";
+  (message << ... << parts);
+  throw Error(message.str());
+}
+
+std::string device_string(const Device& device);                // "cpu", "cuda:1"
+std::string shape_string(std::initializer_list<int64_t> sizes);  // "[2, 128, 16, 64]"
+
+// `view` must be defined; `what` says what the argument is for.
+void check_defined(const char* fn, const char* name, const TensorView& view, const char* what);
+void check_dtype(const char* fn, const char* name, const TensorView& view, DType expected);
+void check_same_dtype_as_q(const char* fn, const char* name, const TensorView& view,
+                           const TensorView& q);
+void check_same_device_as_q(const char* fn, const char* name, const TensorView& view,
+                            const TensorView& q);
+// Rank, then sizes that a hand-filled view could get wrong (negative).
+void check_rank(const char* fn, const char* name, const TensorView& view, int expected_rank,
+                const char* layout);
+// `value` narrowed to int, or an error naming `what`.
+int to_int(const char* fn, const char* what, int64_t value);
+void check_shape(const char* fn, const char* name, const TensorView& view,
+                 std::initializer_list<int64_t> expected, const char* layout);
+void check_last_dim_contiguous(const char* fn, const char* name, const TensorView& view);
+void check_contiguous(const char* fn, const char* name, const TensorView& view);
+// Every view with elements needs a non-null pointer aligned to its element type, on any device.
+void check_data_pointer(const char* fn, const char* name, const TensorView& view);
+// On CUDA: a 16-byte aligned pointer and strides (but the last) that keep rows 16-byte aligned.
+void check_cuda_vector_alignment(const char* fn, const char* name, const TensorView& view);
+// A CUDA device index must be >= 0.
+void check_device_index(const char* fn, const TensorView& q);
+
+}  // namespace flashkit::api
