@@ -31,6 +31,11 @@ struct BwdProblem {
 
   bool deterministic = false;
 
+  // Varlen: the rows of the packed tensors (q.size(0), k.size(0)); sizes per-token workspaces.
+  // Fixed length: batch * seqlen_q and batch * seqlen_k.
+  int64_t total_q = 0;
+  int64_t total_k = 0;
+
   // The caller's scratch memory (256-byte aligned, at least the size query's bytes). How it is
   // carved up is the backend's business; the CPU backend needs none.
   void* workspace = nullptr;
