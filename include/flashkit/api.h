@@ -4,6 +4,7 @@
 // CPU run the fp64-accumulating reference. Nothing is allocated behind the caller's back.
 #pragma once
 
+#include "flashkit/kvcache_params.h"
 #include "flashkit/params.h"
 
 namespace flashkit {
@@ -29,5 +30,18 @@ bool cuda_head_dim_built(int head_dim);
 // Whether this build serves `dtype` (kFloat16 or kBFloat16) at `head_dim` on CUDA: a build may leave
 // out a dtype as well as head-dim families (FLASHKIT_DTYPES), and a call for a left-out pair throws.
 bool cuda_fwd_built(DType dtype, int head_dim);
+
+// Decoding against a KV cache (see kvcache_params.h): optional in-place append with rotary, then
+// attention, split over the keys when that fills the GPU better. params.workspace must hold at
+// least mha_fwd_kvcache_workspace_size(params) bytes.
+void mha_fwd_kvcache(const MhaFwdKvcacheParams& params, void* stream = nullptr);
+// Bytes of workspace the call needs (0 without a split; validates the params). For num_splits 0
+// on CUDA it queries the SM count of q's device.
+size_t mha_fwd_kvcache_workspace_size(const MhaFwdKvcacheParams& params);
+// The number of key splits the call will use (1 on the CPU backend).
+int mha_fwd_kvcache_num_splits(const MhaFwdKvcacheParams& params);
+// Whether this build has the CUDA decode kernel for `dtype` at `head_dim` (rounded up to 64, 128
+// or 256).
+bool cuda_kvcache_built(DType dtype, int head_dim);
 
 }  // namespace flashkit

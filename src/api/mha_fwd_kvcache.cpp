@@ -1,0 +1,241 @@
+// src/api/mha_fwd_kvcache.cpp
+// \brief The mha_fwd_kvcache entry points: validate, choose the split count, check the workspace,
+// then run on the backend that owns the data. The one place that chooses a decode kernel.
+//
+// CPU views run the reference (src/cpu/reference_kvcache). CUDA views run the sm80 decode kernels
+// of the problem's (dtype, head-dim family) if this build compiled them (build_config.h lists
+// them). Everything that can be rejected without the GPU is rejected before the first CUDA call;
+// the split count of num_splits = 0 needs the device's SM count, so the size query and the call
+// ask the device for it (cudaDeviceGetAttribute, no synchronisation).
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+#include "api/dispatch_support.h"
+#include "api/split_heuristic.h"
+#include "api/validate_kvcache.h"
+#include "build_config.h"
+#include "cpu/reference_kvcache.h"
+#include "flashkit/api.h"
+#include "flashkit/error.h"
+
+#ifdef FLASHKIT_WITH_CUDA
+#include <cuda_runtime.h>
+
+#include "cuda/cuda_check.h"
+#include "cuda/sm80/decode_sm80.h"
+#endif
+
+namespace flashkit {
+namespace {
+
+constexpr const char* kFn = "mha_fwd_kvcache";
+
+using api::build_dtype_name;
+using api::debug_enabled;
+using api::list_with;
+
+#ifdef FLASHKIT_WITH_CUDA
+
+using RunDecode = void (*)(const KvcacheProblem&, void*);
+
+RunDecode find_sm80_decode(DType dtype, int family) {
+#define FLASHKIT_SM80_DECODE_INSTANCE(kDType, kFamily) \
+  if (dtype == DType::kDType && family == kFamily) return &sm80::run_decode<DType::kDType, kFamily>;
+  FLASHKIT_SM80_DECODE_INSTANCES
+#undef FLASHKIT_SM80_DECODE_INSTANCE
+  return nullptr;
+}
+
+RunDecode require_sm80_decode(const KvcacheProblem& problem) {
+  const int family = sm80::decode_head_dim_family(problem.head_dim);
+  const RunDecode run = find_sm80_decode(problem.dtype, family);
+  if (run == nullptr) {
+    throw Error(std::string(kFn) + ": this build of flashkit does not include the CUDA decode " +
+                "kernel for " + build_dtype_name(problem.dtype) + " head dim " +
+                std::to_string(problem.head_dim) + " (decode family " + std::to_string(family) +
+                "); rebuild with -DFLASHKIT_HEAD_DIMS=\"" +
+                list_with(FLASHKIT_BUILT_HEAD_DIMS, std::to_string(family)) +
+                "\" -DFLASHKIT_DTYPES=\"" +
+                list_with(FLASHKIT_BUILT_DTYPES, build_dtype_name(problem.dtype)) +
+                "\" (built: head dims " + FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " +
+                FLASHKIT_BUILT_DTYPES + ")");
+  }
+  return run;
+}
+
+// The split count of a CUDA call: the caller's, or the heuristic's for this device.
+int cuda_num_splits(const KvcacheProblem& problem, int requested, int device) {
+  if (requested > 0) return requested;
+  int sm_count = 0;
+  int smem_per_sm = 0;
+  cuda::check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
+              "cudaDeviceGetAttribute(multiprocessor count)");
+  cuda::check(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
+                                     device),
+              "cudaDeviceGetAttribute(shared memory per multiprocessor)");
+  const int family = sm80::decode_head_dim_family(problem.head_dim);
+  const int64_t packed_rows = static_cast<int64_t>(problem.seqlen_q) *
+                              (problem.heads_q / problem.heads_kv);
+  // The longest sequence: exact for one scalar length, else bounded by the capacity (the lengths
+  // are on the device).
+  const int64_t max_keys = problem.cache_seqlens == nullptr
+                               ? static_cast<int64_t>(problem.cache_seqlen) + problem.seqlen_new
+                               : problem.cache_capacity;
+  api::SplitShape shape;
+  shape.ctas = static_cast<int64_t>(problem.batch) * problem.heads_kv *
+               ((packed_rows + sm80::kDecodeRows - 1) / sm80::kDecodeRows);
+  shape.key_blocks = (max_keys + sm80::kDecodeBlockN - 1) / sm80::kDecodeBlockN;
+  shape.sm_count = sm_count;
+  shape.ctas_per_sm = sm80::decode_ctas_per_sm(family, smem_per_sm);
+  shape.max_splits = api::kMaxKvcacheSplits;
+  return api::choose_num_splits(shape);
+}
+
+// FLASHKIT_CHECK_KVCACHE=1: copy the index arrays to the host and check what kvcache_params.h
+// otherwise leaves to the caller. Synchronises with the device (the copies wait for `stream`).
+bool contents_check_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("FLASHKIT_CHECK_KVCACHE");
+    return value != nullptr && value[0] != '\0' && value[0] != '0';
+  }();
+  return enabled;
+}
+
+void check_contents_on_device(const KvcacheProblem& p, void* stream) {
+  auto copy = [&](const int* device_array, size_t count, std::vector<int>& host) -> const int* {
+    if (device_array == nullptr) return nullptr;
+    host.resize(count);
+    cuda::check(cudaMemcpyAsync(host.data(), device_array, count * sizeof(int),
+                                cudaMemcpyDeviceToHost, static_cast<cudaStream_t>(stream)),
+                "cudaMemcpyAsync(kvcache index array to host)");
+    return host.data();
+  };
+  std::vector<int> seqlens, leftpad, batch_idx, table;
+  api::KvcacheIndexArrays arrays;
+  arrays.cache_seqlens = copy(p.cache_seqlens, p.batch, seqlens);
+  arrays.cache_leftpad = copy(p.cache_leftpad, p.batch, leftpad);
+  arrays.cache_batch_idx = copy(p.cache_batch_idx, p.batch, batch_idx);
+  arrays.block_table =
+      copy(p.block_table,
+           p.is_paged() ? static_cast<size_t>(p.batch - 1) * p.block_table_batch_stride +
+                              p.max_blocks_per_seq
+                        : 0,
+           table);
+  cuda::check(cudaStreamSynchronize(static_cast<cudaStream_t>(stream)),
+              "cudaStreamSynchronize(kvcache index arrays)");
+  api::check_kvcache_contents(p, arrays);
+}
+
+void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void* stream) {
+  const int device = params.q.device.index;
+  const RunDecode run = require_sm80_decode(problem);
+  const api::CurrentDeviceGuard device_guard(device);
+  const int arch = cuda::current_device_arch();
+  if (arch < 80) {
+    throw Error(std::string(kFn) + ": cuda:" + std::to_string(device) + " has compute capability " +
+                std::to_string(arch / 10) + "." + std::to_string(arch % 10) +
+                "; the flashkit CUDA kernels need 8.0 or newer (Ampere, Ada, Hopper)");
+  }
+  problem.num_splits = cuda_num_splits(problem, params.num_splits, device);
+  const size_t needed = sm80::decode_workspace_layout(problem, problem.num_splits).total_bytes;
+  if (needed > 0) {
+    if (params.workspace == nullptr || params.workspace_bytes < needed) {
+      throw Error(std::string(kFn) + ": workspace is " +
+                  (params.workspace == nullptr ? std::string("null")
+                                               : std::to_string(params.workspace_bytes) + " bytes") +
+                  " but " + std::to_string(problem.num_splits) + " key splits need " +
+                  std::to_string(needed) +
+                  " bytes (mha_fwd_kvcache_workspace_size); pass that much, or num_splits = 1");
+    }
+    if (reinterpret_cast<uintptr_t>(params.workspace) % 256 != 0) {
+      throw Error(std::string(kFn) + ": workspace (" + std::to_string(reinterpret_cast<uintptr_t>(
+                                                           params.workspace)) +
+                  ") is not 256-byte aligned");
+    }
+    problem.workspace = params.workspace;
+    problem.workspace_bytes = params.workspace_bytes;
+  }
+  if (contents_check_enabled()) check_contents_on_device(problem, stream);
+  if (debug_enabled()) {
+    std::fprintf(stderr,
+                 "flashkit: %s: cuda:%d sm80 decode, %s head dim %d (family %d), batch %d heads "
+                 "%d/%d seqlen_q %d, %s cache capacity %d (page %d), append %d, rotary %d, "
+                 "%d split(s)\n",
+                 kFn, device, build_dtype_name(problem.dtype), problem.head_dim,
+                 sm80::decode_head_dim_family(problem.head_dim), problem.batch, problem.heads_q,
+                 problem.heads_kv, problem.seqlen_q, problem.is_paged() ? "paged" : "contiguous",
+                 problem.cache_capacity, problem.page_block_size, problem.seqlen_new,
+                 problem.rotary_dim, problem.num_splits);
+  }
+  run(problem, stream);
+}
+
+#endif  // FLASHKIT_WITH_CUDA
+
+[[noreturn]] void fail_no_cuda(const Device& device) {
+  throw Error(std::string(kFn) + ": the tensors are on cuda:" + std::to_string(device.index) +
+              " but this build of flashkit has no CUDA kernels (configured without nvcc); "
+              "rebuild with the CUDA toolkit and -DFLASHKIT_CUDA=ON, or pass CPU tensors");
+}
+
+// The split count and workspace bytes a call with these params uses.
+struct SplitPlan {
+  int num_splits = 1;
+  size_t workspace_bytes = 0;
+};
+
+SplitPlan plan_splits(const MhaFwdKvcacheParams& params) {
+  const KvcacheProblem problem = api::validate_mha_fwd_kvcache(params);
+  SplitPlan plan;
+  if (params.q.device.kind == DeviceKind::kCpu) return plan;
+#ifdef FLASHKIT_WITH_CUDA
+  require_sm80_decode(problem);
+  const api::CurrentDeviceGuard device_guard(params.q.device.index);
+  plan.num_splits = cuda_num_splits(problem, params.num_splits, params.q.device.index);
+  plan.workspace_bytes = sm80::decode_workspace_layout(problem, plan.num_splits).total_bytes;
+  return plan;
+#else
+  (void)problem;
+  fail_no_cuda(params.q.device);
+#endif
+}
+
+}  // namespace
+
+void mha_fwd_kvcache(const MhaFwdKvcacheParams& params, void* stream) {
+  const KvcacheProblem problem = api::validate_mha_fwd_kvcache(params);
+  if (params.q.device.kind == DeviceKind::kCpu) {
+    if (debug_enabled()) std::fprintf(stderr, "flashkit: %s: cpu reference backend\n", kFn);
+    cpu::reference_kvcache(problem);
+    return;
+  }
+#ifdef FLASHKIT_WITH_CUDA
+  run_on_cuda(problem, params, stream);
+#else
+  (void)stream;
+  fail_no_cuda(params.q.device);
+#endif
+}
+
+size_t mha_fwd_kvcache_workspace_size(const MhaFwdKvcacheParams& params) {
+  return plan_splits(params).workspace_bytes;
+}
+
+int mha_fwd_kvcache_num_splits(const MhaFwdKvcacheParams& params) {
+  return plan_splits(params).num_splits;
+}
+
+bool cuda_kvcache_built(DType dtype, int head_dim) {
+  if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > 256) return false;
+#ifdef FLASHKIT_WITH_CUDA
+  return find_sm80_decode(dtype, sm80::decode_head_dim_family(head_dim)) != nullptr;
+#else
+  (void)dtype;
+  return false;
+#endif
+}
+
+}  // namespace flashkit

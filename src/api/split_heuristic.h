@@ -1,0 +1,38 @@
+// src/api/split_heuristic.h
+// \brief How many key splits a decode launch should use: a pure host function of the launch's
+// shape and the GPU's size, so that it is unit-tested without a GPU.
+//
+// The decode kernel runs one CTA per (sequence, kv head, 16 packed query rows, split). A decode
+// step is memory bound: it is fast when enough CTAs are resident to keep HBM busy, and when no SM
+// idles through a ragged last wave. Splitting the keys multiplies the CTAs at the price of a
+// combine pass (small: fp32 partials of the query rows only) and of a fixed cost per CTA
+// (prologue, pipeline fill, the cross-warp merge).
+//
+// The model: with `slots` = SMs x CTAs resident per SM, s splits run ceil(ctas * s / slots) waves,
+// each as long as one split's key blocks plus the fixed cost per CTA (counted in key blocks):
+//     time(s) = ceil(ctas * s / slots) * (ceil(key_blocks / s) + kCtaOverheadBlocks)
+// and s is the smallest minimiser of time(s). Splits that do not shorten the longest split (same
+// ceil(key_blocks / s) as s - 1) are skipped: they add CTAs without removing work. When the
+// unsplit launch already fills the GPU (ctas >= slots) nothing is split: another wave would only
+// move work around.
+#pragma once
+
+#include <cstdint>
+
+namespace flashkit::api {
+
+struct SplitShape {
+  int64_t ctas = 0;       // CTAs of one split: batch x heads_kv x packed-row blocks
+  int64_t key_blocks = 0;  // key blocks of the longest sequence (the capacity when unknown)
+  int sm_count = 0;
+  int ctas_per_sm = 1;    // decode CTAs resident per SM (shared memory and registers decide)
+  int max_splits = 128;
+};
+
+// The fixed cost of a CTA in key-block times (launch, Q load, pipeline fill, merge, store).
+constexpr int64_t kCtaOverheadBlocks = 2;
+
+// Returns a split count in [1, max_splits]; 1 for degenerate input (no CTAs, no keys, no SMs).
+int choose_num_splits(const SplitShape& shape);
+
+}  // namespace flashkit::api

@@ -1,0 +1,437 @@
+// tests/cpp/test_kvcache.cpp
+// \brief mha_fwd_kvcache on the CPU: the reference against a naive fp64 oracle written straight
+// from the semantics of kvcache_params.h (append, rotary both ways, paging, left pads, batch
+// indices, masks), the cache after the append element by element, every class of bad input, and
+// the split heuristic.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "api/split_heuristic.h"
+#include "api/validate_kvcache.h"
+#include "cpu/reference_kvcache.h"
+#include "flashkit/flashkit.h"
+#include "kvcache_case.h"
+
+namespace flashkit::test {
+namespace {
+
+constexpr Device kCpu{};
+constexpr Device kCuda0{DeviceKind::kCuda, 0};
+
+// ------------------------------------------------------------------------------------------------
+// The naive oracle
+// ------------------------------------------------------------------------------------------------
+
+struct NaiveResult {
+  std::vector<uint16_t> k_cache, v_cache;  // after the append
+  std::vector<double> out;                 // [batch, seqlen_q, heads_q, head_dim]
+  std::vector<double> lse;                 // [batch, heads_q, seqlen_q]
+};
+
+// Element index of (sequence b, cache index j, kv head h, column 0) in the case's cache.
+int64_t naive_cache_index(const KvcacheCase& c, const KvcacheInputs& in, int b, int j, int h) {
+  const int64_t hkv = c.heads_kv, d = c.head_dim;
+  if (c.page_block_size > 0) {
+    const int64_t page = in.block_table[b * c.max_blocks() + j / c.page_block_size];
+    return ((page * c.page_block_size + j % c.page_block_size) * hkv + h) * d;
+  }
+  const int64_t row = c.batch_idx ? in.batch_idx[b] : b;
+  return ((row * c.capacity + j) * hkv + h) * d;
+}
+
+// x (head_dim dtype values) rotated to `pos` per the case's tables.
+std::vector<uint16_t> naive_rotate(const KvcacheCase& c, const KvcacheInputs& in,
+                                   const uint16_t* x, int pos) {
+  std::vector<uint16_t> y(x, x + c.head_dim);
+  const int half = c.rotary_dim / 2;
+  for (int i = 0; i < half; ++i) {
+    const int a = c.rotary_interleaved ? 2 * i : i;
+    const int b = c.rotary_interleaved ? 2 * i + 1 : i + half;
+    const cpu::RotatedPair r = cpu::rotate_pair(
+        bits_to_float(c.dtype, x[a]), bits_to_float(c.dtype, x[b]),
+        bits_to_float(c.dtype, in.rotary_cos[pos * half + i]),
+        bits_to_float(c.dtype, in.rotary_sin[pos * half + i]));
+    y[a] = float_to_bits(c.dtype, r.first);
+    y[b] = float_to_bits(c.dtype, r.second);
+  }
+  return y;
+}
+
+NaiveResult naive_kvcache(const KvcacheCase& c, const KvcacheInputs& in) {
+  NaiveResult r;
+  r.k_cache = in.k_cache;
+  r.v_cache = in.v_cache;
+  const int hq = c.heads_q, hkv = c.heads_kv, d = c.head_dim, group = hq / hkv;
+  for (int b = 0; b < c.batch; ++b) {
+    const int length = in.seqlens[b], pad = in.leftpad[b];
+    for (int i = 0; i < c.seqlen_new; ++i) {
+      for (int h = 0; h < hkv; ++h) {
+        const int64_t src = ((int64_t{b} * c.seqlen_new + i) * hkv + h) * d;
+        const std::vector<uint16_t> k = naive_rotate(c, in, &in.k_new[src], length - pad + i);
+        const int64_t dst = naive_cache_index(c, in, b, length + i, h);
+        for (int x = 0; x < d; ++x) {
+          r.k_cache[dst + x] = k[x];
+          r.v_cache[dst + x] = in.v_new[src + x];
+        }
+      }
+    }
+  }
+  r.out.assign(int64_t{c.batch} * c.seqlen_q * hq * d, 0.0);
+  r.lse.assign(int64_t{c.batch} * hq * c.seqlen_q, -std::numeric_limits<double>::infinity());
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  const bool local = c.causal || c.window_left >= 0 || c.window_right >= 0;
+  for (int b = 0; b < c.batch; ++b) {
+    const int length = in.seqlens[b], pad = in.leftpad[b];
+    const int len_k = length + c.seqlen_new - pad;
+    for (int i = 0; i < c.seqlen_q; ++i) {
+      const int diag = i + len_k - c.seqlen_q;
+      int lo = 0, hi = len_k;  // keys [lo, hi)
+      if (c.window_left >= 0) lo = std::max(lo, diag - c.window_left);
+      const int right = c.causal ? 0 : c.window_right;
+      if (right >= 0) hi = std::min(hi, diag + right + 1);
+      for (int h = 0; h < hq; ++h) {
+        const int64_t q_at = ((int64_t{b} * c.seqlen_q + i) * hq + h) * d;
+        const std::vector<uint16_t> q =
+            naive_rotate(c, in, &in.q[q_at], length - pad + (local ? i : 0));
+        std::vector<double> s;
+        for (int j = lo; j < hi; ++j) {
+          const int64_t k_at = naive_cache_index(c, in, b, pad + j, h / group);
+          double dot = 0;
+          for (int x = 0; x < d; ++x) {
+            dot += double{bits_to_float(c.dtype, q[x])} * bits_to_float(c.dtype, r.k_cache[k_at + x]);
+          }
+          dot *= scale;
+          if (c.softcap > 0) dot = c.softcap * std::tanh(dot / c.softcap);
+          if (c.alibi) dot -= double{in.alibi[h]} * std::abs(diag - j);
+          s.push_back(dot);
+        }
+        if (s.empty()) continue;
+        const double m = *std::max_element(s.begin(), s.end());
+        double sum = 0;
+        for (double& x : s) sum += (x = std::exp(x - m));
+        r.lse[(int64_t{b} * hq + h) * c.seqlen_q + i] = m + std::log(sum);
+        for (int j = lo; j < hi; ++j) {
+          const int64_t v_at = naive_cache_index(c, in, b, pad + j, h / group);
+          for (int x = 0; x < d; ++x) {
+            r.out[q_at + x] += s[j - lo] / sum * bits_to_float(c.dtype, r.v_cache[v_at + x]);
+          }
+        }
+      }
+    }
+  }
+  return r;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Reference vs naive
+// ------------------------------------------------------------------------------------------------
+
+KvcacheCase base_case(const std::string& name) {
+  KvcacheCase c;
+  c.name = name;
+  c.dtype = DType::kBFloat16;
+  c.batch = 3;
+  c.heads_q = 8;
+  c.heads_kv = 2;
+  c.head_dim = 32;
+  c.seqlen_q = 2;
+  c.seqlen_new = 3;
+  c.capacity = 48;
+  return c;
+}
+
+std::vector<KvcacheCase> reference_cases() {
+  std::vector<KvcacheCase> cases;
+  auto add = [&](KvcacheCase c) {
+    c.seed = cases.size() + 1;
+    cases.push_back(c);
+  };
+  add(base_case("contiguous"));
+  KvcacheCase c = base_case("paged16");
+  c.page_block_size = 16;
+  add(c);
+  c = base_case("paged3_fill_to_end");
+  c.page_block_size = 3;
+  c.fill_to_end = true;
+  c.seqlen_new = 5;
+  add(c);
+  c = base_case("paged1_rotary_half");
+  c.page_block_size = 1;
+  c.rotary_dim = 16;
+  add(c);
+  c = base_case("rotary_interleaved_full_causal");
+  c.rotary_dim = 32;
+  c.rotary_interleaved = true;
+  c.causal = true;
+  add(c);
+  c = base_case("rotary_leftpad_batch_idx_window");
+  c.rotary_dim = 16;
+  c.leftpad = true;
+  c.batch_idx = true;
+  c.extra_cache_rows = 2;
+  c.window_left = 5;
+  c.window_right = 1;
+  add(c);
+  c = base_case("paged_leftpad_alibi_softcap_fp16");
+  c.dtype = DType::kFloat16;
+  c.page_block_size = 8;
+  c.leftpad = true;
+  c.alibi = true;
+  c.softcap = 5.0f;
+  c.causal = true;
+  add(c);
+  c = base_case("no_append_scalar_length_mqa");
+  c.seqlen_new = 0;
+  c.scalar_length = true;
+  c.heads_kv = 1;
+  add(c);
+  return cases;
+}
+
+class KvcacheReferenceTest : public ::testing::TestWithParam<KvcacheCase> {};
+
+TEST_P(KvcacheReferenceTest, MatchesNaiveOracleAndAppendsExactly) {
+  const KvcacheCase& c = GetParam();
+  SCOPED_TRACE(c.describe());
+  KvcacheInputs in = make_kvcache_inputs(c);
+  const NaiveResult naive = naive_kvcache(c, in);
+  std::vector<uint16_t> out(in.q.size(), kKvcachePoison16);
+  std::vector<float> lse(int64_t{c.batch} * c.heads_q * c.seqlen_q, std::nanf(""));
+  mha_fwd_kvcache(kvcache_params(c, in, host_buffers(in, out, lse), kCpu));
+
+  // The cache after the append: every element, appended or not.
+  int64_t cache_diffs = 0;
+  for (size_t i = 0; i < in.k_cache.size(); ++i) {
+    cache_diffs += in.k_cache[i] != naive.k_cache[i];
+    cache_diffs += in.v_cache[i] != naive.v_cache[i];
+  }
+  EXPECT_EQ(cache_diffs, 0);
+
+  // The output, rounded once to the dtype: within one rounding of the fp64 oracle (plus the
+  // difference between two fp64 summation orders, far below it).
+  const double ulp = c.dtype == DType::kBFloat16 ? 0x1.0p-8 : 0x1.0p-11;
+  int64_t bad = 0;
+  for (size_t i = 0; i < out.size(); ++i) {
+    const double x = bits_to_float(c.dtype, out[i]);
+    const double want = naive.out[i];
+    if (!(std::fabs(x - want) <= ulp * std::fabs(want) + 1e-6)) ++bad;
+  }
+  EXPECT_EQ(bad, 0);
+  for (size_t i = 0; i < lse.size(); ++i) {
+    if (std::isinf(naive.lse[i])) {
+      EXPECT_EQ(lse[i], -std::numeric_limits<float>::infinity()) << "lse " << i;
+    } else {
+      EXPECT_NEAR(lse[i], naive.lse[i], 1e-5 * (1 + std::fabs(naive.lse[i]))) << "lse " << i;
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, KvcacheReferenceTest, ::testing::ValuesIn(reference_cases()),
+                         [](const ::testing::TestParamInfo<KvcacheCase>& info) {
+                           return info.param.name;
+                         });
+
+// A sequence with no key at all (length 0, no append) gets out 0 and lse -inf.
+TEST(KvcacheReference, EmptySequenceGivesZeroRowAndMinusInf) {
+  KvcacheCase c = base_case("empty");
+  c.seqlen_new = 0;
+  c.scalar_length = true;
+  KvcacheInputs in = make_kvcache_inputs(c);
+  in.seqlens.assign(c.batch, 0);
+  std::vector<uint16_t> out(in.q.size(), kKvcachePoison16);
+  std::vector<float> lse(int64_t{c.batch} * c.heads_q * c.seqlen_q, std::nanf(""));
+  mha_fwd_kvcache(kvcache_params(c, in, host_buffers(in, out, lse), kCpu));
+  for (uint16_t x : out) EXPECT_EQ(bits_to_float(c.dtype, x), 0.0f);
+  for (float l : lse) EXPECT_EQ(l, -std::numeric_limits<float>::infinity());
+}
+
+// ------------------------------------------------------------------------------------------------
+// Bad input
+// ------------------------------------------------------------------------------------------------
+
+template <typename Call>
+void expect_error(Call&& call, std::initializer_list<const char*> fragments) {
+  try {
+    call();
+  } catch (const Error& e) {
+    const std::string message = e.what();
+    EXPECT_NE(message.find("mha_fwd_kvcache"), std::string::npos) << message;
+    for (const char* fragment : fragments) {
+      EXPECT_NE(message.find(fragment), std::string::npos)
+          << "message: " << message << "\nmissing: " << fragment;
+    }
+    return;
+  }
+  ADD_FAILURE() << "no flashkit::Error was thrown";
+}
+
+#define EXPECT_KVCACHE_ERROR(mutation, ...)                                         \
+  do {                                                                              \
+    SCOPED_TRACE(#mutation);                                                        \
+    KvcacheInputs in = make_kvcache_inputs(c);                                      \
+    std::vector<uint16_t> out(in.q.size());                                         \
+    std::vector<float> lse(int64_t{c.batch} * c.heads_q * c.seqlen_q);              \
+    MhaFwdKvcacheParams p = kvcache_params(c, in, host_buffers(in, out, lse), kCpu); \
+    mutation;                                                                       \
+    expect_error([&] { mha_fwd_kvcache(p); }, {__VA_ARGS__});                       \
+  } while (0)
+
+KvcacheCase paged_case() {
+  KvcacheCase c = base_case("paged");
+  c.page_block_size = 16;
+  c.rotary_dim = 16;
+  return c;
+}
+
+TEST(KvcacheValidation, BlockTable) {
+  const KvcacheCase c = paged_case();
+  EXPECT_KVCACHE_ERROR(p.block_table.dtype = DType::kFloat32, "block_table.dtype", "float32",
+                       "int32");
+  EXPECT_KVCACHE_ERROR(p.block_table.rank = 1, "block_table", "rank 1");
+  EXPECT_KVCACHE_ERROR(p.block_table.sizes[0] = c.batch + 1, "block_table", "has shape");
+  EXPECT_KVCACHE_ERROR(p.block_table.strides[1] = 2, "block_table", "stride");
+  EXPECT_KVCACHE_ERROR(p.block_table.device = kCuda0, "block_table", "cuda:0");
+  EXPECT_KVCACHE_ERROR(in.block_table[0] = c.num_blocks(), "block_table[0][0]", "num_blocks");
+  EXPECT_KVCACHE_ERROR(in.block_table[1] = -1, "block_table[0][1]");
+  EXPECT_KVCACHE_ERROR(p.cache_batch_idx = make_view(in.block_table.data(), DType::kInt32,
+                                                     {c.batch}, kCpu),
+                       "cache_batch_idx", "paged");
+  EXPECT_KVCACHE_ERROR((p.k_cache.sizes[1] = p.v_cache.sizes[1] = 300,
+                        p.k_cache.strides[0] = p.v_cache.strides[0] = 300 * 2 * 32),
+                       "page_block_size", "300", "256");
+}
+
+TEST(KvcacheValidation, TooFewBlocksForTheLength) {
+  KvcacheCase c = paged_case();
+  // 3 pages of 16 hold 48 tokens; the append would end at 48 + 3.
+  EXPECT_KVCACHE_ERROR(in.seqlens[1] = 46, "cache_seqlens[1]", "46", "capacity is 48");
+  EXPECT_KVCACHE_ERROR((p.cache_seqlens = TensorView{}, p.cache_seqlen = 47), "cache_seqlen (47)",
+                       "seqlen_new (3)", "48");
+  EXPECT_KVCACHE_ERROR((p.cache_seqlens = TensorView{}, p.cache_seqlen = 49), "cache_seqlen", "49");
+}
+
+TEST(KvcacheValidation, SplitsRotaryAppendAndIndexArrays) {
+  const KvcacheCase c = paged_case();
+  EXPECT_KVCACHE_ERROR(p.num_splits = -1, "num_splits is -1", "128");
+  EXPECT_KVCACHE_ERROR(p.num_splits = 129, "num_splits is 129", "128");
+  EXPECT_KVCACHE_ERROR((p.k_new = TensorView{}, p.v_new = TensorView{}), "rotary", "k_new");
+  EXPECT_KVCACHE_ERROR(p.v_new = TensorView{}, "k_new is given without v_new");
+  EXPECT_KVCACHE_ERROR(p.rotary_sin = TensorView{}, "rotary_cos is given without rotary_sin");
+  EXPECT_KVCACHE_ERROR((p.rotary_cos.sizes[1] = p.rotary_sin.sizes[1] = 4), "rotary_dim", "8",
+                       "multiple of 16");
+  EXPECT_KVCACHE_ERROR((p.rotary_cos.sizes[0] = p.rotary_sin.sizes[0] = 40), "seqlen_ro", "40",
+                       "48");
+  EXPECT_KVCACHE_ERROR(p.rotary_cos.dtype = DType::kFloat16, "rotary_cos.dtype", "float16");
+  EXPECT_KVCACHE_ERROR(p.k_new.sizes[2] = 3, "k_new", "has shape");
+  EXPECT_KVCACHE_ERROR(p.v_new.dtype = DType::kFloat16, "v_new.dtype");
+  EXPECT_KVCACHE_ERROR(p.cache_seqlens.dtype = DType::kFloat32, "cache_seqlens.dtype");
+  EXPECT_KVCACHE_ERROR(p.cache_seqlens.sizes[0] = 2, "cache_seqlens", "has shape");
+  EXPECT_KVCACHE_ERROR((p.cache_seqlens = TensorView{}, p.cache_seqlen = -1), "k_new is given",
+                       "cache_seqlens");
+  EXPECT_KVCACHE_ERROR(in.seqlens[2] = -3, "cache_seqlens[2]", "-3");
+}
+
+TEST(KvcacheValidation, ContiguousCacheShapesAndOptions) {
+  KvcacheCase c = base_case("contiguous");
+  c.leftpad = true;
+  c.batch_idx = true;
+  c.extra_cache_rows = 1;
+  EXPECT_KVCACHE_ERROR(p.k_cache.dtype = DType::kFloat16, "k_cache.dtype", "float16");
+  EXPECT_KVCACHE_ERROR(p.v_cache.sizes[1] = 47, "v_cache", "has shape");
+  EXPECT_KVCACHE_ERROR(p.k_cache.strides[3] = 2, "k_cache.stride(-1)");
+  EXPECT_KVCACHE_ERROR((p.q.sizes[2] = 3, p.out.sizes[2] = 3), "3 heads", "multiple of heads_kv");
+  EXPECT_KVCACHE_ERROR((p.q.sizes[3] = 20), "head_dim", "20");
+  EXPECT_KVCACHE_ERROR(p.out.sizes[1] = 1, "out", "has shape");
+  EXPECT_KVCACHE_ERROR(p.softmax_lse.dtype = DType::kBFloat16, "softmax_lse.dtype");
+  EXPECT_KVCACHE_ERROR(in.batch_idx[0] = c.batch + 1, "cache_batch_idx[0]", "4");
+  EXPECT_KVCACHE_ERROR(in.batch_idx[1] = in.batch_idx[0], "cache_batch_idx[1]", "distinct");
+  EXPECT_KVCACHE_ERROR(in.leftpad[0] = in.seqlens[0] + 1, "cache_leftpad[0]");
+  EXPECT_KVCACHE_ERROR((p.cache_batch_idx = TensorView{}, p.k_cache.sizes[0] = 2,
+                        p.v_cache.sizes[0] = 2),
+                       "batch_cache", "cache_batch_idx");
+  EXPECT_KVCACHE_ERROR(p.softcap = -1.0f, "softcap is -1");
+  EXPECT_KVCACHE_ERROR(p.mask.window_left = -2, "window_left is -2");
+  EXPECT_KVCACHE_ERROR(p.alibi_slopes = make_view(in.alibi.data(), DType::kFloat32, {5}, kCpu),
+                       "alibi_slopes", "[5]");
+  EXPECT_KVCACHE_ERROR(p.q.dtype = DType::kFloat32, "q.dtype", "float32");
+  EXPECT_KVCACHE_ERROR(p.k_cache = TensorView{}, "k_cache is undefined");
+}
+
+// On CUDA views with host pointers, validation must reject before any CUDA call: a misaligned
+// cache stride is caught from metadata alone.
+TEST(KvcacheValidation, CudaAlignmentIsCheckedFromMetadata) {
+  const KvcacheCase c = paged_case();
+  KvcacheInputs in = make_kvcache_inputs(c);
+  std::vector<uint16_t> out(in.q.size());
+  std::vector<float> lse(int64_t{c.batch} * c.heads_q * c.seqlen_q);
+  MhaFwdKvcacheParams p = kvcache_params(c, in, host_buffers(in, out, lse), kCuda0);
+  p.k_cache.strides[1] += 4;
+  expect_error([&] { mha_fwd_kvcache(p); }, {"k_cache.stride(1)", "16 bytes"});
+}
+
+// ------------------------------------------------------------------------------------------------
+// The split heuristic
+// ------------------------------------------------------------------------------------------------
+
+api::SplitShape h100_shape(int64_t ctas, int64_t key_blocks) {
+  api::SplitShape s;
+  s.ctas = ctas;
+  s.key_blocks = key_blocks;
+  s.sm_count = 132;
+  s.ctas_per_sm = 2;
+  return s;
+}
+
+TEST(SplitHeuristic, DegenerateInputsGiveOneSplit) {
+  EXPECT_EQ(api::choose_num_splits(h100_shape(0, 100)), 1);
+  EXPECT_EQ(api::choose_num_splits(h100_shape(8, 1)), 1);
+  EXPECT_EQ(api::choose_num_splits(h100_shape(8, 0)), 1);
+  api::SplitShape s = h100_shape(8, 100);
+  s.sm_count = 0;
+  EXPECT_EQ(api::choose_num_splits(s), 1);
+  s = h100_shape(8, 100);
+  s.max_splits = 1;
+  EXPECT_EQ(api::choose_num_splits(s), 1);
+}
+
+TEST(SplitHeuristic, AFullGpuIsNotSplit) {
+  EXPECT_EQ(api::choose_num_splits(h100_shape(264, 2048)), 1);
+  EXPECT_EQ(api::choose_num_splits(h100_shape(512, 128)), 1);
+}
+
+TEST(SplitHeuristic, SmallBatchFillsOneWave) {
+  // Batch 1, 8 kv heads, 8k keys (128 blocks of 64): one wave of at most 264 CTAs, 4 blocks each.
+  const int s = api::choose_num_splits(h100_shape(8, 128));
+  EXPECT_LE(8 * s, 264);
+  EXPECT_EQ((128 + s - 1) / s, 4);
+  // 128k keys: the longest split is as short as one wave allows.
+  const int s_long = api::choose_num_splits(h100_shape(8, 2048));
+  EXPECT_EQ(s_long, 33);
+}
+
+TEST(SplitHeuristic, StaysInRangeAndNeverAddsEmptySplits) {
+  for (int64_t ctas : {1, 3, 8, 40, 100, 200}) {
+    for (int64_t blocks : {2, 3, 7, 64, 1000, 5000}) {
+      const int s = api::choose_num_splits(h100_shape(ctas, blocks));
+      EXPECT_GE(s, 1);
+      EXPECT_LE(s, 128);
+      EXPECT_LE(s, blocks);
+      // No split is empty: the last one starts before the end.
+      const int64_t per = (blocks + s - 1) / s;
+      EXPECT_LT(per * (s - 1), blocks) << ctas << " " << blocks << " -> " << s;
+    }
+  }
+}
+
+TEST(SplitHeuristic, RespectsMaxSplits) {
+  api::SplitShape s = h100_shape(1, 100000);
+  s.max_splits = 16;
+  EXPECT_EQ(api::choose_num_splits(s), 16);
+}
+
+}  // namespace
+}  // namespace flashkit::test
