@@ -175,11 +175,13 @@ void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void
 
 #endif  // FLASHKIT_WITH_CUDA
 
+#ifndef FLASHKIT_WITH_CUDA
 [[noreturn]] void fail_no_cuda(const Device& device) {
   throw Error(std::string(kFn) + ": the tensors are on cuda:" + std::to_string(device.index) +
               " but this build of flashkit has no CUDA kernels (configured without nvcc); "
               "rebuild with the CUDA toolkit and -DFLASHKIT_CUDA=ON, or pass CPU tensors");
 }
+#endif
 
 // The split count and workspace bytes a call with these params uses.
 struct SplitPlan {

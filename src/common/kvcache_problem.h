@@ -74,10 +74,10 @@ struct KvcacheProblem {
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 
-  bool is_paged() const { return block_table != nullptr; }
-  bool has_append() const { return k_new != nullptr; }
-  // Queries sit at consecutive positions (L - P + i) under a causal or local mask, else all at L - P.
-  bool rotary_q_positions_per_token() const { return window_left >= 0 || window_right >= 0; }
+  constexpr bool is_paged() const { return block_table != nullptr; }
+  constexpr bool has_append() const { return k_new != nullptr; }
+  // (constexpr: the kernels call these too.) Queries sit at consecutive positions (L - P + i) under a causal or local mask, else all at L - P.
+  constexpr bool rotary_q_positions_per_token() const { return window_left >= 0 || window_right >= 0; }
 };
 
 }  // namespace flashkit

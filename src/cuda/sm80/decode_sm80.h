@@ -53,14 +53,14 @@ struct DecodeWorkspaceLayout {
   size_t total_bytes = 0;
 };
 
-inline DecodeWorkspaceLayout decode_workspace_layout(const KvcacheProblem& p, int num_splits) {
-  DecodeWorkspaceLayout layout;
-  if (num_splits <= 1) return layout;
+// constexpr so that the kernels (built with --expt-relaxed-constexpr) compute the same offsets.
+constexpr size_t decode_workspace_align(size_t bytes) { return (bytes + 255) / 256 * 256; }
+
+constexpr DecodeWorkspaceLayout decode_workspace_layout(const KvcacheProblem& p, int num_splits) {
+  if (num_splits <= 1) return {0, 0};
   const size_t rows = static_cast<size_t>(num_splits) * p.batch * p.heads_q * p.seqlen_q;
-  auto align = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
-  layout.out_offset = align(rows * sizeof(float));
-  layout.total_bytes = layout.out_offset + align(rows * p.head_dim * sizeof(float));
-  return layout;
+  const size_t out_offset = decode_workspace_align(rows * sizeof(float));
+  return {out_offset, out_offset + decode_workspace_align(rows * p.head_dim * sizeof(float))};
 }
 
 // Enqueues append (when k_new is given), the split decode kernel and, for num_splits > 1, the

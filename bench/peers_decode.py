@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""bench/peers_decode.py: PyTorch SDPA's flash and cuDNN backends on flashkit_bench_decode's grid,
+and the merged decode results (JSON in the docs/DESIGN.md format + a markdown table with ratios).
+
+Shapes as flashkit_bench_decode: bf16, seqlen_q 1, heads 32 / heads_kv (8), head dim 128, every
+sequence holding the whole cache (contiguous: SDPA has no paged cache). q is a [b, h, 1, d] view of
+[b, 1, h, d] memory and k / v are [b, h_kv, s, d] views of [b, s, h_kv, d] memory, as flashkit reads
+them; GQA through enable_gqa=True. tbps counts the bytes of K and V once, as for flashkit. Method:
+warm-up >= 25 ms in >= 2 batches, CUDA events around each call, median of >= 20 calls and >= 100 ms,
+cache sets rotated past 2x L2.
+
+usage: peers_decode.py [--batch 1,8,64,256] [--cache 1k,8k,32k,128k] [--heads-kv 8]
+                       [--max-tokens 2048k] [--flashkit PATH] --json OUT.json [--md OUT.md]
+"""
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+
+IMPLS = ["sdpa_flash", "sdpa_cudnn"]
+
+
+def parse_list(text):
+    return [int(x[:-1]) * 1024 if x[-1] in "kK" else int(x) for x in text.split(",")]
+
+
+def time_ms(torch, fn, sets):
+    def event():
+        return torch.cuda.Event(enable_timing=True)
+    calls, warm, batch, rnd = 0, 0.0, 3, 0
+    while True:
+        b, e = event(), event()
+        b.record()
+        for _ in range(batch):
+            fn(calls % sets)
+            calls += 1
+        e.record()
+        e.synchronize()
+        ms = b.elapsed_time(e)
+        warm += ms
+        est = max(ms / batch, 1e-3)
+        if rnd >= 1 and warm >= 25.0:
+            break
+        batch = max(3, math.ceil((25.0 - warm) / est))
+        rnd += 1
+    reps = min(2000, max(20, math.ceil(100.0 / est)))
+    events = [(event(), event()) for _ in range(reps)]
+    for i, (b, e) in enumerate(events):
+        b.record()
+        fn(i % sets)
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(b.elapsed_time(e) for b, e in events)
+
+
+def run_peers(args):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    records = []
+    hq, hkv, d = 32, args.heads_kv, 128
+    for cache in args.caches:
+        for batch in args.batches:
+            if batch * cache > args.max_tokens:
+                continue
+            set_bytes = 2 * batch * cache * hkv * d * 2
+            sets = max(1, (2 * l2) // set_bytes + 1)
+            q = torch.empty(batch, 1, hq, d, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+            q = q.transpose(1, 2)
+            kv = []
+            for _ in range(sets):
+                k = torch.full((batch, cache, hkv, d), 0.0115, dtype=torch.bfloat16, device="cuda")
+                v = torch.full((batch, cache, hkv, d), 0.0115, dtype=torch.bfloat16, device="cuda")
+                kv.append((k.transpose(1, 2), v.transpose(1, 2)))
+            for impl in args.impls:
+                rec = {"op": "decode", "impl": impl, "dtype": "bf16", "batch": batch, "heads_q": hq,
+                       "heads_kv": hkv, "seqlen_q": 1, "seqlen_k": cache, "head_dim": d,
+                       "causal": False, "window": [-1, -1], "layout": "contiguous",
+                       "ms": None, "tflops": None, "tbps": None}
+                try:
+                    with sdpa_kernel([backends[impl]]):
+                        def call(i):
+                            return F.scaled_dot_product_attention(q, kv[i][0], kv[i][1],
+                                                                  enable_gqa=hkv != hq)
+                        out = call(0)
+                        if not torch.isfinite(out).all():
+                            raise RuntimeError("non-finite output")
+                        ms = time_ms(torch, call, sets)
+                    rec["ms"] = ms
+                    rec["tbps"] = set_bytes / (ms * 1e-3) / 1e12
+                except Exception as e:  # a backend that cannot run the case: null with the reason
+                    lines = str(e).strip().splitlines()
+                    rec["note"] = lines[0][:200] if lines else type(e).__name__
+                print(f"  {impl:11s} batch {batch:4d} cache {cache:7d}: "
+                      f"{rec['ms'] if rec['ms'] is not None else float('nan'):8.4f} ms  "
+                      f"{rec['tbps'] if rec['tbps'] is not None else float('nan'):6.3f} TB/s "
+                      f"{rec.get('note', '')}", flush=True)
+                records.append(rec)
+            del kv
+            torch.cuda.empty_cache()
+    return records, torch
+
+
+def write_markdown(path, result):
+    cells = {}
+    for r in result["records"]:
+        key = (r["batch"], r["seqlen_k"])
+        cells.setdefault(key, {})[(r["impl"], r.get("layout", "contiguous"))] = r["tbps"]
+    cols = [("flashkit", "contiguous"), ("flashkit", "paged16"), ("flashkit", "paged256"),
+            ("sdpa_flash", "contiguous"), ("sdpa_cudnn", "contiguous")]
+
+    def fmt(x):
+        return "-" if x is None else f"{x:.2f}"
+    lines = [f"# decode: {result['gpu']}, {result['date']}, commit {result['git_commit']}", "",
+             "bf16, seqlen_q 1, heads 32/" + str(result["records"][0]["heads_kv"]) +
+             ", head dim 128; TB/s of K+V read (higher is better)", "",
+             "| batch | cache | " + " | ".join(f"{i} {l}" for i, l in cols) +
+             " | flashkit / cuDNN | paged16 / contiguous |",
+             "|---" * (len(cols) + 4) + "|"]
+    for (b, s) in sorted(cells):
+        row = cells[(b, s)]
+        vals = [row.get(c) for c in cols]
+        ratio = (vals[0] / vals[4]) if vals[0] and vals[4] else None
+        paged = (vals[1] / vals[0]) if vals[0] and vals[1] else None
+        lines.append(f"| {b} | {s} | " + " | ".join(fmt(v) for v in vals) +
+                     f" | {fmt(ratio)} | {fmt(paged)} |")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", default="1,8,64,256")
+    p.add_argument("--cache", default="1k,8k,32k,128k")
+    p.add_argument("--heads-kv", type=int, default=8)
+    p.add_argument("--max-tokens", default="2048k")
+    p.add_argument("--impls", default=",".join(IMPLS))
+    p.add_argument("--flashkit", help="flashkit_bench_decode's JSON to merge")
+    p.add_argument("--json", required=True)
+    p.add_argument("--md")
+    args = p.parse_args()
+    args.batches = parse_list(args.batch)
+    args.caches = parse_list(args.cache)
+    args.max_tokens = parse_list(args.max_tokens)[0]
+    args.impls = args.impls.split(",")
+    records, torch = run_peers(args)
+    result = {"gpu": torch.cuda.get_device_name(0), "driver": os.environ.get("FLASHKIT_DRIVER"),
+              "cuda": torch.version.cuda, "torch": torch.__version__, "date": None,
+              "git_commit": os.environ.get("FLASHKIT_GIT_COMMIT", "unknown"), "records": []}
+    if args.flashkit:
+        with open(args.flashkit) as f:
+            mine = json.load(f)
+        result["date"] = mine["date"]
+        result["records"].extend(mine["records"])
+    if result["date"] is None:
+        import datetime
+        result["date"] = datetime.date.today().isoformat()
+    result["records"].extend(records)
+    result["note"] = ("tbps = bytes of K and V read (2*b*s*h_kv*d*2) / median time; SDPA backends "
+                      "on contiguous caches with enable_gqa")
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    if args.md:
+        write_markdown(args.md, result)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,85 @@
+// src/cuda/sm80/decode_combine.cuh
+// \brief The combine pass of split-KV decoding: per query row, the fp32 partial outputs O_s and
+// log-sum-exps L_s of the splits merge into
+//     L = log(sum_s exp(L_s)),   O = sum_s exp(L_s - L) O_s,
+// written as the 16-bit output and softmax_lse. A split that saw no key has L_s = -inf (weight 0);
+// a row no split saw gets O = 0 and L = -inf, as an unsplit launch writes.
+//
+// One warp per row (rows ordered [batch, heads_q, seqlen_q] like the workspace); lanes hold four
+// columns each per 128-column pass, so every partial row is read once with 16-byte loads.
+#pragma once
+
+#include <cstdint>
+
+#include "common/kvcache_problem.h"
+#include "cuda/common/mma_sm80.cuh"
+#include "cuda/sm80/decode_sm80.h"
+
+namespace flashkit::sm80 {
+
+constexpr int kCombineWarps = 4;
+
+template <typename Element, int kHeadDim>
+__global__ void __launch_bounds__(kCombineWarps * 32)
+    decode_combine_kernel(const __grid_constant__ KvcacheProblem p) {
+  constexpr int kPasses = (kHeadDim + 127) / 128;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
+  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
+  if (row >= rows) return;
+  const int splits = p.num_splits;
+  const DecodeWorkspaceLayout layout = decode_workspace_layout(p, splits);
+  const float* lse_accum = static_cast<const float*>(p.workspace);
+  const float* out_accum =
+      reinterpret_cast<const float*>(static_cast<const char*>(p.workspace) + layout.out_offset);
+
+  float m = -INFINITY;
+  for (int s = lane; s < splits; s += 32) m = fmaxf(m, lse_accum[s * rows + row]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  float sum = 0.0f;
+  if (m != -INFINITY) {
+    for (int s = lane; s < splits; s += 32) sum += __expf(lse_accum[s * rows + row] - m);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  const float total = m == -INFINITY ? -INFINITY : m + __logf(sum);
+
+  float4 acc[kPasses];
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) acc[pass] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int s = 0; s < splits; ++s) {
+    const float l = lse_accum[s * rows + row];
+    if (l == -INFINITY) continue;  // uniform across the warp: every lane read the same value
+    const float weight = __expf(l - total);
+    const float* partial = out_accum + (s * rows + row) * p.head_dim;
+#pragma unroll
+    for (int pass = 0; pass < kPasses; ++pass) {
+      const int col = pass * 128 + lane * 4;
+      if (col < p.head_dim) {
+        const float4 x = *reinterpret_cast<const float4*>(partial + col);
+        acc[pass].x += weight * x.x;
+        acc[pass].y += weight * x.y;
+        acc[pass].z += weight * x.z;
+        acc[pass].w += weight * x.w;
+      }
+    }
+  }
+
+  const int token = static_cast<int>(row % p.seqlen_q);
+  const int head = static_cast<int>((row / p.seqlen_q) % p.heads_q);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.seqlen_q) * p.heads_q));
+  Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + token * p.out_row_stride +
+                 head * p.out_head_stride;
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) {
+    const int col = pass * 128 + lane * 4;
+    if (col < p.head_dim) {
+      *reinterpret_cast<uint2*>(out + col) = make_uint2(pack2<Element>(acc[pass].x, acc[pass].y),
+                                                        pack2<Element>(acc[pass].z, acc[pass].w));
+    }
+  }
+  if (lane == 0) p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = total;
+}
+
+}  // namespace flashkit::sm80

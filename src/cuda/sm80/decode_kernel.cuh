@@ -1,0 +1,360 @@
+// src/cuda/sm80/decode_kernel.cuh
+// \brief The split-KV decode kernel of mha_fwd_kvcache on mma.sync (Ampere, Ada, Hopper).
+//
+// Decoding reads the whole KV cache for a handful of query rows, so the kernel is built around the
+// K/V stream, not around the math:
+//   * GQA packing: a CTA owns 16 packed query rows of ONE kv head, row r = (token r / group, query
+//     head kv_head * group + r % group). Every query head of a group (and every query token) shares
+//     one read of its kv head; with seqlen_q * group <= 16 the cache is read exactly once.
+//   * Split-KV: the CTA takes split `s` of the key blocks of its (sequence, kv head); partial
+//     outputs and log-sum-exps go to the workspace in fp32 and decode_combine.cuh merges them.
+//   * Warps split keys, not rows: each K/V block of 64 keys is cut into four 16-key slices, one
+//     per warp, with its own online softmax; the four partial results merge through shared memory
+//     at the end (weighted by exp(lse_warp - lse_total), like the splits).
+//   * Paged or contiguous: each 16-byte chunk's source row is looked up per key (a page-table load
+//     and a division by page_block_size for paged caches), so any page size works.
+//
+//   prologue   Q rows gathered (rotated when rotary is on) into shared memory; cp.async K/V of the
+//              first kStages - 1 blocks of this split, one commit group each
+//   per block  wait until block n landed; barrier    (every warp is done with block n - 1's stage)
+//              cp.async K/V of block n + kStages - 1 into block n - 1's stage
+//              S = Q K^T on this warp's 16 keys       (mma.sync m16n8k16, fp32)
+//              scale / softcap / ALiBi / mask        (mask only on blocks the window or end cuts)
+//              online softmax; O += P V               (P straight from registers)
+//   epilogue   per-warp normalise; lse of each warp to shared memory; barrier; each warp scales its
+//              O by exp(lse_warp - lse_total) into shared memory; barrier; sum over warps and store
+//              (16-bit out + lse, or fp32 partials for the combine)
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/kvcache_problem.h"
+#include "cuda/common/attention_mask.cuh"
+#include "cuda/common/mma_sm80.cuh"
+#include "cuda/common/online_softmax.cuh"
+#include "cuda/common/swizzled_tile.cuh"
+#include "cuda/sm80/decode_rotary.cuh"
+#include "cuda/sm80/decode_sm80.h"
+
+namespace flashkit::sm80 {
+
+template <typename Element_, int kHeadDim_>
+struct DecodeTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kRows = kDecodeRows;
+  static constexpr int kBlockN = kDecodeBlockN;
+  static constexpr int kWarps = kDecodeWarps;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kStages = decode_stages(kHeadDim);
+  static constexpr int kQkSteps = kHeadDim / 16;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
+
+  using QTile = SwizzledTile<kRows, kHeadDim>;
+  using KvTile = SwizzledTile<kBlockN, kHeadDim>;
+
+  // Shared-memory plan: [ Q | stage 0: K, V | stage 1: K, V | ... | per-warp lse ]. After the main
+  // loop the stages hold the merge buffer: [warp][row][head_dim] fp32.
+  static constexpr int kQOffset = 0;
+  static constexpr int kKvOffset = kQOffset + QTile::kBytes;
+  static constexpr int kStageBytes = 2 * KvTile::kBytes;
+  static constexpr int kLseOffset = kKvOffset + kStages * kStageBytes;
+  static constexpr int kSmemBytes = kLseOffset + kWarps * kRows * 4;
+  static constexpr int kMergeBytes = kWarps * kRows * kHeadDim * 4;
+
+  // K/V loads: a thread keeps one chunk column and walks rows kRowsPerPass apart.
+  static constexpr int kRowsPerPass = kThreads / kChunks;
+  static constexpr int kLoadPasses = kBlockN / kRowsPerPass;
+
+  static_assert(kBlockN == kWarps * 16, "each warp owns one 16-key slice of a block");
+  static_assert(kThreads % kChunks == 0 && kBlockN % kRowsPerPass == 0, "K/V chunks split evenly");
+  static_assert((kRows * kChunks) % kThreads == 0, "Q chunks split evenly");
+  static_assert(kMergeBytes <= kStages * kStageBytes, "the merge buffer reuses the K/V stages");
+  static_assert(kSmemBytes == decode_smem_bytes(kHeadDim), "decode_sm80.h states the plan's size");
+};
+
+// Scale, softcap and ALiBi of one warp's 16 x 16 scores; `token`/`slope` per lane row (g, g + 8).
+template <typename Traits>
+__device__ __forceinline__ void decode_transform_scores(float (&s)[1][2][4], const KvcacheProblem& p,
+                                                        const int (&token)[2], const float (&slope)[2],
+                                                        int first_key, int diagonal_offset) {
+  if (p.softcap > 0.0f) {
+    const float two_over_softcap = 2.0f * p.softmax_scale / p.softcap;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        s[0][nt][i] = p.softcap * (1.0f - __fdividef(2.0f, __expf(s[0][nt][i] * two_over_softcap) + 1.0f));
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[0][nt][i] *= p.softmax_scale;
+  }
+  if (p.alibi_slopes != nullptr) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+    for (int half = 0; half < 2; ++half)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int key = first_key + nt * 8 + (lane % 4) * 2 + e;
+          s[0][nt][2 * half + e] += alibi_bias(slope[half], token[half], key, diagonal_offset);
+        }
+  }
+}
+
+// -inf for the keys a row's token may not see (window, causal, sequence end).
+__device__ __forceinline__ void decode_mask_scores(float (&s)[1][2][4], const KeyWindow& window,
+                                                   const int (&token)[2], int first_key) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int begin = window.key_begin(token[half]);
+    const int end = window.key_end(token[half]);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int key = first_key + nt * 8 + (lane % 4) * 2 + e;
+        if (key < begin || key >= end) s[0][nt][2 * half + e] = -INFINITY;
+      }
+  }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads)
+    decode_kernel(const __grid_constant__ KvcacheProblem p) {
+  using Element = typename Traits::Element;
+  using QTile = typename Traits::QTile;
+  using KvTile = typename Traits::KvTile;
+  constexpr int kRows = Traits::kRows;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kStages = Traits::kStages;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sQ = smem_address(smem + Traits::kQOffset);
+  const uint32_t sKv = smem_address(smem + Traits::kKvOffset);
+  float* lse_smem = reinterpret_cast<float*>(smem + Traits::kLseOffset);
+  float* merge = reinterpret_cast<float*>(smem + Traits::kKvOffset);
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int num_splits = p.num_splits;
+  const int m_block = static_cast<int>(blockIdx.x) / num_splits;
+  const int split = static_cast<int>(blockIdx.x) % num_splits;
+  const int kv_head = static_cast<int>(blockIdx.y);
+  const int b = static_cast<int>(blockIdx.z);
+  const int group = p.heads_q / p.heads_kv;
+  const int packed_rows = p.seqlen_q * group;
+  const int m0 = m_block * kRows;
+  const int rows_here = min(kRows, packed_rows - m0);
+  const int head_chunks = p.head_dim / 8;
+
+  const DecodeSequence seq = DecodeSequence::locate(p, b);
+  const KeyWindow window{p.seqlen_q, seq.len_k, p.window_left, p.window_right};
+  const int token_first = m0 / group;
+  const int token_last = (m0 + rows_here - 1) / group;
+
+  // ---- Q: gathered row by row (each packed row is its own token and head), rotated, swizzled.
+  {
+    const auto* q = static_cast<const Element*>(p.q);
+    const int position_base = seq.length - seq.leftpad;
+    const bool per_token = p.rotary_q_positions_per_token();
+#pragma unroll
+    for (int i = 0; i < kRows * Traits::kChunks / Traits::kThreads; ++i) {
+      const int item = tid + i * Traits::kThreads;
+      const int row = item / Traits::kChunks;
+      const int chunk = item % Traits::kChunks;
+      uint4 value = make_uint4(0, 0, 0, 0);
+      if (row < rows_here && chunk < head_chunks) {
+        const int packed = m0 + row;
+        const int token = packed / group;
+        const int head = kv_head * group + packed % group;
+        const Element* q_row = q + b * p.q_batch_stride + token * p.q_row_stride + head * p.q_head_stride;
+        value = rotary_chunk<Element>(p, q_row, chunk * 8, *reinterpret_cast<const uint4*>(q_row + chunk * 8),
+                                      position_base + (per_token ? token : 0));
+      }
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sQ + QTile::chunk_offset(row, chunk)),
+                   "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w));
+    }
+  }
+
+  // ---- This split's key blocks.
+  const int key_lo = window.key_begin(token_first);
+  const int key_hi = window.key_end(token_last);
+  const int n_begin = key_lo / kBlockN;
+  const int n_end = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN : n_begin;
+  const int per_split = (n_end - n_begin + num_splits - 1) / num_splits;
+  const int split_begin = min(n_end, n_begin + split * per_split);
+  const int split_blocks = min(n_end, split_begin + per_split) - split_begin;
+
+  // K and V of key block n into pipeline stage `stage`: rows past the sequence and columns past
+  // head_dim are zero-filled (a zero V row times p = 0 adds nothing; a stale one could be NaN).
+  const auto* k_cache = static_cast<const Element*>(p.k_cache) + kv_head * p.k_cache_head_stride;
+  const auto* v_cache = static_cast<const Element*>(p.v_cache) + kv_head * p.v_cache_head_stride;
+  auto load_kv = [&](int n_block, int stage) {
+    const uint32_t sK = sKv + static_cast<uint32_t>(stage * Traits::kStageBytes);
+    const uint32_t sV = sK + KvTile::kBytes;
+    const int chunk = tid % Traits::kChunks;
+    const bool chunk_valid = chunk < head_chunks;
+#pragma unroll
+    for (int i = 0; i < Traits::kLoadPasses; ++i) {
+      const int row = tid / Traits::kChunks + i * Traits::kRowsPerPass;
+      const int key = n_block * kBlockN + row;
+      const bool valid = chunk_valid && key < seq.len_k;
+      CacheRowOffsets offsets{0, 0};
+      if (valid) offsets = cache_row_offsets(p, b, seq, seq.leftpad + key);
+      const uint32_t dst = KvTile::chunk_offset(row, chunk);
+      cp_async_16(sK + dst, k_cache + offsets.k + chunk * 8, valid);
+      cp_async_16(sV + dst, v_cache + offsets.v + chunk * 8, valid);
+    }
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < split_blocks) load_kv(split_begin + s, s);
+    cp_async_commit();
+  }
+
+  // Per lane: rows g and g + 8 of the tile; their tokens (clamped for padding rows) and slopes.
+  int row_token[2];
+  float row_slope[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int packed = min(m0 + lane / 4 + 8 * half, m0 + rows_here - 1);
+    row_token[half] = packed / group;
+    const int head = kv_head * group + packed % group;
+    row_slope[half] = p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.alibi_batch_stride + head] : 0.0f;
+  }
+  constexpr float kLog2e = 1.4426950408889634f;
+  const bool transform = p.softcap > 0.0f || p.alibi_slopes != nullptr;
+  const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
+  const int diagonal = window.diagonal_offset();
+
+  const typename QTile::LaneAddresses q_addr(sQ, lane % 16, lane / 16);
+  const typename KvTile::LaneAddresses k_addr(sKv, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const typename KvTile::LaneAddresses v_addr(sKv + KvTile::kBytes, lane % 16, lane / 16);
+
+  float acc_o[1][Traits::kDTiles][4];
+  zero_accumulators(acc_o);
+  OnlineSoftmax<1, 2, Traits::kDTiles> softmax;
+  softmax.init();
+
+  for (int it = 0; it < split_blocks; ++it) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();
+    if (it + kStages - 1 < split_blocks) load_kv(split_begin + it + kStages - 1, (it + kStages - 1) % kStages);
+    cp_async_commit();
+    const uint32_t stage_offset = static_cast<uint32_t>((it % kStages) * Traits::kStageBytes);
+    const int n0 = (split_begin + it) * kBlockN;
+    const int warp_key0 = n0 + warp * 16;
+
+    float acc_s[1][2][4];
+    zero_accumulators(acc_s);
+#pragma unroll
+    for (int kk = 0; kk < Traits::kQkSteps; ++kk) {
+      uint32_t a[1][4];
+      ldmatrix_x4(a[0], q_addr.at(0, kk));
+      uint32_t bk[4];
+      ldmatrix_x4(bk, k_addr.at(warp * 16, kk) + stage_offset);
+      mma_column_pair<Element>(acc_s, a, bk, 0);
+    }
+    if (transform) decode_transform_scores<Traits>(acc_s, p, row_token, row_slope, warp_key0, diagonal);
+    if (!window.block_unmasked(token_first, token_last + 1, n0, n0 + kBlockN)) {
+      decode_mask_scores(acc_s, window, row_token, warp_key0);
+    }
+    softmax.update(acc_s, acc_o, log2_scale);
+
+    uint32_t a[1][4];
+    a[0][0] = pack2<Element>(acc_s[0][0][0], acc_s[0][0][1]);
+    a[0][1] = pack2<Element>(acc_s[0][0][2], acc_s[0][0][3]);
+    a[0][2] = pack2<Element>(acc_s[0][1][0], acc_s[0][1][1]);
+    a[0][3] = pack2<Element>(acc_s[0][1][2], acc_s[0][1][3]);
+#pragma unroll
+    for (int dp = 0; dp < Traits::kDTiles / 2; ++dp) {
+      uint32_t bv[4];
+      ldmatrix_x4_trans(bv, v_addr.at(warp * 16, dp) + stage_offset);
+      mma_column_pair<Element>(acc_o, a, bv, dp);
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- Merge the warps' partial results.
+  float lse[2];
+  softmax.finalize(acc_o, log2_scale, lse);
+  if (lane % 4 == 0) {
+    lse_smem[warp * kRows + lane / 4] = lse[0];
+    lse_smem[warp * kRows + lane / 4 + 8] = lse[1];
+  }
+  __syncthreads();  // lse visible; every warp is past its last K/V read: the stages become `merge`
+  auto total_lse = [&](int row) {
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < Traits::kWarps; ++w) m = fmaxf(m, lse_smem[w * kRows + row]);
+    if (m == -INFINITY) return -INFINITY;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < Traits::kWarps; ++w) sum += __expf(lse_smem[w * kRows + row] - m);
+    return m + __logf(sum);
+  };
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = lane / 4 + 8 * half;
+    const float total = total_lse(row);
+    const float weight = total == -INFINITY ? 0.0f : __expf(lse[half] - total);
+    float* merge_row = merge + (warp * kRows + row) * kHeadDim + (lane % 4) * 2;
+#pragma unroll
+    for (int dt = 0; dt < Traits::kDTiles; ++dt) {
+      *reinterpret_cast<float2*>(merge_row + dt * 8) =
+          make_float2(acc_o[0][dt][2 * half] * weight, acc_o[0][dt][2 * half + 1] * weight);
+    }
+  }
+  __syncthreads();
+
+  // ---- Store: 4 columns per item, rows of this tile that exist, columns below head_dim.
+  const bool partial = num_splits > 1;
+  float* lse_accum = static_cast<float*>(p.workspace);
+  const DecodeWorkspaceLayout layout = decode_workspace_layout(p, num_splits);
+  float* out_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + layout.out_offset);
+  const int64_t rows_per_split = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
+#pragma unroll
+  for (int i = 0; i < kRows * kHeadDim / 4 / Traits::kThreads; ++i) {
+    const int item = tid + i * Traits::kThreads;
+    const int row = item / (kHeadDim / 4);
+    const int col = (item % (kHeadDim / 4)) * 4;
+    if (row >= rows_here || col >= p.head_dim) continue;
+    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int w = 0; w < Traits::kWarps; ++w) {
+      const float4 x = *reinterpret_cast<const float4*>(merge + (w * kRows + row) * kHeadDim + col);
+      sum.x += x.x;
+      sum.y += x.y;
+      sum.z += x.z;
+      sum.w += x.w;
+    }
+    const int packed = m0 + row;
+    const int token = packed / group;
+    const int head = kv_head * group + packed % group;
+    const bool writes_lse = col == 0;
+    if (partial) {
+      const int64_t out_row = split * rows_per_split + (static_cast<int64_t>(b) * p.heads_q + head) * p.seqlen_q + token;
+      *reinterpret_cast<float4*>(out_accum + out_row * p.head_dim + col) = sum;
+      if (writes_lse) lse_accum[out_row] = total_lse(row);
+    } else {
+      Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + token * p.out_row_stride +
+                     head * p.out_head_stride + col;
+      *reinterpret_cast<uint2*>(out) = make_uint2(pack2<Element>(sum.x, sum.y), pack2<Element>(sum.z, sum.w));
+      if (writes_lse) p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = total_lse(row);
+    }
+  }
+}
+
+}  // namespace flashkit::sm80

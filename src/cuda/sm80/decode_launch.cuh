@@ -1,0 +1,69 @@
+// src/cuda/sm80/decode_launch.cuh
+// \brief Host side of the sm80 decode path: append pass, split decode kernel, combine pass, in
+// that order on one stream. Included only by the generated per-(dtype, family) instance files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/cuda_check.h"
+#include "cuda/sm80/decode_append.cuh"
+#include "cuda/sm80/decode_combine.cuh"
+#include "cuda/sm80/decode_kernel.cuh"
+#include "cuda/sm80/decode_sm80.h"
+#include "flashkit/error.h"
+
+namespace flashkit::sm80 {
+
+template <DType kDType> struct DecodeElementOf;
+template <> struct DecodeElementOf<DType::kBFloat16> { using type = __nv_bfloat16; };
+template <> struct DecodeElementOf<DType::kFloat16> { using type = __half; };
+
+// The grid's y and z dimensions are limited to 65,535.
+constexpr int64_t kMaxGridYZ = 65535;
+
+template <DType kDType, int kHeadDimFamily>
+void run_decode(const KvcacheProblem& problem, void* stream_ptr) {
+  using Element = typename DecodeElementOf<kDType>::type;
+  using Traits = DecodeTraits<Element, kHeadDimFamily>;
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+  if (problem.batch > kMaxGridYZ || problem.heads_kv > kMaxGridYZ) {
+    throw Error("mha_fwd_kvcache: batch is " + std::to_string(problem.batch) + " and heads_kv " +
+                std::to_string(problem.heads_kv) +
+                "; the CUDA decode kernels support at most 65535 of each per call");
+  }
+
+  if (problem.has_append() && problem.seqlen_new > 0) {
+    decode_append_kernel<Element><<<dim3(problem.seqlen_new, problem.batch), kAppendThreads, 0,
+                                    stream>>>(problem);
+    cuda::check_last_launch("sm80 decode_append_kernel");
+  }
+
+  const int64_t packed_rows = static_cast<int64_t>(problem.seqlen_q) * (problem.heads_q / problem.heads_kv);
+  const int64_t m_blocks = (packed_rows + kDecodeRows - 1) / kDecodeRows;
+  if (m_blocks == 0) return;
+  const int64_t grid_x = m_blocks * problem.num_splits;
+  if (grid_x > INT32_MAX) {
+    throw Error("mha_fwd_kvcache: seqlen_q * heads_q / heads_kv * num_splits is too large for one "
+                "launch (" + std::to_string(grid_x) + " CTAs along x)");
+  }
+  auto kernel = decode_kernel<Traits>;
+  cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   Traits::kSmemBytes),
+              "cudaFuncSetAttribute(decode_kernel, max dynamic shared memory)");
+  kernel<<<dim3(static_cast<unsigned>(grid_x), problem.heads_kv, problem.batch), Traits::kThreads,
+           Traits::kSmemBytes, stream>>>(problem);
+  cuda::check_last_launch("sm80 decode_kernel");
+
+  if (problem.num_splits > 1) {
+    const int64_t rows = static_cast<int64_t>(problem.batch) * problem.heads_q * problem.seqlen_q;
+    const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
+    decode_combine_kernel<Element, kHeadDimFamily>
+        <<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(problem);
+    cuda::check_last_launch("sm80 decode_combine_kernel");
+  }
+}
+
+}  // namespace flashkit::sm80
