@@ -5,7 +5,8 @@
 // The grid: bf16, seqlen_q 1, GQA 32/8 (--heads-kv 1 for MQA), head dim 128; batch 1 ... 256 x
 // cache length 1k ... 128k (cells above --max-tokens cached tokens in all are skipped: they need
 // more memory than the GPU has); caches contiguous, paged with 16-token and with 256-token pages
-// (randperm block tables). Every sequence holds the full cache length; no append (a decode step
+// (randperm block tables); --splits times given split counts instead of the heuristic's (0).
+// Every sequence holds the full cache length; no append (a decode step
 // proper appends one token: --append adds it, with rotary off).
 //
 // tbps = bytes of K and V read / time = 2 * batch * cache_len * heads_kv * head_dim * 2 / s / 1e12
@@ -72,6 +73,7 @@ struct Options {
   std::vector<int64_t> caches = {1024, 8192, 32768, 131072};
   std::vector<int64_t> pages = {0, 16, 256};  // 0: contiguous
   int heads_kv = 8;
+  std::vector<int64_t> splits = {0};  // num_splits values to time (0: the heuristic)
   int64_t max_tokens = int64_t{2} << 20;
   bool append = false;
   std::string json;
@@ -92,7 +94,8 @@ struct CacheSet {
   int* block_table = nullptr;
 };
 
-Record run_cell(const Options& opt, int64_t batch, int64_t cache, int64_t page, int l2_bytes) {
+Record run_cell(const Options& opt, int64_t batch, int64_t cache, int64_t page, int num_splits,
+               int l2_bytes) {
   Record rec{batch, cache, page, NAN, NAN, 0, ""};
   const int64_t hkv = opt.heads_kv;
   const int64_t row_elems = hkv * kHeadDim;
@@ -166,6 +169,7 @@ Record run_cell(const Options& opt, int64_t batch, int64_t cache, int64_t page, 
     }
     p.out = flashkit::make_view(out, DType::kBFloat16, {batch, 1, kHeadsQ, kHeadDim}, dev);
     p.softmax_lse = flashkit::make_view(lse, DType::kFloat32, {batch, kHeadsQ, 1}, dev);
+    p.num_splits = num_splits;
   }
   size_t workspace_bytes = flashkit::mha_fwd_kvcache_workspace_size(params[0]);
   rec.splits = flashkit::mha_fwd_kvcache_num_splits(params[0]);
@@ -259,6 +263,7 @@ int main(int argc, char** argv) {
     if (arg == "--batch") opt.batches = parse_list(value), ++i;
     else if (arg == "--cache") opt.caches = parse_list(value), ++i;
     else if (arg == "--pages") opt.pages = parse_list(value), ++i;
+    else if (arg == "--splits") opt.splits = parse_list(value), ++i;
     else if (arg == "--heads-kv") opt.heads_kv = std::stoi(value), ++i;
     else if (arg == "--max-tokens") opt.max_tokens = parse_list(value)[0], ++i;
     else if (arg == "--append") opt.append = true;
@@ -266,7 +271,7 @@ int main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: flashkit_bench_decode [--batch 1,8,64,256] [--cache 1k,8k,32k,128k] "
-                   "[--pages 0,16,256] [--heads-kv 8] [--max-tokens 2048k] [--append] [--json PATH]\n");
+                   "[--pages 0,16,256] [--splits 0] [--heads-kv 8] [--max-tokens 2048k] [--append] [--json PATH]\n");
       return 2;
     }
   }
@@ -287,13 +292,15 @@ int main(int argc, char** argv) {
     for (int64_t cache : opt.caches) {
       for (int64_t batch : opt.batches) {
         if (batch * cache > opt.max_tokens) continue;
-        Record r = run_cell(opt, batch, cache, page, l2_bytes);
-        std::printf("  %-11s batch %4lld cache %7lld: %8.4f ms  %6.3f TB/s  splits %3d %s\n",
-                    page > 0 ? ("paged" + std::to_string(page)).c_str() : "contiguous",
-                    static_cast<long long>(batch), static_cast<long long>(cache), r.ms, r.tbps,
-                    r.splits, r.note.c_str());
-        std::fflush(stdout);
-        records.push_back(r);
+        for (int64_t splits : opt.splits) {
+          Record r = run_cell(opt, batch, cache, page, static_cast<int>(splits), l2_bytes);
+          std::printf("  %-11s batch %4lld cache %7lld: %8.4f ms  %6.3f TB/s  splits %3d %s\n",
+                      page > 0 ? ("paged" + std::to_string(page)).c_str() : "contiguous",
+                      static_cast<long long>(batch), static_cast<long long>(cache), r.ms, r.tbps,
+                      r.splits, r.note.c_str());
+          std::fflush(stdout);
+          records.push_back(r);
+        }
       }
     }
   }

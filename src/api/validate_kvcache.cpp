@@ -130,6 +130,9 @@ void check_and_fill_tensors(const MhaFwdKvcacheParams& p, KvcacheProblem& proble
     problem.block_table_batch_stride = p.block_table.strides[0];
     problem.max_blocks_per_seq = to_int(kFn, "max_blocks_per_seq (block_table.size(1))", max_blocks);
     problem.page_block_size = static_cast<int>(cache_rows);
+    for (int shift = 0; (1 << shift) <= cache_rows; ++shift) {
+      if ((1 << shift) == cache_rows) problem.page_block_shift = shift;
+    }
     problem.cache_capacity =
         to_int(kFn, "max_blocks_per_seq * page_block_size", max_blocks * cache_rows);
   } else {

@@ -38,6 +38,8 @@ struct KvcacheProblem {
   int64_t block_table_batch_stride = 0;
   int max_blocks_per_seq = 0;
   int page_block_size = 0;  // 0: contiguous cache
+  int page_block_shift = -1;  // log2(page_block_size) for a power of two (the kernels shift and
+                              // mask instead of dividing), else -1
 
   const int* cache_seqlens = nullptr;  // null: every sequence holds cache_seqlen tokens
   int cache_seqlen = 0;

@@ -14,8 +14,8 @@
 //   * Paged or contiguous: each 16-byte chunk's source row is looked up per key (a page-table load
 //     and a division by page_block_size for paged caches), so any page size works.
 //
-//   prologue   Q rows gathered (rotated when rotary is on) into shared memory; cp.async K/V of the
-//              first kStages - 1 blocks of this split, one commit group each
+//   prologue   cp.async K/V of the first kStages - 1 blocks of this split, one commit group each;
+//              then Q rows gathered (rotated when rotary is on) into shared memory
 //   per block  wait until block n landed; barrier    (every warp is done with block n - 1's stage)
 //              cp.async K/V of block n + kStages - 1 into block n - 1's stage
 //              S = Q K^T on this warp's 16 keys       (mma.sync m16n8k16, fp32)
@@ -163,30 +163,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int token_first = m0 / group;
   const int token_last = (m0 + rows_here - 1) / group;
 
-  // ---- Q: gathered row by row (each packed row is its own token and head), rotated, swizzled.
-  {
-    const auto* q = static_cast<const Element*>(p.q);
-    const int position_base = seq.length - seq.leftpad;
-    const bool per_token = p.rotary_q_positions_per_token();
-#pragma unroll
-    for (int i = 0; i < kRows * Traits::kChunks / Traits::kThreads; ++i) {
-      const int item = tid + i * Traits::kThreads;
-      const int row = item / Traits::kChunks;
-      const int chunk = item % Traits::kChunks;
-      uint4 value = make_uint4(0, 0, 0, 0);
-      if (row < rows_here && chunk < head_chunks) {
-        const int packed = m0 + row;
-        const int token = packed / group;
-        const int head = kv_head * group + packed % group;
-        const Element* q_row = q + b * p.q_batch_stride + token * p.q_row_stride + head * p.q_head_stride;
-        value = rotary_chunk<Element>(p, q_row, chunk * 8, *reinterpret_cast<const uint4*>(q_row + chunk * 8),
-                                      position_base + (per_token ? token : 0));
-      }
-      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sQ + QTile::chunk_offset(row, chunk)),
-                   "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w));
-    }
-  }
-
   // ---- This split's key blocks.
   const int key_lo = window.key_begin(token_first);
   const int key_hi = window.key_end(token_last);
@@ -222,6 +198,31 @@ __global__ void __launch_bounds__(Traits::kThreads)
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < split_blocks) load_kv(split_begin + s, s);
     cp_async_commit();
+  }
+
+  // ---- Q: gathered row by row (each packed row is its own token and head), rotated, swizzled.
+  // After the first K/V loads are in flight: these loads wait for their data before the store.
+  {
+    const auto* q = static_cast<const Element*>(p.q);
+    const int position_base = seq.length - seq.leftpad;
+    const bool per_token = p.rotary_q_positions_per_token();
+#pragma unroll
+    for (int i = 0; i < kRows * Traits::kChunks / Traits::kThreads; ++i) {
+      const int item = tid + i * Traits::kThreads;
+      const int row = item / Traits::kChunks;
+      const int chunk = item % Traits::kChunks;
+      uint4 value = make_uint4(0, 0, 0, 0);
+      if (row < rows_here && chunk < head_chunks) {
+        const int packed = m0 + row;
+        const int token = packed / group;
+        const int head = kv_head * group + packed % group;
+        const Element* q_row = q + b * p.q_batch_stride + token * p.q_row_stride + head * p.q_head_stride;
+        value = rotary_chunk<Element>(p, q_row, chunk * 8, *reinterpret_cast<const uint4*>(q_row + chunk * 8),
+                                      position_base + (per_token ? token : 0));
+      }
+      asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sQ + QTile::chunk_offset(row, chunk)),
+                   "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w));
+    }
   }
 
   // Per lane: rows g and g + 8 of the tile; their tokens (clamped for padding rows) and slopes.

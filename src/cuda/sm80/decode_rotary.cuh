@@ -46,8 +46,10 @@ __device__ __forceinline__ CacheRowOffsets cache_row_offsets(const KvcacheProble
   int64_t base;
   int64_t row;
   if (p.block_table != nullptr) {
-    base = p.block_table[b * p.block_table_batch_stride + index / p.page_block_size];
-    row = index % p.page_block_size;
+    const bool power_of_two = p.page_block_shift >= 0;
+    const int page = power_of_two ? index >> p.page_block_shift : index / p.page_block_size;
+    base = p.block_table[b * p.block_table_batch_stride + page];
+    row = power_of_two ? index & (p.page_block_size - 1) : index - page * p.page_block_size;
   } else {
     base = s.cache_row;
     row = index;
