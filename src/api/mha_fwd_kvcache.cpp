@@ -10,6 +10,8 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <map>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -66,16 +68,41 @@ RunDecode require_sm80_decode(const KvcacheProblem& problem) {
   return run;
 }
 
+// What the dispatch needs to know about a device, queried once per device and process: a decode
+// step of a small batch takes a few microseconds on the GPU, so per-call attribute queries would
+// show up in its latency.
+struct DeviceLimits {
+  int arch = 0;
+  int sm_count = 0;
+  int smem_per_sm = 0;
+};
+
+DeviceLimits device_limits(int device) {
+  static std::mutex mutex;
+  static std::map<int, DeviceLimits> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const auto found = known.find(device);
+  if (found != known.end()) return found->second;
+  DeviceLimits limits;
+  int major = 0, minor = 0;
+  cuda::check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device),
+              "cudaDeviceGetAttribute(compute capability major)");
+  cuda::check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device),
+              "cudaDeviceGetAttribute(compute capability minor)");
+  cuda::check(cudaDeviceGetAttribute(&limits.sm_count, cudaDevAttrMultiProcessorCount, device),
+              "cudaDeviceGetAttribute(multiprocessor count)");
+  cuda::check(cudaDeviceGetAttribute(&limits.smem_per_sm,
+                                     cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
+              "cudaDeviceGetAttribute(shared memory per multiprocessor)");
+  limits.arch = 10 * major + minor;
+  known[device] = limits;
+  return limits;
+}
+
 // The split count of a CUDA call: the caller's, or the heuristic's for this device.
 int cuda_num_splits(const KvcacheProblem& problem, int requested, int device) {
   if (requested > 0) return requested;
-  int sm_count = 0;
-  int smem_per_sm = 0;
-  cuda::check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
-              "cudaDeviceGetAttribute(multiprocessor count)");
-  cuda::check(cudaDeviceGetAttribute(&smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor,
-                                     device),
-              "cudaDeviceGetAttribute(shared memory per multiprocessor)");
+  const DeviceLimits limits = device_limits(device);
   const int family = sm80::decode_head_dim_family(problem.head_dim);
   const int64_t packed_rows = static_cast<int64_t>(problem.seqlen_q) *
                               (problem.heads_q / problem.heads_kv);
@@ -88,20 +115,18 @@ int cuda_num_splits(const KvcacheProblem& problem, int requested, int device) {
   shape.ctas = static_cast<int64_t>(problem.batch) * problem.heads_kv *
                ((packed_rows + sm80::kDecodeRows - 1) / sm80::kDecodeRows);
   shape.key_blocks = (max_keys + sm80::kDecodeBlockN - 1) / sm80::kDecodeBlockN;
-  shape.sm_count = sm_count;
-  shape.ctas_per_sm = sm80::decode_ctas_per_sm(family, smem_per_sm);
+  shape.sm_count = limits.sm_count;
+  shape.ctas_per_sm = sm80::decode_ctas_per_sm(family, limits.smem_per_sm);
   shape.max_splits = api::kMaxKvcacheSplits;
   return api::choose_num_splits(shape);
 }
 
 // FLASHKIT_CHECK_KVCACHE=1: copy the index arrays to the host and check what kvcache_params.h
 // otherwise leaves to the caller. Synchronises with the device (the copies wait for `stream`).
+// Read on every call (a getenv is nothing next to a launch), so a test can switch it on and off.
 bool contents_check_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("FLASHKIT_CHECK_KVCACHE");
-    return value != nullptr && value[0] != '\0' && value[0] != '0';
-  }();
-  return enabled;
+  const char* value = std::getenv("FLASHKIT_CHECK_KVCACHE");
+  return value != nullptr && value[0] != '\0' && value[0] != '0';
 }
 
 void check_contents_on_device(const KvcacheProblem& p, void* stream) {
@@ -132,8 +157,7 @@ void check_contents_on_device(const KvcacheProblem& p, void* stream) {
 void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void* stream) {
   const int device = params.q.device.index;
   const RunDecode run = require_sm80_decode(problem);
-  const api::CurrentDeviceGuard device_guard(device);
-  const int arch = cuda::current_device_arch();
+  const int arch = device_limits(device).arch;
   if (arch < 80) {
     throw Error(std::string(kFn) + ": cuda:" + std::to_string(device) + " has compute capability " +
                 std::to_string(arch / 10) + "." + std::to_string(arch % 10) +
@@ -158,6 +182,7 @@ void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void
     problem.workspace = params.workspace;
     problem.workspace_bytes = params.workspace_bytes;
   }
+  const api::CurrentDeviceGuard device_guard(device);
   if (contents_check_enabled()) check_contents_on_device(problem, stream);
   if (debug_enabled()) {
     std::fprintf(stderr,

@@ -13,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cmath>
 #include <iostream>
 #include <limits>
@@ -384,6 +385,61 @@ TEST(GpuKvcache, EmptySequencesGiveZeroAndMinusInf) {
     const std::string failure = compare(c, oracle, run);
     EXPECT_TRUE(failure.empty()) << "splits " << splits << "\n" << failure;
   }
+}
+
+// The device-side promises are checked on request: FLASHKIT_CHECK_KVCACHE=1 copies the index
+// arrays to the host and rejects a page out of range before any launch. And a workspace smaller
+// than the size query's answer is rejected.
+TEST(GpuKvcache, ContentsCheckAndWorkspaceSize) {
+  if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  KvcacheCase c = decode_case("contents");
+  c.num_splits = 4;
+  c.seed = 78;
+  if (const std::string why = unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  KvcacheInputs in = make_kvcache_inputs(c);
+  in.block_table[0] = c.num_blocks() + 5;
+  Stream stream;
+  DeviceBuffer q = upload(in.q, stream.get()), k_cache = upload(in.k_cache, stream.get()),
+               v_cache = upload(in.v_cache, stream.get()), k_new = upload(in.k_new, stream.get()),
+               v_new = upload(in.v_new, stream.get()), cos = upload(in.rotary_cos, stream.get()),
+               sin = upload(in.rotary_sin, stream.get()), seqlens = upload(in.seqlens, stream.get()),
+               table = upload(in.block_table, stream.get());
+  DeviceBuffer out(in.q.size() * 2), lse(int64_t{c.batch} * c.heads_q * c.seqlen_q * 4);
+  KvcacheBuffers buf;
+  buf.q = q.get();
+  buf.k_cache = k_cache.get();
+  buf.v_cache = v_cache.get();
+  buf.k_new = k_new.get();
+  buf.v_new = v_new.get();
+  buf.rotary_cos = cos.get();
+  buf.rotary_sin = sin.get();
+  buf.seqlens = seqlens.get();
+  buf.block_table = table.get();
+  buf.out = out.get();
+  buf.lse = lse.get();
+  MhaFwdKvcacheParams params =
+      kvcache_params(c, in, buf, Device{DeviceKind::kCuda, current_device()});
+  const size_t bytes = mha_fwd_kvcache_workspace_size(params);
+  ASSERT_GT(bytes, 0u);
+  DeviceBuffer workspace(bytes);
+  params.workspace = workspace.get();
+  params.workspace_bytes = bytes - 1;
+  try {
+    mha_fwd_kvcache(params, stream.get());
+    ADD_FAILURE() << "a workspace one byte short was accepted";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("workspace"), std::string::npos) << e.what();
+  }
+  params.workspace_bytes = bytes;
+  setenv("FLASHKIT_CHECK_KVCACHE", "1", 1);
+  try {
+    mha_fwd_kvcache(params, stream.get());
+    ADD_FAILURE() << "a page index out of range passed FLASHKIT_CHECK_KVCACHE=1";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("block_table[0][0]"), std::string::npos) << e.what();
+  }
+  unsetenv("FLASHKIT_CHECK_KVCACHE");
+  FK_CUDA_CHECK(cudaStreamSynchronize(stream.get()));
 }
 
 }  // namespace

@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -50,9 +51,18 @@ void run_decode(const KvcacheProblem& problem, void* stream_ptr) {
                 "launch (" + std::to_string(grid_x) + " CTAs along x)");
   }
   auto kernel = decode_kernel<Traits>;
-  cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   Traits::kSmemBytes),
-              "cudaFuncSetAttribute(decode_kernel, max dynamic shared memory)");
+  // The shared-memory opt-in is per device; set it once per device this instance runs on (a few
+  // microseconds per call otherwise, comparable to a small decode step).
+  static std::atomic<uint64_t> opted_in_devices{0};
+  int device = 0;
+  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t device_bit = device < 64 ? uint64_t{1} << device : 0;
+  if (device_bit == 0 || (opted_in_devices.load(std::memory_order_acquire) & device_bit) == 0) {
+    cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     Traits::kSmemBytes),
+                "cudaFuncSetAttribute(decode_kernel, max dynamic shared memory)");
+    opted_in_devices.fetch_or(device_bit, std::memory_order_release);
+  }
   kernel<<<dim3(static_cast<unsigned>(grid_x), problem.heads_kv, problem.batch), Traits::kThreads,
            Traits::kSmemBytes, stream>>>(problem);
   cuda::check_last_launch("sm80 decode_kernel");
