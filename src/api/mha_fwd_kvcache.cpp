@@ -74,7 +74,6 @@ RunDecode require_sm80_decode(const KvcacheProblem& problem) {
 struct DeviceLimits {
   int arch = 0;
   int sm_count = 0;
-  int smem_per_sm = 0;
 };
 
 DeviceLimits device_limits(int device) {
@@ -91,9 +90,6 @@ DeviceLimits device_limits(int device) {
               "cudaDeviceGetAttribute(compute capability minor)");
   cuda::check(cudaDeviceGetAttribute(&limits.sm_count, cudaDevAttrMultiProcessorCount, device),
               "cudaDeviceGetAttribute(multiprocessor count)");
-  cuda::check(cudaDeviceGetAttribute(&limits.smem_per_sm,
-                                     cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
-              "cudaDeviceGetAttribute(shared memory per multiprocessor)");
   limits.arch = 10 * major + minor;
   known[device] = limits;
   return limits;
@@ -103,7 +99,6 @@ DeviceLimits device_limits(int device) {
 int cuda_num_splits(const KvcacheProblem& problem, int requested, int device) {
   if (requested > 0) return requested;
   const DeviceLimits limits = device_limits(device);
-  const int family = sm80::decode_head_dim_family(problem.head_dim);
   const int64_t packed_rows = static_cast<int64_t>(problem.seqlen_q) *
                               (problem.heads_q / problem.heads_kv);
   // The longest sequence: exact for one scalar length, else bounded by the capacity (the lengths
@@ -116,7 +111,6 @@ int cuda_num_splits(const KvcacheProblem& problem, int requested, int device) {
                ((packed_rows + sm80::kDecodeRows - 1) / sm80::kDecodeRows);
   shape.key_blocks = (max_keys + sm80::kDecodeBlockN - 1) / sm80::kDecodeBlockN;
   shape.sm_count = limits.sm_count;
-  shape.ctas_per_sm = sm80::decode_ctas_per_sm(family, limits.smem_per_sm);
   shape.max_splits = api::kMaxKvcacheSplits;
   return api::choose_num_splits(shape);
 }

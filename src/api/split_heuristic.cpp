@@ -15,7 +15,7 @@ int choose_num_splits(const SplitShape& shape) {
   if (shape.ctas <= 0 || shape.key_blocks <= 1 || shape.sm_count <= 0 || shape.max_splits <= 1) {
     return 1;
   }
-  const int64_t slots = static_cast<int64_t>(shape.sm_count) * std::max(1, shape.ctas_per_sm);
+  const int64_t slots = shape.sm_count;
   if (shape.ctas >= slots) return 1;
   const int64_t limit = std::min<int64_t>(shape.max_splits, shape.key_blocks);
   int best = 1;

@@ -3,17 +3,23 @@
 // shape and the GPU's size, so that it is unit-tested without a GPU.
 //
 // The decode kernel runs one CTA per (sequence, kv head, 16 packed query rows, split). A decode
-// step is memory bound: it is fast when enough CTAs are resident to keep HBM busy, and when no SM
-// idles through a ragged last wave. Splitting the keys multiplies the CTAs at the price of a
-// combine pass (small: fp32 partials of the query rows only) and of a fixed cost per CTA
-// (prologue, pipeline fill, the cross-warp merge).
+// step is memory bound: it is fast when every SM streams K/V, and when no SM idles through a ragged
+// last wave. Splitting the keys multiplies the CTAs at the price of a combine pass (small: fp32
+// partials of the query rows only) and of a fixed cost per CTA (prologue, pipeline fill, the
+// cross-warp merge).
 //
-// The model: with `slots` = SMs x CTAs resident per SM, s splits run ceil(ctas * s / slots) waves,
-// each as long as one split's key blocks plus the fixed cost per CTA (counted in key blocks):
+// The model counts one CTA per SM as a full SM: one decode CTA keeps 64 KiB of K/V in flight,
+// enough for its SM's share of HBM bandwidth, and a second co-resident CTA adds fixed costs
+// without adding bandwidth. Measured on an H100 (bench/NOTES.md, decode): batch 1, GQA 32/8,
+// 16 splits (128 CTAs) beat 32 splits (256 CTAs, two per SM) by 23%, 7% and 6% at cache 8k, 32k
+// and 128k; batch 8, 2 splits beat 4 by 2-4%.
+//
+// So with `slots` = SMs, s splits run ceil(ctas * s / slots) waves, each as long as one split's
+// key blocks plus the fixed cost per CTA (counted in key blocks):
 //     time(s) = ceil(ctas * s / slots) * (ceil(key_blocks / s) + kCtaOverheadBlocks)
 // and s is the smallest minimiser of time(s). Splits that do not shorten the longest split (same
 // ceil(key_blocks / s) as s - 1) are skipped: they add CTAs without removing work. When the
-// unsplit launch already fills the GPU (ctas >= slots) nothing is split: another wave would only
+// unsplit launch already fills the SMs (ctas >= slots) nothing is split: another wave would only
 // move work around.
 #pragma once
 
@@ -25,7 +31,6 @@ struct SplitShape {
   int64_t ctas = 0;       // CTAs of one split: batch x heads_kv x packed-row blocks
   int64_t key_blocks = 0;  // key blocks of the longest sequence (the capacity when unknown)
   int sm_count = 0;
-  int ctas_per_sm = 1;    // decode CTAs resident per SM (shared memory and registers decide)
   int max_splits = 128;
 };
 

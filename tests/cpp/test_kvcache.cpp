@@ -382,7 +382,6 @@ api::SplitShape h100_shape(int64_t ctas, int64_t key_blocks) {
   s.ctas = ctas;
   s.key_blocks = key_blocks;
   s.sm_count = 132;
-  s.ctas_per_sm = 2;
   return s;
 }
 
@@ -399,18 +398,27 @@ TEST(SplitHeuristic, DegenerateInputsGiveOneSplit) {
 }
 
 TEST(SplitHeuristic, AFullGpuIsNotSplit) {
-  EXPECT_EQ(api::choose_num_splits(h100_shape(264, 2048)), 1);
+  EXPECT_EQ(api::choose_num_splits(h100_shape(132, 2048)), 1);
   EXPECT_EQ(api::choose_num_splits(h100_shape(512, 128)), 1);
 }
 
+// The split counts the H100 sweep of bench/NOTES.md found fastest (GQA 32/8: 8 CTAs per sequence,
+// 128 keys per block of 64 at 8k).
+TEST(SplitHeuristic, MatchesTheMeasuredBestOnH100) {
+  for (int64_t blocks : {128, 512, 2048}) {  // cache 8k, 32k, 128k
+    EXPECT_EQ(api::choose_num_splits(h100_shape(8, blocks)), 16) << blocks;       // batch 1
+    EXPECT_EQ(api::choose_num_splits(h100_shape(64, blocks)), 2) << blocks;       // batch 8
+  }
+  EXPECT_EQ(api::choose_num_splits(h100_shape(512, 128)), 1);  // batch 64
+}
+
+// A few CTAs over a long cache: one wave that occupies most SMs.
 TEST(SplitHeuristic, SmallBatchFillsOneWave) {
-  // Batch 1, 8 kv heads, 8k keys (128 blocks of 64): one wave of at most 264 CTAs, 4 blocks each.
-  const int s = api::choose_num_splits(h100_shape(8, 128));
-  EXPECT_LE(8 * s, 264);
-  EXPECT_EQ((128 + s - 1) / s, 4);
-  // 128k keys: the longest split is as short as one wave allows.
-  const int s_long = api::choose_num_splits(h100_shape(8, 2048));
-  EXPECT_EQ(s_long, 33);
+  for (int64_t ctas : {1, 3, 8}) {
+    const int s = api::choose_num_splits(h100_shape(ctas, 1000));
+    EXPECT_LE(ctas * s, 132) << ctas;
+    EXPECT_GE(ctas * s, 132 * 9 / 10) << ctas;
+  }
 }
 
 TEST(SplitHeuristic, StaysInRangeAndNeverAddsEmptySplits) {

@@ -38,14 +38,6 @@ constexpr int decode_smem_bytes(int family) {
   return q_tile + decode_stages(family) * stage + lse_merge;
 }
 
-// CTAs resident per SM for the split heuristic: shared memory bounds it (the registers of 128
-// threads never do). `smem_per_sm` is the device's cudaDevAttrMaxSharedMemoryPerMultiprocessor;
-// each CTA also reserves 1 KiB of it.
-constexpr int decode_ctas_per_sm(int family, int smem_per_sm) {
-  const int per_sm = smem_per_sm / (decode_smem_bytes(family) + 1024);
-  return per_sm < 1 ? 1 : per_sm;
-}
-
 // The split workspace: lse partials [splits, batch, heads_q, seqlen_q] fp32, then (256-byte
 // aligned) output partials [splits, batch, heads_q, seqlen_q, head_dim] fp32.
 struct DecodeWorkspaceLayout {
