@@ -249,6 +249,82 @@ TEST(KvcacheReference, EmptySequenceGivesZeroRowAndMinusInf) {
   for (float l : lse) EXPECT_EQ(l, -std::numeric_limits<float>::infinity());
 }
 
+// The same values through padded strides (q, out and the caches with a gap after each head, the
+// block table with a gap after each row) give the same bits: the reference reads and writes
+// through the strides, never assuming contiguity.
+TEST(KvcacheReference, LayoutInvariance) {
+  KvcacheCase c = base_case("layout");
+  c.page_block_size = 8;
+  c.rotary_dim = 16;
+  c.leftpad = true;
+  KvcacheInputs in = make_kvcache_inputs(c);
+  KvcacheInputs padded_in = in;
+  std::vector<uint16_t> out(in.q.size(), kKvcachePoison16);
+  std::vector<float> lse(int64_t{c.batch} * c.heads_q * c.seqlen_q);
+  mha_fwd_kvcache(kvcache_params(c, in, host_buffers(in, out, lse), kCpu));
+
+  const int64_t d = c.head_dim, pad = 8, head_stride = d + pad;
+  // Spread a [..., heads, d] tensor into [..., heads, d + pad] memory.
+  auto spread = [&](const std::vector<uint16_t>& dense) {
+    std::vector<uint16_t> wide(dense.size() / d * head_stride, kKvcachePoison16);
+    for (size_t row = 0; row < dense.size() / d; ++row)
+      std::copy_n(&dense[row * d], d, &wide[row * head_stride]);
+    return wide;
+  };
+  padded_in.q = spread(in.q);
+  padded_in.k_cache = spread(padded_in.k_cache);
+  padded_in.v_cache = spread(padded_in.v_cache);
+  const int64_t table_stride = c.max_blocks() + 3;
+  std::vector<int> table(c.batch * table_stride, -1);
+  for (int b = 0; b < c.batch; ++b)
+    std::copy_n(&in.block_table[b * c.max_blocks()], c.max_blocks(), &table[b * table_stride]);
+  padded_in.block_table = table;
+  std::vector<uint16_t> padded_out(in.q.size() / d * head_stride, kKvcachePoison16);
+  std::vector<float> padded_lse(lse.size());
+  MhaFwdKvcacheParams p =
+      kvcache_params(c, padded_in, host_buffers(padded_in, padded_out, padded_lse), kCpu);
+  auto widen = [&](TensorView& v) {
+    const int64_t heads = v.sizes[2];
+    v = make_strided_view(v.data, v.dtype, {v.sizes[0], v.sizes[1], heads, d},
+                          {v.sizes[1] * heads * head_stride, heads * head_stride, head_stride, 1},
+                          kCpu);
+  };
+  widen(p.q);
+  widen(p.out);
+  widen(p.k_cache);
+  widen(p.v_cache);
+  p.block_table = make_strided_view(table.data(), DType::kInt32, {c.batch, c.max_blocks()},
+                                    {table_stride, 1}, kCpu);
+  mha_fwd_kvcache(p);
+  for (size_t row = 0; row < out.size() / d; ++row) {
+    for (int64_t x = 0; x < d; ++x) {
+      ASSERT_EQ(padded_out[row * head_stride + x], out[row * d + x]) << "row " << row;
+    }
+    for (int64_t x = d; x < head_stride; ++x) {
+      ASSERT_EQ(padded_out[row * head_stride + x], kKvcachePoison16) << "gap written, row " << row;
+    }
+  }
+  for (size_t i = 0; i < lse.size(); ++i) EXPECT_EQ(padded_lse[i], lse[i]);
+  for (size_t row = 0; row < in.k_cache.size() / d; ++row) {
+    for (int64_t x = 0; x < d; ++x) {
+      ASSERT_EQ(padded_in.k_cache[row * head_stride + x], in.k_cache[row * d + x]);
+      ASSERT_EQ(padded_in.v_cache[row * head_stride + x], in.v_cache[row * d + x]);
+    }
+  }
+}
+
+// On the CPU nothing is split and no workspace is needed.
+TEST(KvcacheReference, CpuNeedsNoWorkspace) {
+  KvcacheCase c = base_case("cpu");
+  c.num_splits = 0;
+  KvcacheInputs in = make_kvcache_inputs(c);
+  std::vector<uint16_t> out(in.q.size());
+  std::vector<float> lse(int64_t{c.batch} * c.heads_q * c.seqlen_q);
+  const MhaFwdKvcacheParams p = kvcache_params(c, in, host_buffers(in, out, lse), kCpu);
+  EXPECT_EQ(mha_fwd_kvcache_workspace_size(p), 0u);
+  EXPECT_EQ(mha_fwd_kvcache_num_splits(p), 1);
+}
+
 // ------------------------------------------------------------------------------------------------
 // Bad input
 // ------------------------------------------------------------------------------------------------
@@ -359,6 +435,9 @@ TEST(KvcacheValidation, ContiguousCacheShapesAndOptions) {
                        "alibi_slopes", "[5]");
   EXPECT_KVCACHE_ERROR(p.q.dtype = DType::kFloat32, "q.dtype", "float32");
   EXPECT_KVCACHE_ERROR(p.k_cache = TensorView{}, "k_cache is undefined");
+  EXPECT_KVCACHE_ERROR(p.cache_leftpad.device = kCuda0, "cache_leftpad is on cuda:0", "q is on cpu");
+  EXPECT_KVCACHE_ERROR(p.v_cache.device = kCuda0, "v_cache is on cuda:0");
+  EXPECT_KVCACHE_ERROR(p.k_cache.sizes[1] = 1000, "k_cache", "has shape");
 }
 
 // On CUDA views with host pointers, validation must reject before any CUDA call: a misaligned
