@@ -5,8 +5,8 @@
 // CPU views run the reference (src/cpu/reference_kvcache). CUDA views run the sm80 decode kernels
 // of the problem's (dtype, head-dim family) if this build compiled them (build_config.h lists
 // them). Everything that can be rejected without the GPU is rejected before the first CUDA call;
-// the split count of num_splits = 0 needs the device's SM count, so the size query and the call
-// ask the device for it (cudaDeviceGetAttribute, no synchronisation).
+// the split count of num_splits = 0 needs the device's SM count, which the first call on a device
+// asks for (cudaDeviceGetAttribute, no synchronisation) and later calls reuse.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -169,9 +169,10 @@ void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void
                   " bytes (mha_fwd_kvcache_workspace_size); pass that much, or num_splits = 1");
     }
     if (reinterpret_cast<uintptr_t>(params.workspace) % 256 != 0) {
-      throw Error(std::string(kFn) + ": workspace (" + std::to_string(reinterpret_cast<uintptr_t>(
-                                                           params.workspace)) +
-                  ") is not 256-byte aligned");
+      char address[32];
+      std::snprintf(address, sizeof address, "%p", params.workspace);
+      throw Error(std::string(kFn) + ": workspace (" + address +
+                  ") is not 256-byte aligned; pass memory from cudaMalloc or an aligned pool");
     }
     problem.workspace = params.workspace;
     problem.workspace_bytes = params.workspace_bytes;
@@ -214,7 +215,6 @@ SplitPlan plan_splits(const MhaFwdKvcacheParams& params) {
   if (params.q.device.kind == DeviceKind::kCpu) return plan;
 #ifdef FLASHKIT_WITH_CUDA
   require_sm80_decode(problem);
-  const api::CurrentDeviceGuard device_guard(params.q.device.index);
   plan.num_splits = cuda_num_splits(problem, params.num_splits, params.q.device.index);
   plan.workspace_bytes = sm80::decode_workspace_layout(problem, plan.num_splits).total_bytes;
   return plan;
