@@ -61,9 +61,15 @@ void check_gradient(const char* fn, const char* name, const TensorView& view, co
 void check_no_aliasing(const char* fn, const BwdCommon& p) {
   const std::pair<const char*, const TensorView*> outputs[] = {
       {"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}};
-  const std::pair<const char*, const TensorView*> others[] = {
-      {"q", &p.q},     {"k", &p.k},   {"v", &p.v},   {"out", &p.out}, {"softmax_lse", &p.softmax_lse},
-      {"dout", &p.dout}, {"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}};
+  const std::pair<const char*, const TensorView*> others[] = {{"q", &p.q},
+                                                              {"k", &p.k},
+                                                              {"v", &p.v},
+                                                              {"out", &p.out},
+                                                              {"softmax_lse", &p.softmax_lse},
+                                                              {"dout", &p.dout},
+                                                              {"dq", &p.dq},
+                                                              {"dk", &p.dk},
+                                                              {"dv", &p.dv}};
   for (const auto& [name, view] : outputs) {
     if (view->numel() == 0) continue;
     for (const auto& [other_name, other] : others) {
@@ -86,12 +92,12 @@ void strides_of(const TensorView& view, int64_t& batch_stride, int64_t& row_stri
 BwdProblem make_problem(const char* fn, const BwdCommon& p, const FwdProblem& fwd) {
   check_gradient(fn, "dout", p.dout, "the gradient of out, same shape and dtype as q", "q", p.q,
                  p.q);
-  check_gradient(fn, "dq", p.dq, "the gradient of q (written), same shape and dtype as q", "q",
-                 p.q, p.q);
-  check_gradient(fn, "dk", p.dk, "the gradient of k (written), same shape and dtype as k", "k",
-                 p.k, p.q);
-  check_gradient(fn, "dv", p.dv, "the gradient of v (written), same shape and dtype as v", "v",
-                 p.v, p.q);
+  check_gradient(fn, "dq", p.dq, "the gradient of q (written), same shape and dtype as q", "q", p.q,
+                 p.q);
+  check_gradient(fn, "dk", p.dk, "the gradient of k (written), same shape and dtype as k", "k", p.k,
+                 p.q);
+  check_gradient(fn, "dv", p.dv, "the gradient of v (written), same shape and dtype as v", "v", p.v,
+                 p.q);
   check_no_aliasing(fn, p);
 
   BwdProblem problem;
