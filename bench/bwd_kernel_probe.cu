@@ -85,7 +85,6 @@ struct Prepared {
   std::vector<uint16_t> q, k, v, dout, out;
   std::vector<float> lse, slopes;
   std::vector<int> cu_q, cu_k;
-  DeviceMem *dq_, *dk_, *dv_, *ws_;
   std::vector<DeviceMem*> owned;
   BwdProblem problem;
   size_t ws_bytes;

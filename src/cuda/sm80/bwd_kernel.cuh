@@ -339,8 +339,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         const bool is_lse = tid < kBlockM;
         const uint32_t dst = smem_base + (is_lse ? Traits::kLseOffset : Traits::kDotOffset) +
                              static_cast<uint32_t>(stage * Traits::kRowStatsBytes + row * 4);
-        const float* src = (is_lse ? loc.lse : loc.dot) + m0 + row;
-        cp_async_4(dst, src, m0 + row < loc.len_q);
+        const float* rows = is_lse ? loc.lse : loc.dot;
+        const bool valid = m0 + row < loc.len_q;
+        cp_async_4(dst, valid ? rows + m0 + row : rows, valid);
       }
       cp_async_commit();
     };
