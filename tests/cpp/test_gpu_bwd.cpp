@@ -19,8 +19,9 @@
 //   EmptyRows/*           masks that leave query rows without keys or keys without rows
 //   NoKeysNoQueries/*     seqlen_k == 0 (dq zero) and seqlen_q == 0 (dk, dv zero)
 //   GpuBwdTest.*          layout invariance (bitwise), 50 deterministic runs bitwise equal,
-//                         more than 65,535 (batch x heads), workspace and bad-input errors on
-//                         real device memory, a kernel left out of the build
+//                         offsets past 2^31 elements (q / dout / dq batches, k / dk rows, v / dv
+//                         heads), more than 65,535 (batch x heads), workspace and bad-input errors
+//                         on real device memory, a kernel left out of the build
 // About a quarter of the grid cases (names ending in _det) run in deterministic mode.
 //
 // A case whose (dtype, head dim) this build has no backward kernel for is skipped, not failed.
@@ -536,6 +537,86 @@ TEST_F(GpuBwdTest, DeterministicVarlenMqaAlibiSoftcap) {
   c.name = "deterministicVarlen";
   c.seed = 202;
   expect_deterministic(c, 50);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Element offsets past 2^31
+// ------------------------------------------------------------------------------------------------
+//
+// An offset such as row * row_stride computed in 32 bits lands in the wrong place past 2^31
+// elements. As in the forward tests, normal numbers of rows are spread with huge strides (buffers
+// of about 4.3 GB, two or three per test), only the rows of the views are copied, and the oracle
+// runs on compact host copies of the same values.
+
+constexpr int64_t k2Pow31 = int64_t{1} << 31;
+
+int64_t round_up8(int64_t x) { return (x + 7) / 8 * 8; }
+
+// Runs `layout` when the device has its bytes free with 1 GiB to spare; skips otherwise.
+void run_big_layout_case(const FwdCase& c, const BwdLayout& layout) {
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  size_t bytes = 0;
+  for (int64_t elems : layout.buffers) bytes += static_cast<size_t>(elems) * 2;
+  size_t free_bytes = 0, total_bytes = 0;
+  FK_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (free_bytes < bytes + (size_t{1} << 30)) {
+    GTEST_SKIP() << "needs " << (bytes >> 20) << " MiB of device memory, " << (free_bytes >> 20)
+                 << " MiB free";
+  }
+  BackwardCase host(c);
+  const BwdOracle oracle = run_bwd_oracle(host);
+  SCOPED_TRACE(layout.name);
+  try {
+    run_and_check(host, oracle, layout, false);
+  } catch (const OutOfMemory& e) {
+    GTEST_SKIP() << "out of device memory: " << e.what();
+  }
+}
+
+// k and dk rows spread so that their last rows start past 2^31 elements (GQA: dk goes through
+// the group sum), v and dv heads spread so that head 1 starts past 2^31.
+TEST_F(GpuBwdTest, OffsetsPast2Pow31InKeyRowsAndHeads) {
+  const int d = built_bwd_head_dim(128);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 4, 2, 1, 77, 1000);
+  c.name = "bigKV";
+  c.seed = 501;
+  BwdLayout l = contiguous_bwd_layout(c);
+  l.name = "k / dk row stride > 2^31 / seqlen_k, v / dv head stride > 2^31";
+  const int64_t k_row = round_up8((k2Pow31 + c.seqlen_k - 2) / (c.seqlen_k - 1));
+  const int64_t v_head = k2Pow31 + 64;
+  for (Placement* p : {&l.k, &l.dk}) {
+    p->row_stride = k_row;
+    p->head_stride = d;
+    p->batch_stride = c.seqlen_k * k_row;
+    l.buffers[p->buffer] = (c.seqlen_k - 1) * k_row + c.heads_kv * d;
+  }
+  for (Placement* p : {&l.v, &l.dv}) {
+    p->row_stride = d;
+    p->head_stride = v_head;
+    p->batch_stride = v_head + int64_t{c.seqlen_k} * d;
+    l.buffers[p->buffer] = (c.heads_kv - 1) * v_head + int64_t{c.seqlen_k} * d;
+  }
+  ASSERT_GT((c.seqlen_k - 1) * k_row, k2Pow31);
+  run_big_layout_case(c, l);
+}
+
+// q, dout and dq of a second batch that starts past 2^31 elements; causal, so the mask offsets
+// are exercised too.
+TEST_F(GpuBwdTest, OffsetsPast2Pow31InQueryBatches) {
+  const int d = built_bwd_head_dim(64);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 3, 1, 2, 113, 239);
+  c.causal = true;
+  c.name = "bigQ";
+  c.seed = 502;
+  BwdLayout l = contiguous_bwd_layout(c);
+  l.name = "q / dout / dq batch stride > 2^31";
+  const int64_t batch_stride = k2Pow31 + 8;
+  const int64_t rows = int64_t{c.seqlen_q} * c.heads_q * d;
+  for (Placement* p : {&l.q, &l.dout, &l.dq}) {
+    p->batch_stride = batch_stride;
+    l.buffers[p->buffer] = batch_stride + rows;
+  }
+  run_big_layout_case(c, l);
 }
 
 // ------------------------------------------------------------------------------------------------
