@@ -364,6 +364,16 @@ TEST_F(MhaVarlenBwdValidation, CpuPrefixSumsAreChecked) {
   EXPECT_ERROR_MENTIONS(mha_varlen_bwd(p), "mha_varlen_bwd: seqused_k[1] is 3", "[0, 2]");
 }
 
+// With seqused_k, max_seqlen_k must bound the stored key lengths as well: their dk / dv rows are
+// all written.
+TEST_F(MhaVarlenBwdValidation, MaxSeqlenKMustBoundTheStoredKeyLengths) {
+  p.max_seqlen_k = 5;  // every used length (4, 2, 0) fits; sequence 2 stores 6 keys
+  EXPECT_ERROR_MENTIONS(mha_varlen_bwd(p),
+                        "mha_varlen_bwd: sequence 2 stores 6 keys (cu_seqlens_k) but max_seqlen_k "
+                        "is 5",
+                        "must bound the lengths in cu_seqlens_k");
+}
+
 TEST_F(MhaVarlenBwdValidation, PackedGradientsFollowThePackedTensors) {
   MhaVarlenBwdParams bad = p;
   bad.dq = make_view(c.dq.data(), DType::kFloat16, {7, 4, 16}, Device{});
