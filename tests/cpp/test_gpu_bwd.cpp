@@ -20,8 +20,9 @@
 //   NoKeysNoQueries/*     seqlen_k == 0 (dq zero) and seqlen_q == 0 (dk, dv zero)
 //   GpuBwdTest.*          layout invariance (bitwise), 50 deterministic runs bitwise equal,
 //                         offsets past 2^31 elements (q / dout / dq batches, k / dk rows, v / dv
-//                         heads), more than 65,535 (batch x heads), workspace and bad-input errors
-//                         on real device memory, a kernel left out of the build
+//                         heads), more than 65,535 (batch x heads), a created stream, workspace
+//                         and bad-input errors on real device memory, a kernel left out of the
+//                         build
 // About a quarter of the grid cases (names ending in _det) run in deterministic mode.
 //
 // A case whose (dtype, head dim) this build has no backward kernel for is skipped, not failed.
@@ -30,11 +31,13 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <iostream>
 #include <ostream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -662,6 +665,55 @@ TEST_F(GpuBwdTest, GridVarlenBatch66000) {
   c.name = "varlenBatch66000";
   c.seed = 303;
   run_full_case(c, false);
+}
+
+// ------------------------------------------------------------------------------------------------
+// A created stream
+// ------------------------------------------------------------------------------------------------
+
+// Holds a stream for 50 ms from the host. (A host function may not call CUDA; sleeping is fine.)
+void CUDART_CB hold_stream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }
+
+// The poison, the backward and the download run on a created non-blocking stream held for 50 ms
+// by a host function; only that stream is synchronized. A launch on another stream (e.g. the
+// legacy default stream, which does not wait for non-blocking streams) would run at once, and the
+// poison queued behind the hold would then overwrite its gradients. A warm-up run comes first: the
+// first launch of a kernel loads its module (lazy loading waits for the whole device), and the
+// first size query allocates the workspace.
+void expect_stream_run(const FwdCase& c, bool deterministic) {
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  BackwardCase host(c);
+  const BwdOracle oracle = run_bwd_oracle(host);
+  Stream stream;
+  DeviceBwdProblem dev(host, contiguous_bwd_layout(c));
+  dev.upload(stream.get());
+  dev.poison_gradients(stream.get());
+  dev.launch(stream.get(), deterministic);
+  dev.download(stream.get());
+  FK_CUDA_CHECK(cudaLaunchHostFunc(stream.get(), hold_stream, nullptr));
+  dev.poison_gradients(stream.get());
+  dev.launch(stream.get(), deterministic);
+  report(check_gradients(host, oracle, dev.download(stream.get()), dev.gaps_written()));
+  FK_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+TEST_F(GpuBwdTest, NonDefaultStreamFixed) {
+  const int d = built_bwd_head_dim(128);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 6, 2, 2, 1023, 1023);
+  c.causal = true;
+  c.name = "streamFixed";
+  c.seed = 601;
+  expect_stream_run(c, false);
+}
+
+TEST_F(GpuBwdTest, NonDefaultStreamVarlenDeterministic) {
+  const int d = built_bwd_head_dim(64);
+  FwdCase c = varlen_case(built_bwd_dtype(d), d, 4, 1, {100, 0, 239, 17}, {239, 5, 239, 0});
+  c.tail_q = 4;
+  c.alibi = AlibiKind::kPerHead;
+  c.name = "streamVarlen";
+  c.seed = 602;
+  expect_stream_run(c, true);
 }
 
 // ------------------------------------------------------------------------------------------------
