@@ -7,6 +7,7 @@
 #include "api/validate_bwd.h"
 
 #include <cstdint>
+#include <utility>
 
 #include "api/tensor_checks.h"
 #include "api/validate_fwd.h"
