@@ -1,6 +1,7 @@
 # The two commands a newcomer needs:
 #   make test    build everything, run every test this machine can run (GPU tests skip without a GPU)
-#   make bench   build, then benchmark the forward pass on the GPU beside PyTorch SDPA's backends
+#   make bench   build, then benchmark the forward and backward passes on the GPU beside PyTorch
+#                SDPA's backends (FLASHKIT_BENCH_OPS=fwd for the forward alone)
 #                (no GPU: the CPU backend on a small problem, and it says so)
 # Knobs: PRESET=default|hopper|dev|cpu (see CMakePresets.json), JOBS=N.
 PRESET ?= default

@@ -43,5 +43,8 @@ int mha_fwd_kvcache_num_splits(const MhaFwdKvcacheParams& params);
 // Whether this build has the CUDA decode kernel for `dtype` at `head_dim` (rounded up to 64, 128
 // or 256).
 bool cuda_kvcache_built(DType dtype, int head_dim);
+// Whether this build serves the backward pass (mha_bwd / mha_varlen_bwd) of `dtype` at `head_dim`
+// on CUDA; a call for a left-out pair throws with the flags of a build that has it.
+bool cuda_bwd_built(DType dtype, int head_dim);
 
 }  // namespace flashkit
