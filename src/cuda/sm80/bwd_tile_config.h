@@ -8,12 +8,13 @@
 // shared memory, for dQ = dS K. The fp32 accumulators per lane are dK + dV = 2 * 16 * D / (32 *
 // dsplit) and S^T + dP^T = 2 * 16 * BlockM / 32; at D >= 192 dK + dV alone would exceed 255
 // registers, so two warps share 16 keys and split dK/dV by columns ("dsplit"), each recomputing the
-// (cheap at that D) S^T and dP^T of its keys. BlockM = 32 wherever 64 spills: the loop's loads need
-// registers to run ahead of the mma.sync that consume them (ptxas -v, NOTES.md).
+// (cheap at that D) S^T and dP^T of its keys. BlockM = 32 where 64 spills badly (d128, d256: the
+// loop's loads need registers to run ahead of the mma.sync that consume them); d64 keeps 64, which
+// measured 1.14x faster than 32 despite a few spilled bytes (NOTES.md).
 //
 //   family | BlockM | BlockN | warps | dsplit | dK+dV + S^T+dP^T (fp32 regs/lane) | spills (B)
 //   32     | 64     | 128    | 8     | 1     | 32 + 64                            | 0
-//   64     | 32     | 128    | 8     | 1     | 64 + 32                            | 0 (48 at BlockM 64)
+//   64     | 64     | 128    | 8     | 1     | 64 + 64                            | 48 (0 at BlockM 32)
 //   96     | 64     | 128    | 8     | 1     | 96 + 64                            | 12 (BlockM 32: dQ tiles odd)
 //   128    | 32     | 128    | 8     | 1     | 128 + 32                           | 16 (156 at BlockM 64)
 //   192    | 32     | 64     | 8     | 2     | 96 + 32                            | 48 (96 at BlockM 64)
@@ -36,7 +37,7 @@ struct BwdTileConfig {
 constexpr BwdTileConfig bwd_tile_config(int head_dim_family) {
   switch (head_dim_family) {
     case 32: return {64, 128, 8, 1, 1};
-    case 64: return {32, 128, 8, 1, 1};
+    case 64: return {64, 128, 8, 1, 1};
     case 96: return {64, 128, 8, 1, 1};
     case 128: return {32, 128, 8, 1, 1};
     case 192: return {32, 64, 8, 2, 1};
