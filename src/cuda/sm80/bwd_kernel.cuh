@@ -387,6 +387,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
     };
 
+    // Deterministic mode: the semaphore of the query block whose dQ adds this CTA issued last and
+    // has not yet published (see the end of the loop).
+    int* unpublished = nullptr;
     for (int m_block = m_begin, stage = 0; m_block < m_end; ++m_block, stage ^= 1) {
       const int m0 = m_block * kBlockM;
       cp_async_wait<0>();
@@ -410,6 +413,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           mma_column_pair<Element>(acc_s, a, b, np);
         }
       }
+      // Deterministic mode: publish the previous query block's dQ adds. The barrier at the top of
+      // this iteration ordered every thread's adds before thread 0's (cumulative) fence, and the
+      // GEMM above gave them time to land, so the fence rarely waits.
+      if (unpublished != nullptr && tid == 0) {
+        __threadfence();
+        atomicAdd(unpublished, 1);
+      }
+      unpublished = nullptr;
 
       const int first_key = n0 + key_warp * 16;
       if (transform) transform_scores_t<Traits>(acc_s, p, first_key, m0, alibi_slope, diagonal);
@@ -533,8 +544,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
 
       // Deterministic mode: add in descending key-block order. The last key block that this query
-      // block sees adds first; each CTA waits until all later ones have added. Under a causal mask
-      // the later key blocks reach a query block in fewer steps, so they are rarely waited for.
+      // block sees adds first; each CTA waits until all later ones have published their adds.
+      // Under a causal mask the later key blocks reach a query block in fewer steps, so they are
+      // rarely waited for. A CTA waits only on CTAs of lower block index (the grid runs backwards),
+      // which started earlier and never wait on it: no deadlock.
       int* semaphore = nullptr;
       if (bp.deterministic) {
         const int64_t m_blocks_max = (p.seqlen_q + kBlockM - 1) / kBlockM;
@@ -569,10 +582,15 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           }
         }
       }
-      if (bp.deterministic) {
+      // Published during the next iteration (or after the loop) instead of behind a fence here:
+      // a fence right after the adds waits for them to reach L2 on every query block.
+      unpublished = semaphore;
+    }
+    if (unpublished != nullptr) {
+      __syncthreads();
+      if (tid == 0) {
         __threadfence();
-        __syncthreads();
-        if (tid == 0) atomicAdd(semaphore, 1);
+        atomicAdd(unpublished, 1);
       }
     }
   }
