@@ -12,15 +12,15 @@
 // loop's loads need registers to run ahead of the mma.sync that consume them); d64 keeps 64, which
 // measured 1.14x faster than 32 despite a few spilled bytes (NOTES.md).
 //
-//   family | BlockM | BlockN | warps | dsplit | dK+dV + S^T+dP^T (fp32 regs/lane) | spills (B)
+//   family | BlockM | BlockN | warps | dsplit | dK+dV + S^T+dP^T (fp32 regs/lane) | spill stores (B, sm_90)
 //   32     | 64     | 128    | 8     | 1     | 32 + 64                            | 0
-//   64     | 64     | 128    | 8     | 1     | 64 + 64                            | 48 (0 at BlockM 32)
-//   96     | 64     | 128    | 8     | 1     | 96 + 64                            | 12 (BlockM 32: dQ tiles odd)
-//   128    | 32     | 128    | 8     | 1     | 128 + 32                           | 16 (156 at BlockM 64)
-//   192    | 32     | 64     | 8     | 2     | 96 + 32                            | 48 (96 at BlockM 64)
-//   256    | 32     | 64     | 8     | 2     | 128 + 32                           | 32 (384 at BlockM 64)
+//   64     | 64     | 128    | 8     | 1     | 64 + 64                            | 32 (0 at BlockM 32)
+//   96     | 64     | 128    | 8     | 1     | 96 + 64                            | 40 (BlockM 32: dQ tiles odd)
+//   128    | 32     | 128    | 8     | 1     | 128 + 32                           | 28 (156 at BlockM 64)
+//   192    | 32     | 64     | 8     | 2     | 96 + 32                            | 16 (96 at BlockM 64)
+//   256    | 32     | 64     | 8     | 2     | 128 + 32                           | 12 (384 at BlockM 64)
 // Shared memory: K and V (BlockN x D each, resident), Q and dO (BlockM x D, double-buffered), dS^T
-// (BlockN x BlockM) and the LSE / dot(dO, O) rows; at most 128 KiB (D = 256), so registers bound
+// (BlockN x BlockM) and the LSE / dot(dO, O) rows; at most 133 KiB (D = 256), so registers bound
 // occupancy: one CTA of 256 threads per SM.
 #pragma once
 
