@@ -18,7 +18,8 @@
 //                dK += dS^T Q                (dS^T from registers)
 //                dS^T -> shared memory; barrier
 //                dQ_block = dS K             (warps re-partitioned over queries x head dim)
-//                dQ accumulator += dQ_block  (fp32 atomics; deterministic mode: in key-block order)
+//                dQ accumulator += dQ_block  (fp32 atomics; deterministic mode: in a fixed key-block
+//                                             order, see below)
 //   epilogue     dK * scale, dV -> dk, dv (MHA) or the fp32 per-query-head workspace (GQA/MQA)
 //
 // The scale (and softcap's chain rule) is applied to dS by the end users: dK here, dQ in the
@@ -39,7 +40,8 @@
 
 namespace flashkit::sm80 {
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kDSplit_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kDSplit_,
+          int kMinBlocksPerSm_>
 struct BwdKernelTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -47,6 +49,7 @@ struct BwdKernelTraits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = kWarps_;
   static constexpr int kDSplit = kDSplit_;
+  static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
 
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kKeyWarps = kWarps / kDSplit;        // warps along the keys, 16 keys each
@@ -87,7 +90,7 @@ struct BwdKernelTraits {
   static_assert(2 * kBlockM <= kThreads, "one thread per LSE / dot row copy");
   static_assert((kBlockM * kHeadDim / 8) % kThreads == 0, "Q tile chunks split evenly");
   static_assert((kBlockN * kHeadDim / 8) % kThreads == 0, "K/V tile chunks split evenly");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
+  static_assert(kSmemBytes * kMinBlocksPerSm <= 227 * 1024, "shared memory plan exceeds an SM");
 };
 
 // ldmatrix addresses of a lane for a warp that reads a fixed run of kSteps 16-column steps starting
@@ -120,6 +123,21 @@ __device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void* gmem,
                "r"(src_bytes));
 }
 
+// p[0..3] += (a, b, c, d), each element atomically (p 16-byte aligned). Hopper has the vector
+// reduction: one request instead of four, which matters because the dQ atomics share the L1/shared
+// memory datapath that bounds the kernel.
+__device__ __forceinline__ void atomic_add_x4(float* p, float a, float b, float c, float d) {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(a), "f"(b), "f"(c), "f"(d)
+               : "memory");
+#else
+  atomicAdd(p, a);
+  atomicAdd(p + 1, b);
+  atomicAdd(p + 2, c);
+  atomicAdd(p + 3, d);
+#endif
+}
+
 __device__ __forceinline__ int load_acquire(const int* p) {
   int value;
   asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(p) : "memory");
@@ -148,11 +166,12 @@ struct BwdBlockLocation {
                                                              int block_n) {
     const FwdProblem& p = bp.fwd;
     BwdBlockLocation loc;
-    // Linear grid (no 65,535 limit on batch x heads), key blocks fastest: under a causal mask the
-    // first key blocks see the most queries, so the heaviest CTAs start first; deterministic mode
-    // relies on a key block's predecessors having lower block indices.
+    // Linear grid (no 65,535 limit on batch x heads), key blocks fastest. By default the first key
+    // blocks start first: under a causal mask they see the most queries, so the heaviest CTAs run
+    // early. Deterministic mode adds dQ in descending key-block order and must wait only on CTAs of
+    // lower block index (started earlier), so it runs the grid backwards: last key blocks first.
     const int num_n_blocks = (p.seqlen_k + block_n - 1) / block_n;
-    const int linear = static_cast<int>(blockIdx.x);
+    const int linear = static_cast<int>(bp.deterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
     loc.n_block = linear % num_n_blocks;
     const int batch_head = linear / num_n_blocks;
     loc.head = batch_head % p.heads_q;
@@ -248,7 +267,7 @@ __device__ __forceinline__ void mask_scores_t(float (&s)[1][Traits::kQueryTiles]
 }
 
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kThreads, 1)
+__global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     bwd_kernel(const __grid_constant__ BwdProblem bp, const BwdWorkspacePointers ws) {
   using Element = typename Traits::Element;
   using QTile = typename Traits::QTile;
@@ -289,13 +308,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   // The query blocks whose forward pass visits this key block (forward's test with this tiling).
   // Both bounds of a query block's key range grow with the block, so they form one run.
   const int num_m_blocks = (loc.len_q + kBlockM - 1) / kBlockM;
-  auto first_key_block = [&](int m_block) { return window.key_begin(m_block * kBlockM) / kBlockN; };
+  auto key_block_end = [&](int m_block) {  // one past the last key block query block m sees
+    return (window.key_end(min(m_block * kBlockM + kBlockM, loc.len_q) - 1) + kBlockN - 1) / kBlockN;
+  };
   auto sees_this_block = [&](int m_block) {
     const int m0 = m_block * kBlockM;
     const int key_lo = window.key_begin(m0);
     const int key_hi = window.key_end(min(m0 + kBlockM, loc.len_q) - 1);
-    return key_hi > key_lo && key_lo / kBlockN <= loc.n_block &&
-           loc.n_block < (key_hi + kBlockN - 1) / kBlockN;
+    return key_hi > key_lo && key_lo / kBlockN <= loc.n_block && loc.n_block < key_block_end(m_block);
   };
   int m_begin = num_m_blocks, m_end = 0;
   for (int m_block = 0; m_block < num_m_blocks; ++m_block) {
@@ -357,17 +377,19 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         smem_base + Traits::kKOffset, lane % 16, lane / 16, dq_cols * (kDqTiles / 2));
     // dK/dV B operands (Q, dO transposed): with one warp per key tile, the warp covers all columns
     // and row_addr serves; with split columns the warp's run starts at a run-time step.
+    const WarpColumnAddresses<QTile, Traits::kDSplit == 1 ? 1 : kKvTiles / 2> kv_col_addr(
+        smem_base, lane % 16, lane / 16, dim_part * (kKvTiles / 2));
     auto kv_b_address = [&](uint32_t tile_offset, int kk, int dp) {
       if constexpr (Traits::kDSplit == 1) {
         return row_addr.at(kk * 16, dp) + tile_offset;
       } else {
-        const int first = dim_part * (kKvTiles / 2);
-        return smem_base + tile_offset +
-               static_cast<uint32_t>((lane % 16 + kk * 16) * QTile::kRowBytes +
-                                     (((2 * (first + dp)) | (lane / 16)) ^ QTile::swizzle_bits(lane % 16)) * 16);
+        return kv_col_addr.at(kk * 16, dp) + tile_offset;
       }
     };
 
+    // Deterministic mode: the semaphore of the query block whose dQ adds this CTA issued last and
+    // has not yet published (see the end of the loop).
+    int* unpublished = nullptr;
     for (int m_block = m_begin, stage = 0; m_block < m_end; ++m_block, stage ^= 1) {
       const int m0 = m_block * kBlockM;
       cp_async_wait<0>();
@@ -391,6 +413,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           mma_column_pair<Element>(acc_s, a, b, np);
         }
       }
+      // Deterministic mode: publish the previous query block's dQ adds. The barrier at the top of
+      // this iteration ordered every thread's adds before thread 0's (cumulative) fence, and the
+      // GEMM above gave them time to land, so the fence rarely waits.
+      if (unpublished != nullptr && tid == 0) {
+        __threadfence();
+        atomicAdd(unpublished, 1);
+      }
+      unpublished = nullptr;
 
       const int first_key = n0 + key_warp * 16;
       if (transform) transform_scores_t<Traits>(acc_s, p, first_key, m0, alibi_slope, diagonal);
@@ -440,22 +470,30 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
       // dS^T = P^T (dP^T - dot), in place of dP^T. With softcap the score is softcap * tanh(u) (+
       // ALiBi); its derivative 1 - tanh(u)^2 comes from the score recovered from P: ln P + LSE.
+      // One uniform branch, so the common path's loop carries no per-element test.
+      if (p.softcap > 0.0f) {
 #pragma unroll
-      for (int nt = 0; nt < kQueryTiles; ++nt) {
-        const float2 dot = *reinterpret_cast<const float2*>(dot_rows + nt * 8 + (lane % 4) * 2);
+        for (int nt = 0; nt < kQueryTiles; ++nt) {
+          const int column = nt * 8 + (lane % 4) * 2;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float prob = acc_s[0][nt][i];
-          float ds = prob * (acc_dp[0][nt][i] - (i % 2 == 0 ? dot.x : dot.y));
-          if (p.softcap > 0.0f) {
-            const int query = m0 + nt * 8 + (lane % 4) * 2 + i % 2;
+          for (int i = 0; i < 4; ++i) {
+            const float prob = acc_s[0][nt][i];
+            const int query = m0 + column + i % 2;
             const int key = first_key + lane / 4 + (i / 2) * 8;
-            const float lse = lse_rows[nt * 8 + (lane % 4) * 2 + i % 2];
             const float bias = alibi_slope != 0.0f ? alibi_bias(alibi_slope, query, key, diagonal) : 0.0f;
-            const float tanh_u = (__logf(prob) + lse - bias) / p.softcap;
-            ds = prob > 0.0f ? ds * (1.0f - tanh_u * tanh_u) : 0.0f;
+            const float tanh_u = (__logf(prob) + lse_rows[column + i % 2] - bias) / p.softcap;
+            const float ds = prob * (acc_dp[0][nt][i] - dot_rows[column + i % 2]);
+            acc_dp[0][nt][i] = prob > 0.0f ? ds * (1.0f - tanh_u * tanh_u) : 0.0f;
           }
-          acc_dp[0][nt][i] = ds;
+        }
+      } else {
+#pragma unroll
+        for (int nt = 0; nt < kQueryTiles; ++nt) {
+          const float2 dot = *reinterpret_cast<const float2*>(dot_rows + nt * 8 + (lane % 4) * 2);
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            acc_dp[0][nt][i] = acc_s[0][nt][i] * (acc_dp[0][nt][i] - (i % 2 == 0 ? dot.x : dot.y));
+          }
         }
       }
 
@@ -505,14 +543,17 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
       }
 
-      // Deterministic mode: add in key-block order. The first key block that visits this query
-      // block adds first; each CTA waits until all earlier ones have added.
+      // Deterministic mode: add in descending key-block order. The last key block that this query
+      // block sees adds first; each CTA waits until all later ones have published their adds.
+      // Under a causal mask the later key blocks reach a query block in fewer steps, so they are
+      // rarely waited for. A CTA waits only on CTAs of lower block index (the grid runs backwards),
+      // which started earlier and never wait on it: no deadlock.
       int* semaphore = nullptr;
       if (bp.deterministic) {
         const int64_t m_blocks_max = (p.seqlen_q + kBlockM - 1) / kBlockM;
         semaphore = ws.semaphores + (static_cast<int64_t>(loc.batch) * p.heads_q + loc.head) * m_blocks_max + m_block;
         if (tid == 0) {
-          const int expected = loc.n_block - first_key_block(m_block);
+          const int expected = key_block_end(m_block) - 1 - loc.n_block;
           while (load_acquire(semaphore) != expected) {
           }
         }
@@ -520,25 +561,36 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       const int64_t dq_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
       float* dq_accum = ws.dq_accum + loc.q_flat * dq_row_stride + static_cast<int64_t>(loc.head) * p.head_dim;
+      // Lanes 2u and 2u + 1 of a quad swap halves so that each holds four consecutive columns of
+      // one row (even lane: row g, odd lane: row g + 8): one 16-byte atomic per lane and tile.
+      const bool odd = lane % 2 == 1;
+      const int row = m0 + dq_rows * 16 + lane / 4 + (odd ? 8 : 0);
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = m0 + dq_rows * 16 + lane / 4 + half * 8;
-        if (row < loc.len_q) {
-#pragma unroll
-          for (int dt = 0; dt < kDqTiles; ++dt) {
-            const int col = (dq_cols * kDqTiles + dt) * 8 + (lane % 4) * 2;
-            if (col < p.head_dim) {
-              float* dst = dq_accum + row * dq_row_stride + col;
-              atomicAdd(dst, acc_dq[0][dt][2 * half]);
-              atomicAdd(dst + 1, acc_dq[0][dt][2 * half + 1]);
-            }
+      for (int dt = 0; dt < kDqTiles; ++dt) {
+        const float* c = acc_dq[0][dt];
+        const float send0 = odd ? c[0] : c[2];
+        const float send1 = odd ? c[1] : c[3];
+        const float recv0 = __shfl_xor_sync(0xffffffffu, send0, 1);
+        const float recv1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+        const int col = (dq_cols * kDqTiles + dt) * 8 + (lane % 4 - (odd ? 1 : 0)) * 2;
+        if (row < loc.len_q && col < p.head_dim) {
+          float* dst = dq_accum + row * dq_row_stride + col;
+          if (odd) {
+            atomic_add_x4(dst, recv0, recv1, c[2], c[3]);
+          } else {
+            atomic_add_x4(dst, c[0], c[1], recv0, recv1);
           }
         }
       }
-      if (bp.deterministic) {
+      // Published during the next iteration (or after the loop) instead of behind a fence here:
+      // a fence right after the adds waits for them to reach L2 on every query block.
+      unpublished = semaphore;
+    }
+    if (unpublished != nullptr) {
+      __syncthreads();
+      if (tid == 0) {
         __threadfence();
-        __syncthreads();
-        if (tid == 0) atomicAdd(semaphore, 1);
+        atomicAdd(unpublished, 1);
       }
     }
   }

@@ -8,17 +8,20 @@
 // shared memory, for dQ = dS K. The fp32 accumulators per lane are dK + dV = 2 * 16 * D / (32 *
 // dsplit) and S^T + dP^T = 2 * 16 * BlockM / 32; at D >= 192 dK + dV alone would exceed 255
 // registers, so two warps share 16 keys and split dK/dV by columns ("dsplit"), each recomputing the
-// (cheap at that D) S^T and dP^T of its keys.
+// (cheap at that D) S^T and dP^T of its keys. BlockM = 32 where 64 spills badly (d128, d256: the
+// loop's loads need registers to run ahead of the mma.sync that consume them); d64 keeps 64, which
+// measured 1.14x faster than 32 despite a few spilled bytes (NOTES.md).
 //
-//   family | BlockM | BlockN | warps | dsplit | dK+dV + S^T+dP^T (fp32 regs/lane) | shared memory
-//   32     | 64     | 128    | 8     | 1     | 32 + 64                            | 64 KiB
-//   64     | 64     | 128    | 8     | 1     | 64 + 64                            | 96 KiB
-//   96     | 64     | 128    | 8     | 1     | 96 + 64                            | 128 KiB
-//   128    | 64     | 128    | 8     | 1     | 128 + 64                           | 144 KiB
-//   192    | 64     | 64     | 8     | 2     | 96 + 64                            | 152 KiB
-//   256    | 64     | 64     | 8     | 2     | 128 + 64                           | 200 KiB
+//   family | BlockM | BlockN | warps | dsplit | dK+dV + S^T+dP^T (fp32 regs/lane) | spill stores (B, sm_90)
+//   32     | 64     | 128    | 8     | 1     | 32 + 64                            | 0
+//   64     | 64     | 128    | 8     | 1     | 64 + 64                            | 32 (0 at BlockM 32)
+//   96     | 64     | 128    | 8     | 1     | 96 + 64                            | 40 (BlockM 32: dQ tiles odd)
+//   128    | 32     | 128    | 8     | 1     | 128 + 32                           | 28 (156 at BlockM 64)
+//   192    | 32     | 64     | 8     | 2     | 96 + 32                            | 16 (96 at BlockM 64)
+//   256    | 32     | 64     | 8     | 2     | 128 + 32                           | 12 (384 at BlockM 64)
 // Shared memory: K and V (BlockN x D each, resident), Q and dO (BlockM x D, double-buffered), dS^T
-// (BlockN x BlockM) and the LSE / dot(dO, O) rows: one CTA of 256 threads per SM, bound by registers.
+// (BlockN x BlockM) and the LSE / dot(dO, O) rows; at most 133 KiB (D = 256), so registers bound
+// occupancy: one CTA of 256 threads per SM.
 #pragma once
 
 namespace flashkit::sm80 {
@@ -28,17 +31,18 @@ struct BwdTileConfig {
   int block_n;
   int warps;
   int dsplit;  // warps sharing one 16-key row tile, each owning D / dsplit columns of dK and dV
+  int min_blocks_per_sm;  // __launch_bounds__ occupancy target
 };
 
 constexpr BwdTileConfig bwd_tile_config(int head_dim_family) {
   switch (head_dim_family) {
-    case 32: return {64, 128, 8, 1};
-    case 64: return {64, 128, 8, 1};
-    case 96: return {64, 128, 8, 1};
-    case 128: return {64, 128, 8, 1};
-    case 192: return {64, 64, 8, 2};
-    case 256: return {64, 64, 8, 2};
-    default: return {0, 0, 0, 0};
+    case 32: return {64, 128, 8, 1, 1};
+    case 64: return {64, 128, 8, 1, 1};
+    case 96: return {64, 128, 8, 1, 1};
+    case 128: return {32, 128, 8, 1, 1};
+    case 192: return {32, 64, 8, 2, 1};
+    case 256: return {32, 64, 8, 2, 1};
+    default: return {0, 0, 0, 0, 0};
   }
 }
 
