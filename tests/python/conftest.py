@@ -1,0 +1,43 @@
+"""Shared fixtures of the Python tests: the devices they run on, and skips with reasons.
+
+Every test that touches data runs on the CPU (flashkit's reference backend) and on CUDA; the CUDA
+cases skip with a reason where no GPU is present, and a (dtype, head dim) that the build left out
+(FLASHKIT_HEAD_DIMS / FLASHKIT_DTYPES subsets) skips rather than fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashkit
+
+HAS_CUDA = torch.cuda.is_available()
+NO_GPU_REASON = "no CUDA GPU visible to torch"
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
+                                                               reason=NO_GPU_REASON))]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request) -> str:
+    return request.param
+
+
+def padded_head_dim(head_dim: int) -> int:
+    return (head_dim + 7) // 8 * 8
+
+
+def skip_unbuilt(device: str, dtype: torch.dtype, head_dim: int) -> None:
+    """Skips a CUDA case whose kernel this build of flashkit left out."""
+    if device == "cuda" and not flashkit.cuda_fwd_built(dtype, padded_head_dim(head_dim)):
+        pytest.skip(f"this build has no CUDA kernel for {dtype} head dim {head_dim}")
+
+
+def poison_cuda_allocator(device: str) -> None:
+    """Fills the caching allocator's free blocks with NaN, so that an output the kernel fails to
+    write shows up as NaN instead of as whatever clean memory held."""
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        block = torch.full((min(free // 8, 1 << 28) // 4,), float("nan"), device=device)
+        del block
