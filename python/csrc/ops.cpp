@@ -36,12 +36,17 @@ using OptionalTensor = std::optional<at::Tensor>;
 constexpr const char* kFixedLayout = "[batch, seqlen, heads, head_dim]";
 constexpr const char* kPackedLayout = "[total_tokens, heads, head_dim]";
 
+// Python ints beyond int32 saturate instead of wrapping, so flashkit sees (and names) a value of
+// the same sign and order.
+int to_int(int64_t value) {
+  return static_cast<int>(std::clamp<int64_t>(value, INT32_MIN, INT32_MAX));
+}
+
 MaskSpec make_mask(bool causal, int64_t window_left, int64_t window_right) {
   MaskSpec mask;
   mask.causal = causal;
-  // Values beyond int reach flashkit as "unbounded"-sized windows; clamp instead of wrapping.
-  mask.window_left = static_cast<int>(std::clamp<int64_t>(window_left, -2, INT32_MAX));
-  mask.window_right = static_cast<int>(std::clamp<int64_t>(window_right, -2, INT32_MAX));
+  mask.window_left = to_int(window_left);
+  mask.window_right = to_int(window_right);
   return mask;
 }
 
@@ -135,8 +140,8 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(
   p.cu_seqlens_q = to_view(fn, "cu_seqlens_q", cu_seqlens_q);
   p.cu_seqlens_k = to_view(fn, "cu_seqlens_k", cu_seqlens_k);
   p.seqused_k = to_optional_view(fn, "seqused_k", seqused_k);
-  p.max_seqlen_q = static_cast<int>(std::clamp<int64_t>(max_seqlen_q, -1, INT32_MAX));
-  p.max_seqlen_k = static_cast<int>(std::clamp<int64_t>(max_seqlen_k, -1, INT32_MAX));
+  p.max_seqlen_q = to_int(max_seqlen_q);
+  p.max_seqlen_k = to_int(max_seqlen_k);
   mha_varlen_fwd(p, current_stream(q.device()));
   return {out, softmax_lse};
 }
@@ -177,8 +182,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
   p.cu_seqlens_q = to_view(fn, "cu_seqlens_q", cu_seqlens_q);
   p.cu_seqlens_k = to_view(fn, "cu_seqlens_k", cu_seqlens_k);
   p.seqused_k = to_optional_view(fn, "seqused_k", seqused_k);
-  p.max_seqlen_q = static_cast<int>(std::clamp<int64_t>(max_seqlen_q, -1, INT32_MAX));
-  p.max_seqlen_k = static_cast<int>(std::clamp<int64_t>(max_seqlen_k, -1, INT32_MAX));
+  p.max_seqlen_q = to_int(max_seqlen_q);
+  p.max_seqlen_k = to_int(max_seqlen_k);
   const at::Tensor workspace = allocate_workspace(p, mha_varlen_bwd_workspace_size(p), q);
   mha_varlen_bwd(p, current_stream(q.device()));
   return {dq, dk, dv};
