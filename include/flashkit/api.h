@@ -30,4 +30,8 @@ bool cuda_head_dim_built(int head_dim);
 // out a dtype as well as head-dim families (FLASHKIT_DTYPES), and a call for a left-out pair throws.
 bool cuda_fwd_built(DType dtype, int head_dim);
 
+// Whether this build serves the backward pass (mha_bwd / mha_varlen_bwd) of `dtype` at `head_dim`
+// on CUDA; a call for a left-out pair throws with the flags of a build that has it.
+bool cuda_bwd_built(DType dtype, int head_dim);
+
 }  // namespace flashkit

@@ -14,6 +14,7 @@
 #include "cuda/cuda_check.h"
 #endif
 
+#include "flashkit/error.h"
 #include "flashkit/tensor.h"
 
 namespace flashkit::api {
@@ -43,6 +44,33 @@ inline std::string list_with(const char* built, const std::string& item) {
 }
 
 #ifdef FLASHKIT_WITH_CUDA
+
+// The CMake flags of a build that has the kernel for (`dtype`, head-dim `family`): the family added
+// to FLASHKIT_HEAD_DIMS unless some dtype has it (`family_built`), the dtype added to
+// FLASHKIT_DTYPES unless some family has it (`dtype_built`).
+inline std::string rebuild_flags(bool family_built, bool dtype_built, int family, DType dtype) {
+  std::string flags;
+  if (!family_built) {
+    flags += "-DFLASHKIT_HEAD_DIMS=\"" + list_with(FLASHKIT_BUILT_HEAD_DIMS, std::to_string(family)) +
+             "\"";
+  }
+  if (!dtype_built) {
+    if (!flags.empty()) flags += " ";
+    flags += "-DFLASHKIT_DTYPES=\"" + list_with(FLASHKIT_BUILT_DTYPES, build_dtype_name(dtype)) +
+             "\"";
+  }
+  return flags;
+}
+
+// The sm80 kernels need compute capability 8.0 or newer; `device` must be current.
+inline void check_sm80_or_newer(const char* fn, int device) {
+  const int arch = cuda::current_device_arch();
+  if (arch < 80) {
+    throw Error(std::string(fn) + ": cuda:" + std::to_string(device) + " has compute capability " +
+                std::to_string(arch / 10) + "." + std::to_string(arch % 10) +
+                "; the flashkit CUDA kernels need 8.0 or newer (Ampere, Ada, Hopper)");
+  }
+}
 
 // Makes `device` current for the lifetime of the guard and restores the caller's device after, so
 // that a call on cuda:1 leaves a caller working on cuda:0 where it was.

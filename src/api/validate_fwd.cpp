@@ -253,8 +253,7 @@ void check_varlen_lengths(const char* fn, const MhaVarlenFwdParams& p, int batch
 
 }  // namespace
 
-FwdProblem validate_mha_fwd(const MhaFwdParams& p) {
-  const char* fn = "mha_fwd";
+FwdProblem validate_mha_fwd(const MhaFwdParams& p, const char* fn) {
   check_common_tensors(fn, p);
   check_rank(fn, "q", p.q, 4, "[batch, seqlen_q, heads_q, head_dim]");
   check_rank(fn, "k", p.k, 4, "[batch, seqlen_k, heads_kv, head_dim]");
@@ -292,8 +291,7 @@ FwdProblem validate_mha_fwd(const MhaFwdParams& p) {
   return problem;
 }
 
-FwdProblem validate_mha_varlen_fwd(const MhaVarlenFwdParams& p) {
-  const char* fn = "mha_varlen_fwd";
+FwdProblem validate_mha_varlen_fwd(const MhaVarlenFwdParams& p, const char* fn) {
   check_common_tensors(fn, p);
   const int batch = check_varlen_index_tensors(fn, p);
   check_rank(fn, "q", p.q, 3, "[total_q, heads_q, head_dim]");

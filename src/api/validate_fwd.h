@@ -21,8 +21,11 @@ namespace flashkit::api {
 //   seqlen_q == 1, no ALiBi    -> causal off (a single row sees every key either way)
 //   causal                     -> window_right = 0, window_left kept
 //   problem.causal             =  window_left < 0 && window_right == 0 (the mask is exactly causal)
-FwdProblem validate_mha_fwd(const MhaFwdParams& params);
-FwdProblem validate_mha_varlen_fwd(const MhaVarlenFwdParams& params);
+// `fn` is the entry point the messages name: the backward validates the forward arguments it is
+// given with these same checks, under its own name.
+FwdProblem validate_mha_fwd(const MhaFwdParams& params, const char* fn = "mha_fwd");
+FwdProblem validate_mha_varlen_fwd(const MhaVarlenFwdParams& params,
+                                   const char* fn = "mha_varlen_fwd");
 
 // False when the problem has no query row at all (seqlen_q, or max_seqlen_q for varlen, is 0): then
 // there is nothing to write and no kernel needs to run.

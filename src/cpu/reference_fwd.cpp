@@ -24,19 +24,14 @@
 #include "cpu/reference_fwd.h"
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
-#include <cstring>
-#include <exception>
 #include <limits>
-#include <mutex>
 #include <string>
-#include <thread>
 #include <vector>
 
-#include "common/half_float.h"
+#include "cpu/reference_common.h"
 #include "flashkit/error.h"
 
 namespace flashkit::cpu {
@@ -44,74 +39,6 @@ namespace {
 
 constexpr int kRowBlock = 4;  // the two products in attend_rows are unrolled for 4 rows
 constexpr int kRowsPerTask = 128;
-
-// Below this many multiply-adds a problem runs on the calling thread: starting threads would cost
-// more than it saves.
-constexpr double kMinWorkPerThread = 1 << 20;
-
-// One sequence of the batch: its lengths and the token index of its first query / key row.
-struct Sequence {
-  int len_q = 0;
-  int len_k = 0;
-  int64_t q_token = 0;
-  int64_t k_token = 0;
-};
-
-std::vector<Sequence> sequences_of(const FwdProblem& p) {
-  std::vector<Sequence> sequences(p.batch);
-  for (int b = 0; b < p.batch; ++b) {
-    Sequence& s = sequences[b];
-    if (!p.is_varlen()) {
-      s.len_q = p.seqlen_q;
-      s.len_k = p.seqlen_k;
-      continue;
-    }
-    s.q_token = p.cu_seqlens_q[b];
-    s.k_token = p.cu_seqlens_k[b];
-    s.len_q = p.cu_seqlens_q[b + 1] - p.cu_seqlens_q[b];
-    s.len_k = p.seqused_k != nullptr ? p.seqused_k[b] : p.cu_seqlens_k[b + 1] - p.cu_seqlens_k[b];
-    // The fp32 oracle sizes its output by the max_seqlen bounds; a sequence beyond them would be
-    // written out of bounds.
-    if (s.len_q < 0 || s.len_q > p.seqlen_q || s.len_k < 0 || s.len_k > p.seqlen_k) {
-      throw Error("reference_fwd: sequence " + std::to_string(b) + " has " +
-                  std::to_string(s.len_q) + " queries and " + std::to_string(s.len_k) +
-                  " keys; the problem bounds them by seqlen_q = " + std::to_string(p.seqlen_q) +
-                  " and seqlen_k = " + std::to_string(p.seqlen_k));
-    }
-  }
-  return sequences;
-}
-
-// The 16-bit element at `index` of `base`, as a float (exact).
-float load_half(DType dtype, const void* base, int64_t index) {
-  return bits_to_float(dtype, static_cast<const uint16_t*>(base)[index]);
-}
-
-// `x` rounded once to `dtype` (fp16 / bf16), as bits. Rounding through float would round twice; a
-// round-to-odd step to float first keeps the result correctly rounded, since float has more than
-// two extra significand bits over either 16-bit type.
-uint16_t double_to_half_bits(DType dtype, double x) {
-  float f = static_cast<float>(x);
-  if (std::isfinite(x) && static_cast<double>(f) != x) {
-    if (std::fabs(static_cast<double>(f)) > std::fabs(x)) f = std::nextafter(f, 0.0f);
-    uint32_t bits;
-    std::memcpy(&bits, &f, sizeof bits);
-    bits |= 1u;
-    std::memcpy(&f, &bits, sizeof f);
-  }
-  return float_to_bits(dtype, f);
-}
-
-// How one precision mode computes: the accumulator type, and whether intermediates are rounded to
-// the input dtype (kInputDtype) or kept (kExact).
-template <typename Acc>
-struct Arithmetic {
-  DType dtype;
-  bool round_to_input;
-  Acc round(Acc x) const {
-    return round_to_input ? static_cast<Acc>(round_to(dtype, static_cast<float>(x))) : x;
-  }
-};
 
 // Per-thread buffers, grown on demand and reused across tasks.
 template <typename Acc>
@@ -160,20 +87,6 @@ class ContiguousFp32Output {  // [batch, heads_q, seqlen_q, head_dim] and [batch
   float* out_;
   float* lse_;
 };
-
-// The keys row i may see: [first, end), empty when first >= end.
-struct KeyRange {
-  int64_t first;
-  int64_t end;
-};
-
-KeyRange allowed_keys(const FwdProblem& p, const Sequence& s, int64_t i) {
-  const int64_t diagonal = i + s.len_k - s.len_q;
-  const int64_t first = p.window_left >= 0 ? std::max<int64_t>(0, diagonal - p.window_left) : 0;
-  const int64_t end =
-      p.window_right >= 0 ? std::min<int64_t>(s.len_k, diagonal + p.window_right + 1) : s.len_k;
-  return {first, end};
-}
 
 // Query rows [row_begin, row_end) of batch b, query head h.
 struct Task {
@@ -344,7 +257,7 @@ void check_problem(const FwdProblem& p) {
 template <typename Acc, typename Output>
 void run_reference(const FwdProblem& p, const Arithmetic<Acc>& math, const Output& output) {
   check_problem(p);
-  const std::vector<Sequence> sequences = sequences_of(p);
+  const std::vector<Sequence> sequences = sequences_of(p, "reference_fwd");
   std::vector<Task> task_list;
   double work = 0;
   for (int b = 0; b < p.batch; ++b) {
@@ -356,32 +269,11 @@ void run_reference(const FwdProblem& p, const Arithmetic<Acc>& math, const Outpu
       }
     }
   }
-  const int tasks = static_cast<int>(task_list.size());
-  const double cores = std::max(1u, std::thread::hardware_concurrency());
-  const int threads = std::max(
-      1, static_cast<int>(std::min({cores, static_cast<double>(tasks), work / kMinWorkPerThread})));
-
-  std::atomic<int> next_task{0};
-  std::exception_ptr failure;
-  std::mutex failure_mutex;
-  auto worker = [&] {
-    Workspace<Acc> ws;
-    try {
-      for (int n = next_task++; n < tasks; n = next_task++) {
-        const Task& task = task_list[n];
-        attend_rows(p, math, output, sequences[task.b], task, ws);
-      }
-    } catch (...) {  // e.g. std::bad_alloc: hand it to the caller's thread
-      const std::lock_guard<std::mutex> lock(failure_mutex);
-      if (!failure) failure = std::current_exception();
-      next_task = tasks;
-    }
-  };
-  std::vector<std::thread> pool;
-  for (int t = 1; t < threads; ++t) pool.emplace_back(worker);
-  worker();
-  for (std::thread& thread : pool) thread.join();
-  if (failure) std::rethrow_exception(failure);
+  run_tasks<Workspace<Acc>>(static_cast<int>(task_list.size()), work,
+                            [&](Workspace<Acc>& ws, int n) {
+                              const Task& task = task_list[n];
+                              attend_rows(p, math, output, sequences[task.b], task, ws);
+                            });
 }
 
 }  // namespace

@@ -4,6 +4,10 @@
 // dtype (make_inputs), NaN poison for outputs, and AttentionCase, the CPU tests' host buffers with
 // the views / params / FwdProblem over them.
 //
+// The backward pass adds BackwardCase: the same case with a random dout, the forward's out / lse
+// computed by the CPU reference, and poisoned dq / dk / dv, with the backward views / params /
+// BwdProblem over them.
+//
 // Host buffers are contiguous: q/out [batch * seqlen_q, heads_q, head_dim], k/v
 // [batch * seqlen_k, heads_kv, head_dim] for fixed length, [total_q, heads_q, head_dim] and
 // [total_k, heads_kv, head_dim] for varlen; softmax_lse [batch, heads_q, max_seqlen_q].
@@ -23,8 +27,10 @@
 #include <utility>
 #include <vector>
 
+#include "common/bwd_problem.h"
 #include "common/fwd_problem.h"
 #include "common/half_float.h"
+#include "flashkit/api.h"
 #include "flashkit/params.h"
 
 namespace flashkit::test {
@@ -279,6 +285,14 @@ inline HostInputs make_inputs(const FwdCase& c) {
   return in;
 }
 
+// The gradient of out for a backward case, [total_q, heads_q, head_dim] like q: standard normal,
+// rounded into the dtype, from its own random stream.
+inline std::vector<uint16_t> make_dout(const FwdCase& c) {
+  std::vector<uint16_t> dout(static_cast<size_t>(c.total_q()) * c.heads_q * c.head_dim);
+  fill_random(dout, c.dtype, splitmix64(~(c.seed * 4)), 1.0f, 1.0f);
+  return dout;
+}
+
 // ------------------------------------------------------------------------------------------------
 // The case on the host, for the CPU tests
 // ------------------------------------------------------------------------------------------------
@@ -409,6 +423,97 @@ class AttentionCase {
 
  private:
   FwdCase case_;
+};
+
+// The backward of a case on the host: the inputs and the forward's out / lse (computed by the CPU
+// reference through mha_fwd / mha_varlen_fwd, as a training step would), a random dout, and
+// dq / dk / dv poisoned with nan_bits. Tests may replace any buffer before they ask for views.
+class BackwardCase : public AttentionCase {
+ public:
+  explicit BackwardCase(FwdCase c) : AttentionCase(std::move(c)) {
+    const FwdCase& s = fwd_case();
+    if (s.varlen) {
+      mha_varlen_fwd(varlen_params());
+    } else {
+      mha_fwd(fwd_params());
+    }
+    dout = make_dout(s);
+    dq.assign(in.q.size(), nan_bits(s.dtype));
+    dk.assign(in.k.size(), nan_bits(s.dtype));
+    dv.assign(in.v.size(), nan_bits(s.dtype));
+  }
+
+  // The backward's views over this case's buffers (CPU): the forward's plus dout / dq / dk / dv.
+  BwdCommon bwd_common_views() {
+    const FwdCommon f = common_views();
+    BwdCommon b;
+    b.q = f.q;
+    b.k = f.k;
+    b.v = f.v;
+    b.out = f.out;
+    b.softmax_lse = f.softmax_lse;
+    b.alibi_slopes = f.alibi_slopes;
+    b.softmax_scale = f.softmax_scale;
+    b.softcap = f.softcap;
+    b.mask = f.mask;
+    b.dout = like(f.q, dout.data());
+    b.dq = like(f.q, dq.data());
+    b.dk = like(f.k, dk.data());
+    b.dv = like(f.v, dv.data());
+    return b;
+  }
+
+  MhaBwdParams bwd_params() {
+    MhaBwdParams p;
+    static_cast<BwdCommon&>(p) = bwd_common_views();
+    return p;
+  }
+
+  MhaVarlenBwdParams varlen_bwd_params() {
+    MhaVarlenBwdParams p;
+    static_cast<BwdCommon&>(p) = bwd_common_views();
+    const MhaVarlenFwdParams f = varlen_params();
+    p.cu_seqlens_q = f.cu_seqlens_q;
+    p.cu_seqlens_k = f.cu_seqlens_k;
+    p.seqused_k = f.seqused_k;
+    p.max_seqlen_q = f.max_seqlen_q;
+    p.max_seqlen_k = f.max_seqlen_k;
+    return p;
+  }
+
+  // The backward problem exactly as specified (AttentionCase::problem() for the forward part),
+  // built without validation, over contiguous buffers.
+  BwdProblem bwd_problem() {
+    BwdProblem b;
+    b.fwd = problem();
+    const FwdCase& c = fwd_case();
+    b.dout = dout.data();
+    b.dq = dq.data();
+    b.dk = dk.data();
+    b.dv = dv.data();
+    b.dout_row_stride = b.dq_row_stride = b.fwd.q_row_stride;
+    b.dout_head_stride = b.dq_head_stride = b.fwd.q_head_stride;
+    b.dout_batch_stride = b.dq_batch_stride = b.fwd.q_batch_stride;
+    b.dk_row_stride = b.dv_row_stride = b.fwd.k_row_stride;
+    b.dk_head_stride = b.dv_head_stride = b.fwd.k_head_stride;
+    b.dk_batch_stride = b.dv_batch_stride = b.fwd.k_batch_stride;
+    b.total_q = c.total_q();
+    b.total_k = c.total_k();
+    return b;
+  }
+
+  std::vector<uint16_t> dout;
+  std::vector<uint16_t> dq;
+  std::vector<uint16_t> dk;
+  std::vector<uint16_t> dv;
+
+ private:
+  // A view with the dtype, shape, strides and device of `shape_of`, over `data`.
+  static TensorView like(const TensorView& shape_of, void* data) {
+    TensorView view = shape_of;
+    view.data = data;
+    return view;
+  }
 };
 
 }  // namespace flashkit::test

@@ -19,32 +19,11 @@
 #include "api/validate_fwd.h"
 #include "attention_case.h"
 #include "build_config.h"
+#include "expect_error.h"
 #include "flashkit/flashkit.h"
 
 namespace flashkit::test {
 namespace {
-
-// Runs `call` and expects a flashkit::Error whose message contains every fragment.
-template <typename Call>
-void expect_error(Call&& call, std::initializer_list<const char*> fragments) {
-  try {
-    call();
-  } catch (const Error& e) {
-    const std::string message = e.what();
-    for (const char* fragment : fragments) {
-      EXPECT_NE(message.find(fragment), std::string::npos)
-          << "message: " << message << "\nmissing: " << fragment;
-    }
-    return;
-  }
-  ADD_FAILURE() << "no flashkit::Error was thrown";
-}
-
-#define EXPECT_ERROR_MENTIONS(statement, ...)        \
-  do {                                               \
-    SCOPED_TRACE(#statement);                        \
-    expect_error([&] { statement; }, {__VA_ARGS__}); \
-  } while (0)
 
 constexpr Device kCuda0{DeviceKind::kCuda, 0};
 
