@@ -11,25 +11,36 @@
 
 namespace {
 
-// _C.cuda_fwd_built(dtype: str, head_dim: int) -> bool, dtype "float16" or "bfloat16".
-PyObject* cuda_fwd_built(PyObject*, PyObject* args) {
+using BuiltQuery = bool (*)(flashkit::DType, int);
+
+// Parses (dtype: str, head_dim: int), dtype "float16" or "bfloat16", and asks `query`.
+PyObject* ask_built(const char* fn, BuiltQuery query, PyObject* args) {
   const char* dtype = nullptr;
   int head_dim = 0;
   if (!PyArg_ParseTuple(args, "si", &dtype, &head_dim)) return nullptr;
   const std::string name = dtype;
   if (name != "float16" && name != "bfloat16") {
-    PyErr_Format(PyExc_ValueError, "cuda_fwd_built: dtype is '%s'; supported: float16, bfloat16",
-                 dtype);
+    PyErr_Format(PyExc_ValueError, "%s: dtype is '%s'; supported: float16, bfloat16", fn, dtype);
     return nullptr;
   }
   const flashkit::DType type =
       name == "float16" ? flashkit::DType::kFloat16 : flashkit::DType::kBFloat16;
-  return PyBool_FromLong(flashkit::cuda_fwd_built(type, head_dim));
+  return PyBool_FromLong(query(type, head_dim));
+}
+
+PyObject* cuda_fwd_built(PyObject*, PyObject* args) {
+  return ask_built("cuda_fwd_built", &flashkit::cuda_fwd_built, args);
+}
+
+PyObject* cuda_bwd_built(PyObject*, PyObject* args) {
+  return ask_built("cuda_bwd_built", &flashkit::cuda_bwd_built, args);
 }
 
 PyMethodDef methods[] = {
     {"cuda_fwd_built", cuda_fwd_built, METH_VARARGS,
      "Whether this build has the CUDA forward kernel for (dtype name, head dim)."},
+    {"cuda_bwd_built", cuda_bwd_built, METH_VARARGS,
+     "Whether this build has the CUDA backward kernel for (dtype name, head dim)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

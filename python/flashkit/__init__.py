@@ -9,7 +9,7 @@ flashkit.modules for the nn.Module wrappers.
 
 import torch  # noqa: F401  (loads libtorch before flashkit._C)
 
-from flashkit._ops import cuda_fwd_built
+from flashkit._ops import cuda_bwd_built, cuda_fwd_built
 from flashkit.flash_attn_interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -22,6 +22,7 @@ from flashkit.flash_attn_interface import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "cuda_bwd_built",
     "cuda_fwd_built",
     "flash_attn_func",
     "flash_attn_kvpacked_func",

@@ -56,9 +56,16 @@ def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
 def cuda_fwd_built(dtype: torch.dtype, head_dim: int) -> bool:
     """Whether this build has the CUDA forward kernel for ``dtype`` at ``head_dim`` (a multiple of
     8; the Python functions pad other head dims up to one). Builds may leave out head-dim families
     and dtypes (FLASHKIT_HEAD_DIMS, FLASHKIT_DTYPES); a call for a left-out one raises."""
-    names = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
-    return dtype in names and _C.cuda_fwd_built(names[dtype], head_dim)
+    return dtype in _DTYPE_NAMES and _C.cuda_fwd_built(_DTYPE_NAMES[dtype], head_dim)
+
+
+def cuda_bwd_built(dtype: torch.dtype, head_dim: int) -> bool:
+    """As cuda_fwd_built, for the backward kernels."""
+    return dtype in _DTYPE_NAMES and _C.cuda_bwd_built(_DTYPE_NAMES[dtype], head_dim)
