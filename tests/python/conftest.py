@@ -35,9 +35,11 @@ def skip_unbuilt(device: str, dtype: torch.dtype, head_dim: int) -> None:
 
 
 def poison_cuda_allocator(device: str) -> None:
-    """Fills the caching allocator's free blocks with NaN, so that an output the kernel fails to
-    write shows up as NaN instead of as whatever clean memory held."""
-    if device == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        block = torch.full((min(free // 8, 1 << 28) // 4,), float("nan"), device=device)
-        del block
+    """Fills free blocks of the caching allocator with NaN, so that an output the kernel fails to
+    write shows up as NaN instead of as whatever clean memory held. Both pools: allocations up to
+    1 MiB come from the small-block pool's 2 MiB segments, larger ones from the large pool."""
+    if device != "cuda":
+        return
+    small = [torch.full((1 << 18,), float("nan"), device=device) for _ in range(64)]  # 1 MiB each
+    large = torch.full((1 << 26,), float("nan"), device=device)  # 256 MiB
+    del small, large
