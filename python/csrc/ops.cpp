@@ -4,7 +4,9 @@
 // Each operator turns its tensors into flashkit views, allocates its outputs (and the backward's
 // workspace) from torch's caching allocator on the tensors' device, and calls the flashkit entry
 // point on torch's current stream. flashkit validates everything and throws flashkit::Error, which
-// reaches Python as a RuntimeError carrying flashkit's message (as flash_attn's checks do). The same
+// call_flashkit turns into torch's c10::Error before it leaves the extension (the extension has its
+// own C++ runtime, python/CMakeLists.txt says why): Python sees a RuntimeError carrying flashkit's
+// message, as flash_attn's checks raise. The same
 // kernel function serves the CPU and the CUDA dispatch keys: flashkit picks its backend from the
 // views' device, so CPU tensors run the fp64 reference with the same semantics.
 //
@@ -25,6 +27,7 @@
 #include <torch/library.h>
 
 #include "flashkit/api.h"
+#include "flashkit/error.h"
 #include "flashkit/params.h"
 #include "tensor_view.h"
 
@@ -32,6 +35,16 @@ namespace flashkit::torch_glue {
 namespace {
 
 using OptionalTensor = std::optional<at::Tensor>;
+
+// Runs one flashkit entry point, rethrowing its error as torch's.
+template <typename Call>
+auto call_flashkit(Call&& call) {
+  try {
+    return call();
+  } catch (const Error& error) {
+    TORCH_CHECK(false, error.what());
+  }
+}
 
 constexpr const char* kFixedLayout = "[batch, seqlen, heads, head_dim]";
 constexpr const char* kPackedLayout = "[total_tokens, heads, head_dim]";
@@ -115,7 +128,7 @@ std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
   MhaFwdParams p;
   fill_fwd_common(fn, p, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale, causal,
                   window_left, window_right, softcap);
-  mha_fwd(p, current_stream(q.device()));
+  call_flashkit([&] { mha_fwd(p, current_stream(q.device())); });
   return {out, softmax_lse};
 }
 
@@ -142,7 +155,7 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(
   p.seqused_k = to_optional_view(fn, "seqused_k", seqused_k);
   p.max_seqlen_q = to_int(max_seqlen_q);
   p.max_seqlen_k = to_int(max_seqlen_k);
-  mha_varlen_fwd(p, current_stream(q.device()));
+  call_flashkit([&] { mha_varlen_fwd(p, current_stream(q.device())); });
   return {out, softmax_lse};
 }
 
@@ -159,8 +172,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   MhaBwdParams p;
   fill_bwd_common(fn, p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p,
                   softmax_scale, causal, window_left, window_right, softcap, deterministic);
-  const at::Tensor workspace = allocate_workspace(p, mha_bwd_workspace_size(p), q);
-  mha_bwd(p, current_stream(q.device()));
+  const size_t workspace_bytes = call_flashkit([&] { return mha_bwd_workspace_size(p); });
+  const at::Tensor workspace = allocate_workspace(p, workspace_bytes, q);
+  call_flashkit([&] { mha_bwd(p, current_stream(q.device())); });
   return {dq, dk, dv};
 }
 
@@ -184,8 +198,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
   p.seqused_k = to_optional_view(fn, "seqused_k", seqused_k);
   p.max_seqlen_q = to_int(max_seqlen_q);
   p.max_seqlen_k = to_int(max_seqlen_k);
-  const at::Tensor workspace = allocate_workspace(p, mha_varlen_bwd_workspace_size(p), q);
-  mha_varlen_bwd(p, current_stream(q.device()));
+  const size_t workspace_bytes = call_flashkit([&] { return mha_varlen_bwd_workspace_size(p); });
+  const at::Tensor workspace = allocate_workspace(p, workspace_bytes, q);
+  call_flashkit([&] { mha_varlen_bwd(p, current_stream(q.device())); });
   return {dq, dk, dv};
 }
 
