@@ -12,8 +12,12 @@ import torch
 
 import flashkit
 
-HAS_CUDA = torch.cuda.is_available()
-NO_GPU_REASON = "no CUDA GPU visible to torch"
+FLASHKIT_HAS_CUDA = any(flashkit.cuda_fwd_built(dtype, head_dim)
+                        for dtype in (torch.float16, torch.bfloat16)
+                        for head_dim in (32, 64, 96, 128, 192, 256))
+HAS_CUDA = torch.cuda.is_available() and FLASHKIT_HAS_CUDA
+NO_GPU_REASON = ("no CUDA GPU visible to torch" if not torch.cuda.is_available()
+                 else "this build of flashkit has no CUDA kernels")
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not HAS_CUDA,
                                                                reason=NO_GPU_REASON))]
