@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+import flashkit
 from conftest import HAS_CUDA, NO_GPU_REASON
 from flashkit import _ops, flash_attn_func, flash_attn_varlen_func
 
-# opcheck's tests that need no backward (test_autograd_registration runs for the operators'
-# inputs that require no grad; gradients are the autograd.Function's job).
+# opcheck's tests but test_autograd_registration: the operators carry no autograd kernel of their
+# own; the Python functions' autograd.Function pairs each forward with its backward operator.
 OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
@@ -44,23 +45,28 @@ def test_opcheck_varlen_fwd(device, permuted):
     torch.library.opcheck(_ops.varlen_fwd, args, test_utils=OPCHECK_UTILS)
 
 
-def test_opcheck_bwd_schema_and_fake(device):
-    # The real backward is not part of this build yet: check what runs without it.
-    q, k, v = qkv(device, False)
+@pytest.mark.parametrize("permuted", [False, True], ids=["contiguous", "permuted"])
+def test_opcheck_bwd(device, permuted):
+    if device == "cuda" and not flashkit.cuda_bwd_built(torch.bfloat16, 64):
+        pytest.skip("this build has no CUDA backward kernel for bf16 head dim 64")
+    q, k, v = qkv(device, permuted)
     out, lse = _ops.fwd(q, k, v, None, 0.0, 0.125, True, -1, -1, 0.0)
-    args = (out, q, k, v, out, lse, None, 0.0, 0.125, True, -1, -1, 0.0, False)
-    with torch._subclasses.fake_tensor.FakeTensorMode() as mode:
-        fake = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
-        dq, dk, dv = _ops.bwd(*fake)
-    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
-    cu = torch.tensor([0, 33, 66], dtype=torch.int32, device=device)
-    flat_q, flat_out = q.flatten(0, 1), out.flatten(0, 1)
-    mode = torch._subclasses.fake_tensor.FakeTensorMode()
-    fq, fo, flse, fcu = (mode.from_tensor(t) for t in (flat_q, flat_out, lse, cu))
-    with mode:
-        dq, dk, dv = _ops.varlen_bwd(fo, fq, fq, fq, fo, flse, fcu, fcu, None, 33, 33, None, 0.0,
-                                     0.125, True, -1, -1, 0.0, False)
-    assert dq.shape == flat_q.shape and dk.shape == flat_q.shape
+    dout = qkv(device, permuted)[0]
+    args = (dout, q, k, v, out, lse, None, 0.0, 0.125, True, -1, -1, 0.0, True)
+    torch.library.opcheck(_ops.bwd, args, test_utils=OPCHECK_UTILS)
+
+
+@pytest.mark.parametrize("permuted", [False, True], ids=["contiguous", "permuted"])
+def test_opcheck_varlen_bwd(device, permuted):
+    if device == "cuda" and not flashkit.cuda_bwd_built(torch.bfloat16, 64):
+        pytest.skip("this build has no CUDA backward kernel for bf16 head dim 64")
+    q, k, v, dout = (t[0] for t in qkv(device, permuted, batch=1, seqlen_q=60, seqlen_k=60)
+                     + qkv(device, permuted, batch=1, seqlen_q=60, seqlen_k=60)[:1])
+    cu = torch.tensor([0, 30, 60], dtype=torch.int32, device=device)
+    out, lse = _ops.varlen_fwd(q, k, v, cu, cu, None, 30, 30, None, 0.0, 0.125, True, -1, -1, 0.0)
+    args = (dout, q, k, v, out, lse, cu, cu, None, 30, 30, None, 0.0, 0.125, True, -1, -1, 0.0,
+            True)
+    torch.library.opcheck(_ops.varlen_bwd, args, test_utils=OPCHECK_UTILS)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
