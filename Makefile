@@ -1,7 +1,8 @@
 # The two commands a newcomer needs:
 #   make test    build everything, run every test this machine can run (GPU tests skip without a GPU);
 #                the Python tests too where python3 imports torch (the build then has the extension)
-#   make bench   build, then benchmark the forward pass on the GPU beside PyTorch SDPA's backends
+#   make bench   build, then benchmark the forward and backward passes on the GPU beside PyTorch
+#                SDPA's backends (FLASHKIT_BENCH_OPS=fwd for the forward alone)
 #                (no GPU: the CPU backend on a small problem, and it says so)
 # Knobs: PRESET=default|hopper|dev|cpu (see CMakePresets.json), JOBS=N.
 PRESET ?= default

@@ -1,6 +1,8 @@
 // bench/bench_fwd.cpp
-// \brief flashkit_bench: times the forward pass (flashkit::mha_fwd, public API only) on the
-// standard grid and writes the results format of docs/DESIGN.md.
+// \brief flashkit_bench: times the forward pass (flashkit::mha_fwd, public API only) and, through
+// bench_bwd.cpp, the backward pass (op bwd) and both (op fwd_bwd) on the standard grid, and writes
+// the results format of docs/DESIGN.md. The backward runs in its default and in its deterministic
+// mode (impl "flashkit_det").
 //
 // The grid: dtypes bf16, fp16; head dims 64, 128, 256; seqlen 512 ... 16k with batch = 16384 /
 // seqlen (16k tokens) and heads = 2048 / head_dim (model dim 2048); causal and not. --quick: bf16,
@@ -19,6 +21,7 @@
 // and says so: those numbers are not GPU numbers.
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -28,49 +31,39 @@
 #include <ctime>
 #include <fstream>
 #include <functional>
-#include <limits>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
 #include "common/half_float.h"
 #include "flashkit/flashkit.h"
 
-#ifdef FLASHKIT_BENCH_CUDA
-#include <cuda_runtime.h>
-#endif
-
+namespace flashkit::bench {
 namespace {
 
-using flashkit::DType;
-
-constexpr int64_t kTotalTokens = 16384;  // batch * seqlen of every grid shape
-constexpr int kModelDim = 2048;          // heads * head_dim of every grid shape
-constexpr double kWarmupMs = 25.0;
-constexpr int kMinWarmupLaunches = 3;
-constexpr double kMinTimedMs = 100.0;
-constexpr int kMinReps = 20;
-constexpr int kMaxReps = 2000;
 constexpr int kSpotRows = 4;  // query rows per block compared with the CPU reference
 
-const double kNaN = std::numeric_limits<double>::quiet_NaN();
-
 const char* const kMethodNote =
-    "tflops = 4*b*h*sq*sk*d / time, halved for causal (the FlashAttention convention, not the "
+    "tflops = 4*b*h*sq*sk*d / time (x2.5 for bwd, x3.5 for fwd_bwd), halved for causal (the "
+    "FlashAttention convention, not the "
     "exact count of unmasked pairs); time = median of CUDA-event-timed launches after warm-up "
     "(>= 20 launches and >= 100 ms), inputs uniform in [-1, 1) rotated past 2x L2; outputs "
-    "poisoned with NaN and checked, a few rows compared with the CPU reference";
+    "poisoned with NaN and checked, a few forward rows compared with the CPU reference; bwd "
+    "times mha_bwd alone on the output and LSE of one forward (workspace from the size query)";
 
 const char* const kCpuMethodNote =
-    "CPU reference backend on a small problem, not GPU numbers: tflops = 4*b*h*sq*sk*d / time, "
-    "halved for causal; time = median host wall-clock time of >= 5 calls and >= 100 ms after one "
+    "CPU reference backend on a small problem, not GPU numbers: tflops = 4*b*h*sq*sk*d / time "
+    "(x2.5 for bwd), halved for causal; time = median host wall-clock time of >= 5 calls and >= "
+    "100 ms after one "
     "warm-up call";
 
 const char* const kUsage =
     "usage: flashkit_bench [--dtype bf16,fp16] [--hdim 64,128,256] [--seqlen 512,1k,2k,4k,8k,16k]\n"
-    "                      [--causal both|yes|no] [--quick] [--json PATH]\n"
-    "  Times flashkit::mha_fwd with batch = 16384 / seqlen and heads = 2048 / hdim.\n"
+    "                      [--causal both|yes|no] [--op fwd,bwd,fwd_bwd] [--quick] [--json PATH]\n"
+    "  Times flashkit::mha_fwd, mha_bwd (default and deterministic) and both with\n"
+    "  batch = 16384 / seqlen and heads = 2048 / hdim.\n"
     "  --quick     bf16, hdim 64 and 128, seqlen 2k and 8k (explicit flags still override)\n"
     "  --json      write the results (docs/DESIGN.md format) to PATH\n"
     "  Lists are comma-separated; seqlens take a k suffix (2k = 2048).\n"
@@ -81,35 +74,12 @@ const char* const kUsage =
 // Options and the grid
 
 struct Options {
+  std::vector<Op> ops;
   std::vector<DType> dtypes;
   std::vector<int> head_dims;
   std::vector<int> seqlens;
   std::vector<bool> causal;
   std::string json_path;
-};
-
-struct Case {
-  DType dtype;
-  int batch;
-  int heads;
-  int seqlen;
-  int head_dim;
-  bool causal;
-
-  int64_t tensor_elems() const { return int64_t(batch) * seqlen * heads * head_dim; }
-  double flops() const {
-    return 4.0 * batch * heads * double(seqlen) * seqlen * head_dim * (causal ? 0.5 : 1.0);
-  }
-};
-
-struct Result {
-  explicit Result(const Case& shape) : c(shape) {}
-  Case c;
-  double ms = kNaN;
-  double tflops = kNaN;
-  double rel_err = kNaN;  // of the rows compared with the CPU reference
-  std::string note;       // why tflops is null (empty when it is not)
-  bool failed = false;    // a note that counts as a failure (not a head dim left out of the build)
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -149,7 +119,12 @@ DType parse_dtype(const std::string& s) {
   throw std::invalid_argument("dtype '" + s + "' is not bf16 or fp16");
 }
 
-const char* short_name(DType t) { return t == DType::kBFloat16 ? "bf16" : "fp16"; }
+Op parse_op(const std::string& s) {
+  if (s == "fwd") return Op::kFwd;
+  if (s == "bwd") return Op::kBwd;
+  if (s == "fwd_bwd") return Op::kFwdBwd;
+  throw std::invalid_argument("op '" + s + "' is not fwd, bwd or fwd_bwd");
+}
 
 std::vector<bool> parse_causal(const std::string& s) {
   if (s == "both") return {false, true};
@@ -161,7 +136,7 @@ std::vector<bool> parse_causal(const std::string& s) {
 // Parses argv into Options; throws std::invalid_argument with a message on bad input.
 Options parse_options(int argc, char** argv) {
   bool quick = false;
-  std::string dtypes, hdims, seqlens, causal = "both", json;
+  std::string ops = "fwd,bwd,fwd_bwd", dtypes, hdims, seqlens, causal = "both", json;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     std::string value;
@@ -183,6 +158,7 @@ Options parse_options(int argc, char** argv) {
                           : arg == "--seqlen" ? &seqlens
                           : arg == "--causal" ? &causal
                           : arg == "--json"   ? &json
+                          : arg == "--op"     ? &ops
                                               : nullptr;
     if (target == nullptr) throw std::invalid_argument("unknown option " + arg);
     if (eq == std::string::npos) {
@@ -196,6 +172,7 @@ Options parse_options(int argc, char** argv) {
   if (seqlens.empty()) seqlens = quick ? "2k,8k" : "512,1k,2k,4k,8k,16k";
 
   Options opt;
+  for (const auto& s : split_list(ops)) opt.ops.push_back(parse_op(s));
   for (const auto& s : split_list(dtypes)) opt.dtypes.push_back(parse_dtype(s));
   for (const auto& s : split_list(hdims)) opt.head_dims.push_back(parse_positive(s, false));
   for (const auto& s : split_list(seqlens)) opt.seqlens.push_back(parse_positive(s, true));
@@ -204,17 +181,23 @@ Options parse_options(int argc, char** argv) {
   return opt;
 }
 
-// The grid in the order the table reads: dtype, head dim, causal, seqlen. (Unused in a build
-// without CUDA, whose CPU mode runs one fixed problem.)
+// The grid in the order the table reads: op, dtype, head dim, causal, seqlen, and for the
+// backward ops the default mode, then the deterministic one. (Unused in a build without CUDA,
+// whose CPU mode runs one fixed problem.)
 [[maybe_unused]] std::vector<Case> make_grid(const Options& opt) {
   std::vector<Case> cases;
-  for (DType dtype : opt.dtypes) {
-    for (int d : opt.head_dims) {
-      for (bool causal : opt.causal) {
-        for (int s : opt.seqlens) {
-          const int batch = static_cast<int>(std::max<int64_t>(1, kTotalTokens / s));
-          const int heads = std::max(1, kModelDim / d);
-          cases.push_back({dtype, batch, heads, s, d, causal});
+  for (Op op : opt.ops) {
+    for (DType dtype : opt.dtypes) {
+      for (int d : opt.head_dims) {
+        for (bool causal : opt.causal) {
+          for (int s : opt.seqlens) {
+            const int batch = static_cast<int>(std::max<int64_t>(1, kTotalTokens / s));
+            const int heads = std::max(1, kModelDim / d);
+            for (bool deterministic : {false, true}) {
+              if (deterministic && op == Op::kFwd) continue;
+              cases.push_back({op, dtype, batch, heads, s, d, causal, deterministic});
+            }
+          }
         }
       }
     }
@@ -223,34 +206,7 @@ Options parse_options(int argc, char** argv) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Host data: random fill, NaN checks
-
-// Fills n values of dtype with uniform random numbers in [-1, 1) (splitmix64 stream from seed).
-void fill_uniform(uint16_t* dst, int64_t n, DType dtype, uint64_t seed) {
-  uint64_t state = seed;
-  for (int64_t i = 0; i < n; ++i) {
-    state += 0x9e3779b97f4a7c15ull;
-    uint64_t z = state;
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    z ^= z >> 31;
-    const float u = static_cast<float>(z >> 40) * (2.0f / 16777216.0f) - 1.0f;  // 24 random bits
-    dst[i] = flashkit::float_to_bits(dtype, u);
-  }
-}
-
-int64_t count_nonfinite(const uint16_t* values, int64_t n, DType dtype) {
-  const uint16_t exponent_mask = dtype == DType::kBFloat16 ? 0x7f80 : 0x7c00;
-  int64_t bad = 0;
-  for (int64_t i = 0; i < n; ++i) bad += (values[i] & exponent_mask) == exponent_mask;
-  return bad;
-}
-
-int64_t count_nonfinite(const float* values, int64_t n) {
-  int64_t bad = 0;
-  for (int64_t i = 0; i < n; ++i) bad += !std::isfinite(values[i]);
-  return bad;
-}
+// The forward's output checks
 
 // The check after the runs: every output and LSE value written (no poison left) and finite.
 std::string nonfinite_note(const Case& c, const uint16_t* out, const float* lse) {
@@ -263,14 +219,6 @@ std::string nonfinite_note(const Case& c, const uint16_t* out, const float* lse)
          std::to_string(bad_lse) + " of " + std::to_string(lse_n) +
          " LSE values are NaN/inf (unwritten or overflowed)";
 }
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
-}
-
-std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
 // ------------------------------------------------------------------------------------------------
 // Output: the human table and the JSON file
@@ -341,11 +289,13 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
   for (size_t i = 0; i < results.size(); ++i) {
     const Result& r = results[i];
     const Case& c = r.c;
-    js << (i ? ",\n" : "\n") << "    {\"op\": \"fwd\", \"impl\": " << json_string(info.impl)
-       << ", \"dtype\": \"" << short_name(c.dtype) << "\", \"batch\": " << c.batch
-       << ", \"heads_q\": " << c.heads << ", \"heads_kv\": " << c.heads
-       << ", \"seqlen_q\": " << c.seqlen << ", \"seqlen_k\": " << c.seqlen
-       << ", \"head_dim\": " << c.head_dim << ", \"causal\": " << (c.causal ? "true" : "false")
+    const std::string impl = info.impl + (c.deterministic ? "_det" : "");
+    js << (i ? ",\n" : "\n") << "    {\"op\": \"" << op_name(c.op)
+       << "\", \"impl\": " << json_string(impl) << ", \"dtype\": \"" << short_name(c.dtype)
+       << "\", \"batch\": " << c.batch << ", \"heads_q\": " << c.heads
+       << ", \"heads_kv\": " << c.heads << ", \"seqlen_q\": " << c.seqlen
+       << ", \"seqlen_k\": " << c.seqlen << ", \"head_dim\": " << c.head_dim
+       << ", \"causal\": " << (c.causal ? "true" : "false")
        << ", \"window\": [-1, -1], \"ms\": " << format_number(r.ms, "%.6g")
        << ", \"tflops\": " << format_number(r.tflops, "%.4g") << ", \"tbps\": null";
     if (!r.note.empty()) js << ", \"note\": " << json_string(r.note);
@@ -365,14 +315,15 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
 }
 
 void print_table_header() {
-  std::printf("%-5s %5s %6s %5s %5s %6s %10s %9s %9s\n", "dtype", "hdim", "seqlen", "batch",
-              "heads", "causal", "ms", "TFLOP/s", "check");
+  std::printf("%-7s %-5s %5s %6s %5s %5s %6s %5s %10s %9s %9s\n", "op", "dtype", "hdim", "seqlen",
+              "batch", "heads", "causal", "det", "ms", "TFLOP/s", "check");
 }
 
 void print_row(const Result& r) {
   const Case& c = r.c;
-  std::printf("%-5s %5d %6d %5d %5d %6s %10s %9s %9s\n", short_name(c.dtype), c.head_dim, c.seqlen,
-              c.batch, c.heads, c.causal ? "yes" : "no", format_number(r.ms, "%.4f", "-").c_str(),
+  std::printf("%-7s %-5s %5d %6d %5d %5d %6s %5s %10s %9s %9s\n", op_name(c.op),
+              short_name(c.dtype), c.head_dim, c.seqlen, c.batch, c.heads, c.causal ? "yes" : "no",
+              c.deterministic ? "yes" : "no", format_number(r.ms, "%.4f", "-").c_str(),
               format_number(r.tflops, "%.4g", "-").c_str(),
               format_number(r.rel_err, "%.1e", "-").c_str());
   if (!r.note.empty()) std::printf("      note: %s\n", r.note.c_str());
@@ -397,20 +348,6 @@ int run_cases(const std::vector<Case>& cases, const RunInfo& info, const std::st
   return failed ? 1 : 0;
 }
 
-// The views of one forward problem over q, k, v, out, lse (contiguous [b, s, h, d], lse [b, h, s]).
-flashkit::MhaFwdParams make_params(const Case& c, int rows_q, int rows_k, void* q, void* k, void* v,
-                                   void* out, float* lse, flashkit::Device device) {
-  flashkit::MhaFwdParams p;
-  const int64_t b = c.batch, h = c.heads, d = c.head_dim;
-  p.q = flashkit::make_view(q, c.dtype, {b, rows_q, h, d}, device);
-  p.k = flashkit::make_view(k, c.dtype, {b, rows_k, h, d}, device);
-  p.v = flashkit::make_view(v, c.dtype, {b, rows_k, h, d}, device);
-  p.out = flashkit::make_view(out, c.dtype, {b, rows_q, h, d}, device);
-  p.softmax_lse = flashkit::make_view(lse, DType::kFloat32, {b, h, rows_q}, device);
-  p.mask.causal = c.causal;
-  return p;
-}
-
 // ------------------------------------------------------------------------------------------------
 // CPU mode: no GPU, so time the reference backend on one small problem.
 
@@ -425,9 +362,15 @@ int run_cpu_mode(const std::string& why, const Options& opt, RunInfo info) {
   const flashkit::Device cpu{flashkit::DeviceKind::kCpu, 0};
 
   std::vector<Case> cases;
-  for (bool causal : {false, true}) cases.push_back({DType::kBFloat16, 1, 2, 256, 64, causal});
+  for (Op op : opt.ops) {
+    if (op == Op::kFwdBwd) continue;  // the CPU backend's fwd_bwd would only add the two
+    for (bool causal : {false, true}) {
+      cases.push_back({op, DType::kBFloat16, 1, 2, 256, 64, causal, false});
+    }
+  }
 
   return run_cases(cases, info, opt.json_path, [&](const Case& c) {
+    if (c.op != Op::kFwd) return run_cpu_bwd_case(c);
     Result r(c);
     const int64_t n = c.tensor_elems();
     std::vector<uint16_t> q(n), k(n), v(n), out(n);
@@ -468,141 +411,6 @@ int run_cpu_mode(const std::string& why, const Options& opt, RunInfo info) {
 
 #ifdef FLASHKIT_BENCH_CUDA
 
-void cuda_ok(cudaError_t code, const char* what) {
-  if (code != cudaSuccess) {
-    throw std::runtime_error(std::string(what) + ": " + cudaGetErrorString(code));
-  }
-}
-#define CUDA_OK(call) cuda_ok((call), #call)
-
-// One device allocation, grown on demand (contents are not kept when it grows).
-class DeviceBuffer {
- public:
-  DeviceBuffer() = default;
-  DeviceBuffer(const DeviceBuffer&) = delete;
-  DeviceBuffer& operator=(const DeviceBuffer&) = delete;
-  ~DeviceBuffer() { cudaFree(ptr_); }
-
-  void* get(size_t bytes) {
-    if (bytes > bytes_) {
-      CUDA_OK(cudaFree(ptr_));
-      ptr_ = nullptr;
-      bytes_ = 0;
-      CUDA_OK(cudaMalloc(&ptr_, bytes));
-      bytes_ = bytes;
-    }
-    return ptr_;
-  }
-
- private:
-  void* ptr_ = nullptr;
-  size_t bytes_ = 0;
-};
-
-// Sets of (q, k, v) filled with random values of one dtype. Every grid shape has the same number of
-// elements, so the sets are filled once per dtype and reused by every case of that dtype.
-class InputSets {
- public:
-  // Returns tensor `which` (0 q, 1 k, 2 v) of set `set` (< sets) with at least `elems` random
-  // values of `dtype`.
-  void* tensor(DType dtype, int64_t elems, int sets, int set, int which) {
-    if (dtype != dtype_ || elems > elems_ || sets * 3 > static_cast<int>(buffers_.size())) {
-      refill(dtype, std::max(elems, elems_), std::max<int>(sets, buffers_.size() / 3));
-    }
-    return buffers_[set * 3 + which].get(elems * sizeof(uint16_t));
-  }
-
- private:
-  void refill(DType dtype, int64_t elems, int sets) {
-    buffers_.clear();  // free first: the old sets and the new may not fit together
-    buffers_ = std::vector<DeviceBuffer>(sets * 3);
-    std::vector<uint16_t> host(elems);
-    for (size_t i = 0; i < buffers_.size(); ++i) {
-      fill_uniform(host.data(), elems, dtype, 1000 * static_cast<uint64_t>(dtype) + i + 1);
-      CUDA_OK(cudaMemcpy(buffers_[i].get(elems * sizeof(uint16_t)), host.data(),
-                         elems * sizeof(uint16_t), cudaMemcpyHostToDevice));
-    }
-    dtype_ = dtype;
-    elems_ = elems;
-  }
-
-  DType dtype_ = DType::kFloat32;  // none yet
-  int64_t elems_ = 0;
-  std::vector<DeviceBuffer> buffers_;
-};
-
-struct Gpu {
-  int device = 0;
-  int64_t l2_bytes = 0;
-  cudaStream_t stream = nullptr;
-  InputSets inputs;
-  DeviceBuffer out, lse;
-  std::vector<uint16_t> host_out;  // the output copied back for the checks
-  std::vector<float> host_lse;
-};
-
-// A CUDA event that is destroyed with its scope.
-class Event {
- public:
-  Event() { CUDA_OK(cudaEventCreate(&event_)); }
-  Event(const Event&) = delete;
-  Event& operator=(const Event&) = delete;
-  ~Event() { cudaEventDestroy(event_); }
-
-  void record(cudaStream_t stream) { CUDA_OK(cudaEventRecord(event_, stream)); }
-  // Milliseconds from `start` to this event (both recorded and complete).
-  double since(const Event& start) const {
-    float ms = 0;
-    CUDA_OK(cudaEventElapsedTime(&ms, start.event_, event_));
-    return ms;
-  }
-  void synchronize() const { CUDA_OK(cudaEventSynchronize(event_)); }
-
- private:
-  cudaEvent_t event_ = nullptr;
-};
-
-// Times launch(set) for set = 0, 1, ... modulo `sets`: warm-up, then the median of event-timed
-// launches. `before_timed` runs between the two (it poisons the outputs). Returns ms; `last_set` is
-// the set of the last launch (the one whose output the checks read).
-double time_launches(const std::function<void(int)>& launch, int sets, cudaStream_t stream,
-                     const std::function<void()>& before_timed, int* last_set) {
-  // Warm-up in batches until 25 ms have passed, at least two batches: the first may pay for module
-  // loading, so the per-launch estimate that sizes the timed loop comes from the last batch.
-  int launches = 0;
-  double warm_ms = 0, estimate = 0;
-  for (int batch = kMinWarmupLaunches, round = 0;; ++round) {
-    Event begin, end;
-    begin.record(stream);
-    for (int i = 0; i < batch; ++i) launch(launches++ % sets);
-    end.record(stream);
-    end.synchronize();
-    CUDA_OK(cudaGetLastError());
-    const double ms = end.since(begin);
-    warm_ms += ms;
-    estimate = std::max(ms / batch, 1e-3);
-    if (round >= 1 && warm_ms >= kWarmupMs) break;
-    batch =
-        std::max(kMinWarmupLaunches, static_cast<int>(std::ceil((kWarmupMs - warm_ms) / estimate)));
-  }
-
-  const int reps =
-      std::clamp(static_cast<int>(std::ceil(kMinTimedMs / estimate)), kMinReps, kMaxReps);
-  before_timed();
-  std::vector<Event> events(2 * reps);
-  for (int i = 0; i < reps; ++i) {
-    events[2 * i].record(stream);
-    launch(i % sets);
-    events[2 * i + 1].record(stream);
-  }
-  CUDA_OK(cudaStreamSynchronize(stream));
-  CUDA_OK(cudaGetLastError());
-  std::vector<double> times(reps);
-  for (int i = 0; i < reps; ++i) times[i] = events[2 * i + 1].since(events[2 * i]);
-  *last_set = (reps - 1) % sets;
-  return median(times);
-}
-
 // Copies `rows` rows of one head of sequence b, starting at row0, from a device [b, s, h, d] tensor
 // into a contiguous host [rows, d] block.
 std::vector<uint16_t> copy_rows(const Case& c, const void* tensor, int b, int row0, int rows,
@@ -625,7 +433,7 @@ double spot_check(const Case& c, const Gpu& gpu, const void* q, const void* k, c
   const int rows = std::min(kSpotRows, c.seqlen);
   const int b = c.batch - 1;
   const flashkit::Device cpu{flashkit::DeviceKind::kCpu, 0};
-  const Case one_head{c.dtype, 1, 1, c.seqlen, c.head_dim, c.causal};
+  const Case one_head{Op::kFwd, c.dtype, 1, 1, c.seqlen, c.head_dim, c.causal, false};
   double err2 = 0, ref2 = 0;
   struct Block {
     int row0, keys, head;
@@ -654,6 +462,7 @@ double spot_check(const Case& c, const Gpu& gpu, const void* q, const void* k, c
 }
 
 Result run_gpu_case(const Case& c, Gpu& gpu) {
+  if (c.op != Op::kFwd) return run_gpu_bwd_case(c, gpu);
   Result r(c);
   try {
     const int64_t elems = c.tensor_elems();
@@ -718,9 +527,12 @@ std::string driver_version() {
   if (std::getline(version_file, line)) {
     const size_t at = line.find("Kernel Module");
     if (at != std::string::npos) {
+      // "... Kernel Module  580.95.05 ..." or "... Kernel Module for x86_64  580.159.04 ...": the
+      // first word that starts with a digit.
       std::istringstream words(line.substr(at + 13));
-      words >> driver;
-      if (!driver.empty()) return driver;
+      while (words >> driver) {
+        if (std::isdigit(static_cast<unsigned char>(driver[0]))) return driver;
+      }
     }
   }
   int api = 0;
@@ -757,8 +569,10 @@ int run_gpu_grid(const Options& opt, RunInfo info) {
 #endif  // FLASHKIT_BENCH_CUDA
 
 }  // namespace
+}  // namespace flashkit::bench
 
 int main(int argc, char** argv) {
+  using namespace flashkit::bench;
   Options opt;
   try {
     opt = parse_options(argc, argv);

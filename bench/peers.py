@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
-"""bench/peers.py: times PyTorch's attention backends on flashkit_bench's forward grid.
+"""bench/peers.py: times PyTorch's attention backends on flashkit_bench's grid.
 
-Runs on the GPU machine (PyTorch with CUDA). For each case of the grid (same flags and defaults as
-flashkit_bench: batch = 16384 / seqlen, heads = 2048 / hdim) it times
+Runs on the GPU machine (PyTorch with CUDA). For each op (--ops: fwd, the forward; bwd, the backward
+alone, as torch.autograd.grad of a saved forward; fwd_bwd, both) and each case of the grid (same
+flags and defaults as flashkit_bench: batch = 16384 / seqlen, heads = 2048 / hdim) it times
   sdpa_flash      scaled_dot_product_attention under SDPBackend.FLASH_ATTENTION (FlashAttention-2)
   sdpa_cudnn      ... under SDPBackend.CUDNN_ATTENTION
   sdpa_efficient  ... under SDPBackend.EFFICIENT_ATTENTION
@@ -16,7 +17,8 @@ format) is rewritten after every case; cases run backend by backend, flex last, 
 cost the most time.
 
 usage: peers.py [--dtype bf16,fp16] [--hdim 64,128,256] [--seqlen 512,1k,...,16k]
-                [--causal both|yes|no] [--quick] [--impls sdpa_flash,...,flex] [--json PATH]
+                [--causal both|yes|no] [--quick] [--ops fwd,bwd,fwd_bwd]
+                [--impls sdpa_flash,...,flex] [--json PATH]
 Environment: FLASHKIT_GIT_COMMIT, FLASHKIT_DRIVER (as for flashkit_bench).
 """
 import argparse
@@ -36,9 +38,14 @@ MIN_WARMUP_CALLS = 3
 MIN_TIMED_MS = 100.0
 MIN_REPS, MAX_REPS = 20, 2000
 IMPLS = ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
+OPS = ["fwd", "bwd", "fwd_bwd"]
+# FLOPs of each op in units of the forward's 4*b*h*sq*sk*d (the FlashAttention convention: the
+# backward's five matrix products against the forward's two).
+OP_FLOP_FACTOR = {"fwd": 1.0, "bwd": 2.5, "fwd_bwd": 3.5}
 METHOD_NOTE = (
-    "tflops = 4*b*h*sq*sk*d / time, halved for causal (the FlashAttention convention, not the "
-    "exact count of unmasked pairs); time = median of CUDA-event-timed calls after warm-up (>= 20 "
+    "tflops = 4*b*h*sq*sk*d / time (x2.5 for bwd, x3.5 for fwd_bwd), halved for causal (the "
+    "FlashAttention convention, not the exact count of unmasked pairs); bwd times "
+    "torch.autograd.grad of a saved forward; time = median of CUDA-event-timed calls after warm-up (>= 20 "
     "calls and >= 100 ms), inputs uniform in [-1, 1) in [b, h, s, d] views of [b, s, h, d] "
     "memory, rotated past 2x L2; outputs checked for NaN/inf")
 
@@ -59,6 +66,7 @@ def parse_args():
                    choices=["both", "yes", "no", "1", "0", "true", "false"])
     p.add_argument("--quick", action="store_true",
                    help="bf16, hdim 64 and 128, seqlen 2k and 8k (explicit flags still override)")
+    p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     p.add_argument("--impls", default=",".join(IMPLS),
                    help="comma-separated subset of " + ",".join(IMPLS))
     p.add_argument("--json", help="write the results (docs/DESIGN.md format) to this path")
@@ -76,6 +84,9 @@ def parse_args():
     args.causals = {"both": [False, True], "yes": [True], "1": [True], "true": [True]}.get(
         args.causal, [False])
     args.impl_list = args.impls.split(",")
+    args.op_list = args.ops.split(",")
+    for bad in [o for o in args.op_list if o not in OPS]:
+        p.error(f"op '{bad}' is not one of {', '.join(OPS)}")
     for bad in [d for d in args.dtypes if d not in ("bf16", "fp16")]:
         p.error(f"dtype '{bad}' is not bf16 or fp16")
     for bad in [i for i in args.impl_list if i not in IMPLS]:
@@ -84,15 +95,16 @@ def parse_args():
 
 
 def make_grid(args):
-    """The cases in flashkit_bench's order: dtype, head dim, causal, seqlen."""
-    return [dict(dtype=dt, batch=max(1, TOTAL_TOKENS // s), heads=max(1, MODEL_DIM // d),
+    """The cases in flashkit_bench's order: op, dtype, head dim, causal, seqlen."""
+    return [dict(op=op, dtype=dt, batch=max(1, TOTAL_TOKENS // s), heads=max(1, MODEL_DIM // d),
                  seqlen=s, head_dim=d, causal=causal)
-            for dt in args.dtypes for d in args.hdims for causal in args.causals
-            for s in args.seqlens]
+            for op in args.op_list for dt in args.dtypes for d in args.hdims
+            for causal in args.causals for s in args.seqlens]
 
 
 def case_flops(c):
     flops = 4.0 * c["batch"] * c["heads"] * c["seqlen"] ** 2 * c["head_dim"]
+    flops *= OP_FLOP_FACTOR[c["op"]]
     return flops / 2 if c["causal"] else flops
 
 
@@ -128,18 +140,21 @@ class Bench:
         self.l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
 
     def input_sets(self, c):
-        """Sets of (q, k, v): [b, h, s, d] views of [b, s, h, d] memory, enough to pass 2x L2."""
+        """Sets of (q, k, v): [b, h, s, d] views of [b, s, h, d] memory, enough to pass 2x L2.
+        For the backward ops, q, k and v require gradients and each set has a dout as well."""
         torch = self.torch
         dtype = torch.bfloat16 if c["dtype"] == "bf16" else torch.float16
         shape = (c["batch"], c["seqlen"], c["heads"], c["head_dim"])
-        set_bytes = 3 * math.prod(shape) * 2
+        backward = c["op"] != "fwd"
+        per_set = 4 if backward else 3
+        set_bytes = per_set * math.prod(shape) * 2
         sets = max(1, math.ceil(2 * self.l2_bytes / set_bytes))
         gen = torch.Generator(device="cuda").manual_seed(0)
 
-        def tensor():
+        def tensor(grad):
             t = torch.empty(shape, dtype=dtype, device="cuda").uniform_(-1, 1, generator=gen)
-            return t.transpose(1, 2)
-        return [(tensor(), tensor(), tensor()) for _ in range(sets)]
+            return t.transpose(1, 2).requires_grad_(grad)
+        return [tuple(tensor(backward and i < 3) for i in range(per_set)) for _ in range(sets)]
 
     def time_ms(self, fn, sets):
         """Median ms of fn(i % sets) calls; returns (ms, the last call's output)."""
@@ -175,8 +190,27 @@ class Bench:
         return statistics.median(b.elapsed_time(e) for b, e in events), out
 
 
+def timed_op(torch, attend, c, sets):
+    """call(i) for the case's op on input set i: the forward; the backward of a forward saved once
+    per set (torch.autograd.grad, graph retained); or both. Returns (call, the saved outputs)."""
+    if c["op"] == "fwd":
+        return (lambda i: attend(*sets[i])), None
+    if c["op"] == "fwd_bwd":
+        def fwd_bwd(i):
+            q, k, v, dout = sets[i]
+            return torch.autograd.grad(attend(q, k, v), (q, k, v), dout)[0]
+        return fwd_bwd, None
+    saved = [attend(q, k, v) for q, k, v, _ in sets]
+
+    def bwd(i):
+        q, k, v, dout = sets[i]
+        return torch.autograd.grad(saved[i], (q, k, v), dout, retain_graph=True)[0]
+    return bwd, saved
+
+
 def impl_runner(torch, impl):
-    """Returns run(case, qkv_sets, bench) -> (ms, out) for one implementation."""
+    """Returns run(case, input_sets, bench) -> (ms, out) for one implementation (out: the forward's
+    output, or dq for the backward ops)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -185,11 +219,12 @@ def impl_runner(torch, impl):
                    "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION,
                    "sdpa_efficient": SDPBackend.EFFICIENT_ATTENTION}[impl]
 
-        def run_sdpa(c, qkv, bench):
-            def call(i):
-                return F.scaled_dot_product_attention(*qkv[i], is_causal=c["causal"])
+        def run_sdpa(c, sets, bench):
+            def attend(q, k, v):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=c["causal"])
             with sdpa_kernel([backend]):
-                return bench.time_ms(call, len(qkv))
+                call, _ = timed_op(torch, attend, c, sets)
+                return bench.time_ms(call, len(sets))
         return run_sdpa
 
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
@@ -204,32 +239,33 @@ def impl_runner(torch, impl):
     def causal_mask(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
 
-    def run_flex(c, qkv, bench):
+    def run_flex(c, sets, bench):
         s = c["seqlen"]
         mask = create_block_mask(causal_mask, None, None, s, s, device="cuda") if c["causal"] \
             else None
-        return bench.time_ms(lambda i: flex(*qkv[i], block_mask=mask), len(qkv))
+        call, _ = timed_op(torch, lambda q, k, v: flex(q, k, v, block_mask=mask), c, sets)
+        return bench.time_ms(call, len(sets))
     return run_flex
 
 
 def failing_runner(error):
     """A runner for an implementation that could not be set up: each case reports `error`."""
-    def run(c, qkv, bench):
+    def run(c, sets, bench):
         raise error
     return run
 
 
 def run_case(torch, bench, impl, runner, c):
     """One record of the results format."""
-    record = dict(op="fwd", impl=impl, dtype=c["dtype"], batch=c["batch"], heads_q=c["heads"],
+    record = dict(op=c["op"], impl=impl, dtype=c["dtype"], batch=c["batch"], heads_q=c["heads"],
                   heads_kv=c["heads"], seqlen_q=c["seqlen"], seqlen_k=c["seqlen"],
                   head_dim=c["head_dim"], causal=c["causal"], window=[-1, -1], ms=None,
                   tflops=None, tbps=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            qkv = bench.input_sets(c)
-            ms, out = runner(c, qkv, bench)
+            sets = bench.input_sets(c)
+            ms, out = runner(c, sets, bench)
             record["ms"] = round(ms, 6)
             if not bool(torch.isfinite(out).all()):
                 record["note"] = "output has NaN/inf"
@@ -278,7 +314,7 @@ def main():
     bench = Bench(torch)
     grid = make_grid(args)
     records = []
-    print(f"{'impl':<15} {'dtype':<5} {'hdim':>4} {'seqlen':>6} {'batch':>5} {'heads':>5} "
+    print(f"{'op':<7} {'impl':<15} {'dtype':<5} {'hdim':>4} {'seqlen':>6} {'batch':>5} {'heads':>5} "
           f"{'causal':>6} {'ms':>10} {'TFLOP/s':>8}", flush=True)
     for impl in args.impl_list:
         try:
@@ -292,7 +328,7 @@ def main():
             tf = "-" if r["tflops"] is None else f"{r['tflops']:.1f}"
             causal = "yes" if c["causal"] else "no"
             note = f"  note: {r['note']}" if r.get("note") else ""
-            print(f"{impl:<15} {c['dtype']:<5} {c['head_dim']:>4} {c['seqlen']:>6} "
+            print(f"{c['op']:<7} {impl:<15} {c['dtype']:<5} {c['head_dim']:>4} {c['seqlen']:>6} "
                   f"{c['batch']:>5} {c['heads']:>5} {causal:>6} {ms:>10} {tf:>8}{note}", flush=True)
             if args.json:
                 write_json(args.json, header, records)

@@ -3,11 +3,13 @@
 #
 # With a GPU: runs BUILD_DIR/bench/flashkit_bench, then bench/peers.py (PyTorch SDPA backends and
 # FlexAttention) on the same grid when python3 has CUDA-enabled PyTorch, then bench/report.py, which
-# writes <results>/<gpu>-<yyyy-mm-dd>-fwd.json and .md (printed at the end). Without a GPU: runs
+# writes <results>/<gpu>-<yyyy-mm-dd>-<ops>.json and .md (printed at the end; <ops> e.g.
+# bwd+fwd+fwd_bwd). Without a GPU: runs
 # flashkit_bench, which times the CPU backend on a small problem and says so; nothing is written.
 #
 # Grid flags (--dtype, --hdim, --seqlen, --causal) go to both tools, from the arguments and from
-# FLASHKIT_BENCH_ARGS. Environment:
+# FLASHKIT_BENCH_ARGS. FLASHKIT_BENCH_OPS (default fwd,bwd,fwd_bwd) picks the ops: flashkit_bench's
+# --op and peers.py's --ops. Environment:
 #   FLASHKIT_BENCH_QUICK=1   the quick subset (bf16, hdim 64 and 128, seqlen 2k and 8k)
 #   FLASHKIT_RESULTS_DIR     where the merged results go (default bench/results)
 #   FLASHKIT_GIT_COMMIT      recorded in the results (default: git describe of this checkout)
@@ -49,9 +51,10 @@ export FLASHKIT_DRIVER
 raw=$(mktemp -d)
 trap 'rm -rf "$raw"' EXIT
 status=0
-"$bench" "${grid[@]}" --json "$raw/flashkit.json" || status=$?
+ops=${FLASHKIT_BENCH_OPS:-fwd,bwd,fwd_bwd}
+"$bench" "${grid[@]}" --op "$ops" --json "$raw/flashkit.json" || status=$?
 if python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  python3 bench/peers.py "${grid[@]}" --json "$raw/peers.json" || status=$?
+  python3 bench/peers.py "${grid[@]}" --ops "$ops" --json "$raw/peers.json" || status=$?
 else
   echo "run_bench.sh: python3 has no CUDA-enabled PyTorch: no peers in this run"
 fi

@@ -13,7 +13,8 @@
 #   memcheck, racecheck   only with FLASHKIT_SANITIZE=1: compute-sanitizer on the GPU tests
 #              [--gtest_filter=$FLASHKIT_SANITIZE_FILTER]
 #   bench      flashkit_bench (--quick with FLASHKIT_BENCH_QUICK=1; grid flags from
-#              FLASHKIT_BENCH_ARGS, e.g. "--hdim 128 --seqlen 8k", passed to peers too)
+#              FLASHKIT_BENCH_ARGS, e.g. "--hdim 128 --seqlen 8k", passed to peers too; the ops
+#              from FLASHKIT_BENCH_OPS, default fwd,bwd,fwd_bwd)
 #   peers      bench/peers.py on the same grid (--impls $FLASHKIT_PEERS_IMPLS when set)
 #   report     bench/report.py: the merged JSON and markdown table
 # FLASHKIT_SKIP_TESTS=1 skips gpu_tests and cpu_tests; FLASHKIT_SKIP_BENCH=1 skips bench, peers
@@ -27,7 +28,8 @@
 #   build_time.txt                    seconds of the build
 #   gpu_tests.json                    GoogleTest's report of the GPU tests
 #   flashkit.json, peers.json         the raw results of each benchmark
-#   <gpu>-<yyyy-mm-dd>-fwd.json, .md  the merged results and table (to commit under bench/results)
+#   <gpu>-<yyyy-mm-dd>-<ops>.json, .md  the merged results and table (to commit under
+#                                     bench/results; <ops> e.g. bwd+fwd+fwd_bwd)
 # The summary prints last: the table, then each step's result, test counts and the build time.
 set -uo pipefail
 
@@ -144,14 +146,16 @@ step_racecheck() { sanitize racecheck; }
 step_bench() {
   local grid=()
   read -r -a grid <<<"$GRID_ARGS"
-  "$BUILD_DIR/bench/flashkit_bench" "${grid[@]}" --json "$OUT/flashkit.json"
+  "$BUILD_DIR/bench/flashkit_bench" "${grid[@]}" --op "${FLASHKIT_BENCH_OPS:-fwd,bwd,fwd_bwd}" \
+    --json "$OUT/flashkit.json"
 }
 
 step_peers() {
   local grid=()
   read -r -a grid <<<"$GRID_ARGS"
   if [ -n "${FLASHKIT_PEERS_IMPLS:-}" ]; then grid+=(--impls "$FLASHKIT_PEERS_IMPLS"); fi
-  python3 bench/peers.py "${grid[@]}" --json "$OUT/peers.json"
+  python3 bench/peers.py "${grid[@]}" --ops "${FLASHKIT_BENCH_OPS:-fwd,bwd,fwd_bwd}" \
+    --json "$OUT/peers.json"
 }
 
 step_report() {
@@ -279,7 +283,7 @@ last_line() {
 }
 
 summary() {
-  local tables=("$OUT"/*-fwd.md)
+  local tables=("$OUT"/*.md)
   echo
   echo "==================== gpu_check summary ===================="
   if [ -e "${tables[0]}" ]; then cat "${tables[0]}"; echo; fi

@@ -51,13 +51,13 @@ inline std::string list_with(const char* built, const std::string& item) {
 inline std::string rebuild_flags(bool family_built, bool dtype_built, int family, DType dtype) {
   std::string flags;
   if (!family_built) {
-    flags += "-DFLASHKIT_HEAD_DIMS=\"" + list_with(FLASHKIT_BUILT_HEAD_DIMS, std::to_string(family)) +
-             "\"";
+    flags += "-DFLASHKIT_HEAD_DIMS=\"" +
+             list_with(FLASHKIT_BUILT_HEAD_DIMS, std::to_string(family)) + "\"";
   }
   if (!dtype_built) {
     if (!flags.empty()) flags += " ";
-    flags += "-DFLASHKIT_DTYPES=\"" + list_with(FLASHKIT_BUILT_DTYPES, build_dtype_name(dtype)) +
-             "\"";
+    flags +=
+        "-DFLASHKIT_DTYPES=\"" + list_with(FLASHKIT_BUILT_DTYPES, build_dtype_name(dtype)) + "\"";
   }
   return flags;
 }

@@ -40,8 +40,9 @@ using RunBwd = void (*)(const BwdProblem&, void*);
 // (src/CMakeLists.txt), so a head dim maps to its family exactly as for the forward.
 int bwd_head_dim_family(int head_dim) { return sm80::fwd_head_dim_family(head_dim); }
 
-// The backward kernel compiled for (dtype, family), or nullptr when this build left it out.
-RunBwd find_sm80_bwd(DType dtype, int family) {
+// The backward kernel compiled for (dtype, family), or nullptr when this build left it out (the
+// arguments go unused in a build that lists no backward instance at all).
+RunBwd find_sm80_bwd([[maybe_unused]] DType dtype, [[maybe_unused]] int family) {
 #define FLASHKIT_SM80_BWD_INSTANCE(kDType, kFamily) \
   if (dtype == DType::kDType && family == kFamily) return &sm80::run_bwd<DType::kDType, kFamily>;
   FLASHKIT_SM80_BWD_INSTANCES
@@ -61,13 +62,12 @@ RunBwd sm80_bwd_or_throw(const char* fn, const FwdProblem& problem) {
   for (int other : sm80::kFwdHeadDimFamilies) {
     dtype_built |= find_sm80_bwd(problem.dtype, other) != nullptr;
   }
-  throw Error(std::string(fn) +
-              ": this build of flashkit does not include the CUDA backward kernel for " +
-              build_dtype_name(problem.dtype) + " head dim " + std::to_string(problem.head_dim) +
-              " (family " + std::to_string(family) + "); rebuild with " +
-              api::rebuild_flags(family_built, dtype_built, family, problem.dtype) +
-              " (built: head dims " + FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " +
-              FLASHKIT_BUILT_DTYPES + ")");
+  throw Error(
+      std::string(fn) + ": this build of flashkit does not include the CUDA backward kernel for " +
+      build_dtype_name(problem.dtype) + " head dim " + std::to_string(problem.head_dim) +
+      " (family " + std::to_string(family) + "); rebuild with " +
+      api::rebuild_flags(family_built, dtype_built, family, problem.dtype) + " (built: head dims " +
+      FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " + FLASHKIT_BUILT_DTYPES + ")");
 }
 
 void run_on_cuda(const char* fn, const char* size_query, const BwdProblem& problem, int device,
@@ -80,8 +80,7 @@ void run_on_cuda(const char* fn, const char* size_query, const BwdProblem& probl
     std::fprintf(stderr,
                  "flashkit: %s: cuda:%d sm80 backward, %s head dim %d (family %d), %s, "
                  "workspace %zu bytes, batch %d heads %d/%d seqlen %d/%d%s\n",
-                 fn, device, build_dtype_name(p.dtype), p.head_dim,
-                 bwd_head_dim_family(p.head_dim),
+                 fn, device, build_dtype_name(p.dtype), p.head_dim, bwd_head_dim_family(p.head_dim),
                  problem.deterministic ? "deterministic" : "not deterministic", required, p.batch,
                  p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k,
                  p.is_varlen() ? " (varlen maxima)" : "");
@@ -91,13 +90,15 @@ void run_on_cuda(const char* fn, const char* size_query, const BwdProblem& probl
   run(problem, stream);
 }
 
-#endif  // FLASHKIT_WITH_CUDA
+#else
 
 [[noreturn]] void no_cuda_build(const char* fn, const Device& device) {
   throw Error(std::string(fn) + ": the tensors are on cuda:" + std::to_string(device.index) +
               " but this build of flashkit has no CUDA kernels (configured without nvcc); "
               "rebuild with the CUDA toolkit and -DFLASHKIT_CUDA=ON, or pass CPU tensors");
 }
+
+#endif  // FLASHKIT_WITH_CUDA
 
 void run_on_backend(const char* fn, const char* size_query, const BwdProblem& problem,
                     const Device& device, void* stream) {

@@ -7,6 +7,7 @@
 #include "api/validate_bwd.h"
 
 #include <cstdint>
+#include <utility>
 
 #include "api/tensor_checks.h"
 #include "api/validate_fwd.h"
@@ -61,9 +62,15 @@ void check_gradient(const char* fn, const char* name, const TensorView& view, co
 void check_no_aliasing(const char* fn, const BwdCommon& p) {
   const std::pair<const char*, const TensorView*> outputs[] = {
       {"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}};
-  const std::pair<const char*, const TensorView*> others[] = {
-      {"q", &p.q},     {"k", &p.k},   {"v", &p.v},   {"out", &p.out}, {"softmax_lse", &p.softmax_lse},
-      {"dout", &p.dout}, {"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}};
+  const std::pair<const char*, const TensorView*> others[] = {{"q", &p.q},
+                                                              {"k", &p.k},
+                                                              {"v", &p.v},
+                                                              {"out", &p.out},
+                                                              {"softmax_lse", &p.softmax_lse},
+                                                              {"dout", &p.dout},
+                                                              {"dq", &p.dq},
+                                                              {"dk", &p.dk},
+                                                              {"dv", &p.dv}};
   for (const auto& [name, view] : outputs) {
     if (view->numel() == 0) continue;
     for (const auto& [other_name, other] : others) {
@@ -86,12 +93,12 @@ void strides_of(const TensorView& view, int64_t& batch_stride, int64_t& row_stri
 BwdProblem make_problem(const char* fn, const BwdCommon& p, const FwdProblem& fwd) {
   check_gradient(fn, "dout", p.dout, "the gradient of out, same shape and dtype as q", "q", p.q,
                  p.q);
-  check_gradient(fn, "dq", p.dq, "the gradient of q (written), same shape and dtype as q", "q",
-                 p.q, p.q);
-  check_gradient(fn, "dk", p.dk, "the gradient of k (written), same shape and dtype as k", "k",
-                 p.k, p.q);
-  check_gradient(fn, "dv", p.dv, "the gradient of v (written), same shape and dtype as v", "v",
-                 p.v, p.q);
+  check_gradient(fn, "dq", p.dq, "the gradient of q (written), same shape and dtype as q", "q", p.q,
+                 p.q);
+  check_gradient(fn, "dk", p.dk, "the gradient of k (written), same shape and dtype as k", "k", p.k,
+                 p.q);
+  check_gradient(fn, "dv", p.dv, "the gradient of v (written), same shape and dtype as v", "v", p.v,
+                 p.q);
   check_no_aliasing(fn, p);
 
   BwdProblem problem;
@@ -108,6 +115,23 @@ BwdProblem make_problem(const char* fn, const BwdCommon& p, const FwdProblem& fw
   problem.workspace = p.workspace;
   problem.workspace_bytes = p.workspace_bytes;
   return problem;
+}
+
+// The backward writes dk / dv for every key a sequence stores (zeros past seqused_k), and the
+// kernels size their grid by max_seqlen_k: it must bound the stored key lengths too, not only the
+// used ones the forward checks. Checked on the CPU, where the prefix sums are host memory (the
+// forward's checks have made them nondecreasing and in bounds); on CUDA the caller's promise.
+void check_stored_key_lengths(const char* fn, const MhaVarlenBwdParams& p, int batch) {
+  if (p.q.device.kind != DeviceKind::kCpu || !p.seqused_k.defined()) return;
+  const auto* cu_k = static_cast<const int*>(p.cu_seqlens_k.data);
+  for (int b = 0; b < batch; ++b) {
+    const int stored = cu_k[b + 1] - cu_k[b];
+    if (stored > p.max_seqlen_k) {
+      fail(fn, "sequence ", b, " stores ", stored, " keys (cu_seqlens_k) but max_seqlen_k is ",
+           p.max_seqlen_k, "; the backward writes dk and dv for every stored key, so max_seqlen_k ",
+           "must bound the lengths in cu_seqlens_k too");
+    }
+  }
 }
 
 }  // namespace
@@ -130,6 +154,7 @@ BwdProblem validate_mha_varlen_bwd(const MhaVarlenBwdParams& p, const char* fn) 
   forward.max_seqlen_q = p.max_seqlen_q;
   forward.max_seqlen_k = p.max_seqlen_k;
   BwdProblem problem = make_problem(fn, p, validate_mha_varlen_fwd(forward, fn));
+  check_stored_key_lengths(fn, p, problem.fwd.batch);
   problem.total_q = p.q.sizes[0];
   problem.total_k = p.k.sizes[0];
   return problem;

@@ -12,7 +12,8 @@
 //   D_i   = dout_i . out_i                         (= sum_j P_ij dP_ij)
 //   dS_ij = P_ij (dP_ij - D_i)                     gradient of the loss w.r.t. s_ij
 //   dX_ij = dS_ij * softmax_scale * (1 - tanh^2(a_ij / softcap))   (no softcap: * softmax_scale)
-//   dq_i  = sum_j dX_ij k_j,   dk_j = sum_{h in g's group, i} dX_ij q_i,   dv_j = sum_{h, i} P_ij dout_i
+//   dq_i  = sum_j dX_ij k_j,   dk_j = sum_{h in g's group, i} dX_ij q_i,   dv_j = sum_{h, i} P_ij
+//   dout_i
 // ALiBi's bias does not depend on q or k, so it changes P but adds no term. Pairs outside the mask
 // contribute nothing: a row that sees no key has dq_i = 0, a key no row sees dk_j = dv_j = 0, and
 // neither ever reads its lse (-inf for such a row), so no NaN can arise.
@@ -56,11 +57,15 @@ void load_rows(DType dtype, const void* base, int64_t first_row_offset, int64_t 
   }
 }
 
+// Four partial sums (head_dim is a multiple of 8): independent chains the CPU overlaps and the
+// compiler vectorises, where one running sum would wait on every addition.
 template <typename Acc>
 Acc dot(const Acc* a, const Acc* b, int n) {
-  Acc sum = 0;
-  for (int c = 0; c < n; ++c) sum += a[c] * b[c];
-  return sum;
+  Acc sum[4] = {0, 0, 0, 0};
+  for (int c = 0; c < n; c += 4) {
+    for (int lane = 0; lane < 4; ++lane) sum[lane] += a[c + lane] * b[c + lane];
+  }
+  return (sum[0] + sum[1]) + (sum[2] + sum[3]);
 }
 
 // The score model of one (batch, query head, sequence): s_ij and d s_ij / d x_ij.
@@ -149,9 +154,9 @@ void run_statistics(Context<Acc>& ctx, const Task& task, Buffers<Acc>& buf) {
   load_rows(p.dtype, ctx.problem.dout, ctx.dout_offset(b, h, s, task.row_begin),
             ctx.problem.dout_row_stride, rows, d, buf.dout);
   if (ctx.statistics == BwdStatistics::kFromForward) {
-    const int64_t out_first =
-        b * p.out_batch_stride + (s.q_token + task.row_begin) * p.out_row_stride +
-        h * p.out_head_stride;
+    const int64_t out_first = b * p.out_batch_stride +
+                              (s.q_token + task.row_begin) * p.out_row_stride +
+                              h * p.out_head_stride;
     load_rows(p.dtype, p.out, out_first, p.out_row_stride, rows, d, buf.out);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = task.row_begin + r;
@@ -243,8 +248,7 @@ void run_dq(const Context<Acc>& ctx, const Output& output, const Task& task, Buf
 // dk / dv rows of the task's keys (kv head task.h), summed over the query heads of the group. Keys
 // past the used length (seqused_k) are in no row's range and get zero rows.
 template <typename Acc, typename Output>
-void run_dk_dv(const Context<Acc>& ctx, const Output& output, const Task& task,
-               Buffers<Acc>& buf) {
+void run_dk_dv(const Context<Acc>& ctx, const Output& output, const Task& task, Buffers<Acc>& buf) {
   const FwdProblem& p = ctx.p;
   const Sequence& s = ctx.sequences[task.b];
   const int d = p.head_dim, b = task.b, g = task.h;
@@ -288,15 +292,15 @@ class StridedGradients {  // problem.dq / dk / dv in the input dtype, with the p
  public:
   explicit StridedGradients(const BwdProblem& problem) : b_(problem) {}
   void write_dq_row(int b, int h, const Sequence& s, int64_t i, const Acc* row) const {
-    store(b_.dq, b * b_.dq_batch_stride + (s.q_token + i) * b_.dq_row_stride +
-                     h * b_.dq_head_stride, row);
+    store(b_.dq,
+          b * b_.dq_batch_stride + (s.q_token + i) * b_.dq_row_stride + h * b_.dq_head_stride, row);
   }
   void write_dk_dv_row(int b, int g, const Sequence& s, int64_t j, const Acc* dk,
                        const Acc* dv) const {
-    store(b_.dk, b * b_.dk_batch_stride + (s.k_token + j) * b_.dk_row_stride +
-                     g * b_.dk_head_stride, dk);
-    store(b_.dv, b * b_.dv_batch_stride + (s.k_token + j) * b_.dv_row_stride +
-                     g * b_.dv_head_stride, dv);
+    store(b_.dk,
+          b * b_.dk_batch_stride + (s.k_token + j) * b_.dk_row_stride + g * b_.dk_head_stride, dk);
+    store(b_.dv,
+          b * b_.dv_batch_stride + (s.k_token + j) * b_.dv_row_stride + g * b_.dv_head_stride, dv);
   }
 
  private:
@@ -356,8 +360,8 @@ void check_problem(const BwdProblem& problem) {
 
 // The statistics tasks first (the two others read them), then the dq and dk / dv tasks together.
 template <typename Acc, typename Output>
-void run_reference(const BwdProblem& problem, const Arithmetic<Acc>& math,
-                   BwdStatistics statistics, const Output& output) {
+void run_reference(const BwdProblem& problem, const Arithmetic<Acc>& math, BwdStatistics statistics,
+                   const Output& output) {
   check_problem(problem);
   const FwdProblem& p = problem.fwd;
   Context<Acc> ctx{problem, p, math, statistics, sequences_of(p, "reference_bwd"), {}, {}};
@@ -385,10 +389,9 @@ void run_reference(const BwdProblem& problem, const Arithmetic<Acc>& math,
     }
   }
   const double statistics_work = statistics == BwdStatistics::kRecompute ? 2 * work : 0;
-  run_tasks<Buffers<Acc>>(static_cast<int>(statistics_tasks.size()), statistics_work,
-                          [&](Buffers<Acc>& buf, int n) {
-                            run_statistics(ctx, statistics_tasks[n], buf);
-                          });
+  run_tasks<Buffers<Acc>>(
+      static_cast<int>(statistics_tasks.size()), statistics_work,
+      [&](Buffers<Acc>& buf, int n) { run_statistics(ctx, statistics_tasks[n], buf); });
   run_tasks<Buffers<Acc>>(static_cast<int>(gradient_tasks.size()), 6 * work,
                           [&](Buffers<Acc>& buf, int n) {
                             const Task& task = gradient_tasks[n];
@@ -403,17 +406,16 @@ void run_reference(const BwdProblem& problem, const Arithmetic<Acc>& math,
 }  // namespace
 
 void reference_bwd(const BwdProblem& problem) {
-  run_reference(problem, Arithmetic<double>{problem.fwd.dtype, false},
-                BwdStatistics::kFromForward, StridedGradients<double>(problem));
+  run_reference(problem, Arithmetic<double>{problem.fwd.dtype, false}, BwdStatistics::kFromForward,
+                StridedGradients<double>(problem));
 }
 
-void reference_bwd_fp32(const BwdProblem& problem, RefPrecision precision,
-                        BwdStatistics statistics, float* dq, float* dk, float* dv) {
+void reference_bwd_fp32(const BwdProblem& problem, RefPrecision precision, BwdStatistics statistics,
+                        float* dq, float* dk, float* dv) {
   const FwdProblem& p = problem.fwd;
   if (precision == RefPrecision::kExact) {
     const Arithmetic<double> math{p.dtype, false};
-    run_reference(problem, math, statistics,
-                  ContiguousFp32Gradients<double>(p, math, dq, dk, dv));
+    run_reference(problem, math, statistics, ContiguousFp32Gradients<double>(p, math, dq, dk, dv));
   } else {
     const Arithmetic<float> math{p.dtype, true};
     run_reference(problem, math, statistics, ContiguousFp32Gradients<float>(p, math, dq, dk, dv));

@@ -35,7 +35,7 @@ void reference_bwd(const BwdProblem& problem);
 // intermediates are rounded as plain framework code in the input dtype rounds them (scores,
 // probabilities, dP, dS; fp32 accumulation) and so are the results; its error against kExact
 // sets the tolerance a kernel must meet. problem.dq / dk / dv are ignored.
-void reference_bwd_fp32(const BwdProblem& problem, RefPrecision precision,
-                        BwdStatistics statistics, float* dq, float* dk, float* dv);
+void reference_bwd_fp32(const BwdProblem& problem, RefPrecision precision, BwdStatistics statistics,
+                        float* dq, float* dk, float* dv);
 
 }  // namespace flashkit::cpu

@@ -52,9 +52,8 @@ inline std::vector<Sequence> sequences_of(const FwdProblem& p, const char* who) 
         s.len_k > s.stored_len_k) {
       throw Error(std::string(who) + ": sequence " + std::to_string(b) + " has " +
                   std::to_string(s.len_q) + " queries and " + std::to_string(s.len_k) + " of " +
-                  std::to_string(s.stored_len_k) +
-                  " keys; the problem bounds them by seqlen_q = " + std::to_string(p.seqlen_q) +
-                  " and seqlen_k = " + std::to_string(p.seqlen_k));
+                  std::to_string(s.stored_len_k) + " keys; the problem bounds them by seqlen_q = " +
+                  std::to_string(p.seqlen_q) + " and seqlen_k = " + std::to_string(p.seqlen_k));
     }
   }
   return sequences;

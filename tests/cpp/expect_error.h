@@ -28,9 +28,9 @@ void expect_error(Call&& call, std::initializer_list<const char*> fragments) {
   ADD_FAILURE() << "no flashkit::Error was thrown";
 }
 
-#define EXPECT_ERROR_MENTIONS(statement, ...)                           \
-  do {                                                                  \
-    SCOPED_TRACE(#statement);                                           \
+#define EXPECT_ERROR_MENTIONS(statement, ...)                          \
+  do {                                                                 \
+    SCOPED_TRACE(#statement);                                          \
     ::flashkit::test::expect_error([&] { statement; }, {__VA_ARGS__}); \
   } while (0)
 

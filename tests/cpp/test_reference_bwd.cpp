@@ -55,8 +55,8 @@ double loss(BackwardCase& c) {
   for (int b = 0; b < s.batch; ++b) {
     for (int h = 0; h < s.heads_q; ++h) {
       for (int i = 0; i < s.len_q(b); ++i) {
-        const float* row = &out[((static_cast<size_t>(b) * s.heads_q + h) * s.lse_rows() + i) *
-                                s.head_dim];
+        const float* row =
+            &out[((static_cast<size_t>(b) * s.heads_q + h) * s.lse_rows() + i) * s.head_dim];
         for (int e = 0; e < s.head_dim; ++e) {
           const double grad = bits_to_float(s.dtype, c.dout[c.q_index(s.start_q(b) + i, h, e)]);
           sum += grad * row[e];
@@ -323,8 +323,8 @@ TEST(ReferenceBwdEmpty, RowsWithoutKeysAndKeysWithoutRowsGetZeroGradients) {
     FwdCase s = tiny(2, 1, 8, 3, 31);
     s.causal = true;
     BackwardCase c(s);
-    const Gradients g = run_reference_bwd(c.bwd_problem(), s, RefPrecision::kExact,
-                                          BwdStatistics::kFromForward);
+    const Gradients g =
+        run_reference_bwd(c.bwd_problem(), s, RefPrecision::kExact, BwdStatistics::kFromForward);
     for (int b = 0; b < s.batch; ++b) {
       for (int h = 0; h < s.heads_q; ++h) {
         for (int i = 0; i < 8; ++i) {
@@ -344,8 +344,8 @@ TEST(ReferenceBwdEmpty, RowsWithoutKeysAndKeysWithoutRowsGetZeroGradients) {
     s.window_left = 0;
     s.window_right = 0;
     BackwardCase c(s);
-    const Gradients g = run_reference_bwd(c.bwd_problem(), s, RefPrecision::kExact,
-                                          BwdStatistics::kFromForward);
+    const Gradients g =
+        run_reference_bwd(c.bwd_problem(), s, RefPrecision::kExact, BwdStatistics::kFromForward);
     for (int b = 0; b < s.batch; ++b) {
       for (int j = 0; j < 4; ++j) {  // keys 0..3: row i sees key i + 4 only
         for (int e = 0; e < s.head_dim; ++e) {
@@ -494,7 +494,8 @@ TEST(ReferenceBwdPublicApi, NonContiguousGradientsGiveTheSameResult) {
   MhaBwdParams strided = c.bwd_params();
   strided.dout =
       make_strided_view(dout.data(), s.dtype, {B, SQ, H, D}, {H * SQ * P, P, SQ * P, 1}, cpu);
-  strided.dq = make_strided_view(dq.data(), s.dtype, {B, SQ, H, D}, {H * SQ * P, P, SQ * P, 1}, cpu);
+  strided.dq =
+      make_strided_view(dq.data(), s.dtype, {B, SQ, H, D}, {H * SQ * P, P, SQ * P, 1}, cpu);
   strided.dk = make_strided_view(dk.data(), s.dtype, {B, SK, G, D}, {G * P, B * G * P, P, 1}, cpu);
   strided.dv = make_strided_view(dv.data(), s.dtype, {B, SK, G, D}, {G * P, B * G * P, P, 1}, cpu);
   mha_bwd(strided);

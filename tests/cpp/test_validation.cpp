@@ -8,7 +8,6 @@
 // test that builds one makes sure the call fails validation (or, in a build without CUDA, fails
 // dispatch before touching a device).
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <cmath>

@@ -7,9 +7,11 @@
 // Views labelled DeviceKind::kCuda here point at host memory: every call that gets one is rejected
 // by validation (or, in a build without CUDA, by dispatch) before any CUDA runtime call.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -50,8 +52,8 @@ FwdCase varlen_case() {
 }
 
 void label_all_cuda(BwdCommon& p) {
-  for (TensorView* view : {&p.q, &p.k, &p.v, &p.out, &p.softmax_lse, &p.alibi_slopes, &p.dout,
-                           &p.dq, &p.dk, &p.dv}) {
+  for (TensorView* view :
+       {&p.q, &p.k, &p.v, &p.out, &p.softmax_lse, &p.alibi_slopes, &p.dout, &p.dq, &p.dk, &p.dv}) {
     view->device = kCuda0;
   }
 }
@@ -95,7 +97,8 @@ TEST_F(MhaBwdValidation, ForwardArgumentsAreCheckedUnderTheBackwardsName) {
   EXPECT_ERROR_MENTIONS(mha_bwd(bad), "mha_bwd: k.dtype is bfloat16 but q.dtype is float16");
   bad = p;
   bad.softmax_lse = make_view(c.lse.data(), DType::kFloat32, {2, 5, 4}, Device{});
-  EXPECT_ERROR_MENTIONS(mha_bwd(bad), "mha_bwd: softmax_lse has shape [2, 5, 4]; expected [2, 4, 5]");
+  EXPECT_ERROR_MENTIONS(mha_bwd(bad),
+                        "mha_bwd: softmax_lse has shape [2, 5, 4]; expected [2, 4, 5]");
   bad = p;
   bad.softcap = -1.0f;
   EXPECT_ERROR_MENTIONS(mha_bwd(bad), "mha_bwd: softcap is -1");
@@ -150,8 +153,8 @@ TEST_F(MhaBwdValidation, GradientShapesFollowTheirTensors) {
 
 TEST_F(MhaBwdValidation, GradientLastDimMustBeContiguous) {
   c.dq.resize(c.dq.size() * 2);
-  p.dq = make_strided_view(c.dq.data(), DType::kFloat16, {2, 5, 4, 16}, {640, 128, 32, 2},
-                           Device{});
+  p.dq =
+      make_strided_view(c.dq.data(), DType::kFloat16, {2, 5, 4, 16}, {640, 128, 32, 2}, Device{});
   EXPECT_ERROR_MENTIONS(mha_bwd(p), "mha_bwd: dq.stride(-1) is 2", "stride 1");
 }
 
@@ -181,8 +184,7 @@ TEST_F(MhaBwdValidation, CudaGradientsMustBe16ByteAligned) {
 TEST_F(MhaBwdValidation, GradientsMustNotShareMemoryWithInputsOrEachOther) {
   MhaBwdParams bad = p;
   bad.dq.data = p.q.data;
-  EXPECT_ERROR_MENTIONS(mha_bwd(bad), "mha_bwd: dq.data", "is also q.data",
-                        "memory of its own");
+  EXPECT_ERROR_MENTIONS(mha_bwd(bad), "mha_bwd: dq.data", "is also q.data", "memory of its own");
   bad = p;
   bad.dv.data = p.dk.data;
   EXPECT_ERROR_MENTIONS(mha_bwd(bad), "dk.data", "is also dv.data");
@@ -262,8 +264,8 @@ TEST_F(MhaBwdValidation, AWorkspaceMustBeLargeEnoughAndAligned) {
                         "mha_bwd: workspace_bytes is 4000 but this call needs 4096 bytes");
   problem.workspace = scratch + 128;
   problem.workspace_bytes = 4096;
-  EXPECT_ERROR_MENTIONS(api::check_bwd_workspace(fn, query, problem, 4096),
-                        "mha_bwd: workspace", "is not 256-byte aligned");
+  EXPECT_ERROR_MENTIONS(api::check_bwd_workspace(fn, query, problem, 4096), "mha_bwd: workspace",
+                        "is not 256-byte aligned");
   problem.workspace = scratch;
   EXPECT_NO_THROW(api::check_bwd_workspace(fn, query, problem, 4096));
   problem.workspace = nullptr;
@@ -301,8 +303,8 @@ TEST_F(MhaBwdValidation, TheNextValidCallWorksAfterAnError) {
 TEST_F(MhaBwdValidation, CudaViewsNeedACudaBuild) {
   label_all_cuda(p);
   EXPECT_ERROR_MENTIONS(mha_bwd(p), "mha_bwd:", "has no CUDA kernels (configured without nvcc)");
-  EXPECT_ERROR_MENTIONS(mha_bwd_workspace_size(p), "mha_bwd_workspace_size:",
-                        "has no CUDA kernels");
+  EXPECT_ERROR_MENTIONS(mha_bwd_workspace_size(p),
+                        "mha_bwd_workspace_size:", "has no CUDA kernels");
   EXPECT_FALSE(cuda_bwd_built(DType::kBFloat16, 128));
 }
 #else
@@ -318,10 +320,11 @@ TEST_F(MhaBwdValidation, ABackwardKernelLeftOutOfTheBuildIsRefused) {
       BackwardCase missing(s);
       MhaBwdParams params = missing.bwd_params();
       label_all_cuda(params);
-      EXPECT_ERROR_MENTIONS(mha_bwd(params), "mha_bwd:", "does not include the CUDA backward kernel",
-                            "rebuild with", "(built: head dims " FLASHKIT_BUILT_HEAD_DIMS);
-      EXPECT_ERROR_MENTIONS(mha_bwd_workspace_size(params), "mha_bwd_workspace_size:",
-                            "does not include the CUDA backward kernel");
+      EXPECT_ERROR_MENTIONS(mha_bwd(params),
+                            "mha_bwd:", "does not include the CUDA backward kernel", "rebuild with",
+                            "(built: head dims " FLASHKIT_BUILT_HEAD_DIMS);
+      EXPECT_ERROR_MENTIONS(mha_bwd_workspace_size(params),
+                            "mha_bwd_workspace_size:", "does not include the CUDA backward kernel");
       return;
     }
   }
@@ -363,6 +366,16 @@ TEST_F(MhaVarlenBwdValidation, CpuPrefixSumsAreChecked) {
   EXPECT_ERROR_MENTIONS(mha_varlen_bwd(p), "mha_varlen_bwd: seqused_k[1] is 3", "[0, 2]");
 }
 
+// With seqused_k, max_seqlen_k must bound the stored key lengths as well: their dk / dv rows are
+// all written.
+TEST_F(MhaVarlenBwdValidation, MaxSeqlenKMustBoundTheStoredKeyLengths) {
+  p.max_seqlen_k = 5;  // every used length (4, 2, 0) fits; sequence 2 stores 6 keys
+  EXPECT_ERROR_MENTIONS(mha_varlen_bwd(p),
+                        "mha_varlen_bwd: sequence 2 stores 6 keys (cu_seqlens_k) but max_seqlen_k "
+                        "is 5",
+                        "must bound the lengths in cu_seqlens_k");
+}
+
 TEST_F(MhaVarlenBwdValidation, PackedGradientsFollowThePackedTensors) {
   MhaVarlenBwdParams bad = p;
   bad.dq = make_view(c.dq.data(), DType::kFloat16, {7, 4, 16}, Device{});
@@ -392,6 +405,24 @@ TEST_F(MhaVarlenBwdValidation, CudaGradientsMustBe16ByteAligned) {
   p.cu_seqlens_q.device = p.cu_seqlens_k.device = p.seqused_k.device = kCuda0;
   p.dk.data = c.dk.data() + 2;
   EXPECT_ERROR_MENTIONS(mha_varlen_bwd(p), "mha_varlen_bwd: dk.data", "16-byte aligned");
+}
+
+// FLASHKIT_DEBUG=1 names the backend of a backward call. The switch is read once per process, so
+// the test reruns this binary (/proc/self/exe) with the variable set, for the one call below.
+TEST(BwdDebugSwitch, NamesTheBackend) {
+  char self[4096] = {0};
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  ASSERT_GT(length, 0) << "cannot find this test binary";
+  const std::string command = std::string("FLASHKIT_DEBUG=1 '") + self +
+                              "' --gtest_filter=BwdDebugSwitch.OneCpuCall 2>&1 | "
+                              "grep -q 'flashkit: mha_bwd: cpu reference backend'";
+  EXPECT_EQ(std::system(command.c_str()), 0) << "no debug line on stderr with FLASHKIT_DEBUG=1";
+}
+
+// One valid CPU call; the child process of BwdDebugSwitch.NamesTheBackend runs only this.
+TEST(BwdDebugSwitch, OneCpuCall) {
+  BackwardCase c(fixed_case());
+  mha_bwd(c.bwd_params());
 }
 
 }  // namespace

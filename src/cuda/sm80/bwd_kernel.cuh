@@ -1,0 +1,583 @@
+// src/cuda/sm80/bwd_kernel.cuh
+// \brief The FlashAttention-2-class backward kernel on mma.sync (Ampere, Ada, Hopper).
+//
+// One CTA owns kBlockN keys of one (batch, query head) and walks, first to last, the query blocks
+// whose forward pass visited that key block (the same block-level visibility test as the forward,
+// so causal and window blocks that are fully masked are skipped and only cut blocks pay for
+// per-element masking). K and V stay in shared memory; Q, dO and the rows' LSE and dot(dO, O) are
+// double-buffered, so each query block's loads land during the previous block's compute:
+//
+//   prologue     cp.async K, V, then Q, dO, LSE, dot of the first query block into stage 0
+//   per block    wait for stage s; barrier   (every warp is done with the other stage and with dS)
+//                cp.async the next query block into the other stage
+//                S^T = K Q^T                 (each warp: its 16 keys x all queries, fp32 registers)
+//                softcap / ALiBi / mask; P^T = exp2(S^T log2e - LSE log2e)
+//                dV += P^T dO                (P^T straight from registers as the A operand)
+//                dP^T = V dO^T
+//                dS^T = P^T (dP^T - dot) [* softcap derivative]
+//                dK += dS^T Q                (dS^T from registers)
+//                dS^T -> shared memory; barrier
+//                dQ_block = dS K             (warps re-partitioned over queries x head dim)
+//                dQ accumulator += dQ_block  (fp32 atomics; deterministic mode: in key-block order)
+//   epilogue     dK * scale, dV -> dk, dv (MHA) or the fp32 per-query-head workspace (GQA/MQA)
+//
+// The scale (and softcap's chain rule) is applied to dS by the end users: dK here, dQ in the
+// convert kernel. Rows with no visible key have LSE = -inf, read as +inf, so their P is 0.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/bwd_problem.h"
+#include "cuda/common/attention_mask.cuh"
+#include "cuda/common/mma_sm80.cuh"
+#include "cuda/common/swizzled_tile.cuh"
+#include "cuda/sm80/bwd_workspace_pointers.cuh"
+#include "cuda/sm80/fwd_kernel.cuh"
+
+namespace flashkit::sm80 {
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kDSplit_>
+struct BwdKernelTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarps = kWarps_;
+  static constexpr int kDSplit = kDSplit_;
+
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kKeyWarps = kWarps / kDSplit;        // warps along the keys, 16 keys each
+  static constexpr int kQueryTiles = kBlockM / 8;           // 8-query column tiles of S^T per warp
+  static constexpr int kQuerySteps = kBlockM / 16;          // k-steps of P^T dO and dS^T Q
+  static constexpr int kDimSteps = kHeadDim / 16;           // k-steps of K Q^T and V dO^T
+  static constexpr int kKeySteps = kBlockN / 16;            // k-steps of dS K
+  static constexpr int kKvTiles = kHeadDim / kDSplit / 8;   // 8-column tiles of dK and dV per warp
+  static constexpr int kDqRowWarps = kBlockM / 16;          // dQ phase: warps along the queries
+  static constexpr int kDqColWarps = kWarps / kDqRowWarps;  //           and along the head dim
+  static constexpr int kDqTiles = kHeadDim / kDqColWarps / 8;
+
+  using KvTile = SwizzledTile<kBlockN, kHeadDim>;  // K, V
+  using QTile = SwizzledTile<kBlockM, kHeadDim>;   // Q, dO
+  using DsTile = SwizzledTile<kBlockN, kBlockM>;   // dS^T: keys x queries
+
+  // Shared-memory plan (byte offsets from the dynamic shared-memory base):
+  //   [ K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | dS^T | LSE x 2 | dot x 2 ]
+  // stage s of Q (dO) is at kQOffset (kDoOffset) + s * kStageBytes; of LSE (dot) at kLseOffset
+  // (kDotOffset) + s * kRowStatsBytes.
+  static constexpr int kStages = 2;
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = kKOffset + KvTile::kBytes;
+  static constexpr int kQOffset = kVOffset + KvTile::kBytes;
+  static constexpr int kDoOffset = kQOffset + QTile::kBytes;
+  static constexpr int kStageBytes = 2 * QTile::kBytes;
+  static constexpr int kDsOffset = kQOffset + kStages * kStageBytes;
+  static constexpr int kRowStatsBytes = kBlockM * static_cast<int>(sizeof(float));
+  static constexpr int kLseOffset = kDsOffset + DsTile::kBytes;
+  static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
+  static constexpr int kSmemBytes = kDotOffset + kStages * kRowStatsBytes;
+
+  static_assert(kBlockN == kKeyWarps * 16, "each key warp owns one 16-key mma row tile");
+  static_assert(kWarps % kDqRowWarps == 0, "dQ warps tile the query block evenly");
+  static_assert(kKvTiles % 2 == 0 && kDqTiles % 2 == 0 && kQueryTiles % 2 == 0,
+                "B fragments come in 16-column pairs");
+  static_assert(kHeadDim % 16 == 0, "mma k-steps are 16 wide");
+  static_assert(2 * kBlockM <= kThreads, "one thread per LSE / dot row copy");
+  static_assert((kBlockM * kHeadDim / 8) % kThreads == 0, "Q tile chunks split evenly");
+  static_assert((kBlockN * kHeadDim / 8) % kThreads == 0, "K/V tile chunks split evenly");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
+};
+
+// ldmatrix addresses of a lane for a warp that reads a fixed run of kSteps 16-column steps starting
+// at a run-time step (a warp's share of the head dim): one base per step, since a run-time start
+// moves the swizzle pattern.
+template <typename Tile, int kSteps>
+struct WarpColumnAddresses {
+  uint32_t base[kSteps];
+
+  __device__ __forceinline__ WarpColumnAddresses(uint32_t tile, int lane_row, int lane_chunk,
+                                                 int first_step) {
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      const int chunk = (2 * (first_step + s)) | lane_chunk;
+      base[s] = tile + static_cast<uint32_t>(lane_row * Tile::kRowBytes +
+                                             (chunk ^ Tile::swizzle_bits(lane_row)) * 16);
+    }
+  }
+
+  __device__ __forceinline__ uint32_t at(int row_step, int step) const {
+    return base[step] + static_cast<uint32_t>(row_step * Tile::kRowBytes);
+  }
+};
+
+// 4-byte asynchronous copy global -> shared (zero-filled when !valid): the LSE and dot rows, whose
+// starts are only 4-byte aligned.
+__device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void* gmem, bool valid) {
+  const int src_bytes = valid ? 4 : 0;
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem),
+               "r"(src_bytes));
+}
+
+__device__ __forceinline__ int load_acquire(const int* p) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(p) : "memory");
+  return value;
+}
+
+// Where this CTA's keys and their queries live.
+template <typename Element>
+struct BwdBlockLocation {
+  int batch;
+  int head;     // query head
+  int n_block;
+  int len_q;
+  int len_k;       // keys the queries attend to (seqused_k when given)
+  int len_k_rows;  // rows of dk / dv this sequence owns (the packed length)
+  int64_t q_flat;  // row 0's index in the flattened [total_q] / [total_k] row numbering
+  int64_t k_flat;
+  const Element* q;  // row 0 of this (batch, head) sequence
+  const Element* k;
+  const Element* v;
+  const Element* dout;
+  const float* lse;  // lse[row]
+  const float* dot;  // dot[row]
+
+  __device__ __forceinline__ static BwdBlockLocation locate(const BwdProblem& bp, const float* dot,
+                                                             int block_n) {
+    const FwdProblem& p = bp.fwd;
+    BwdBlockLocation loc;
+    // Linear grid (no 65,535 limit on batch x heads), key blocks fastest: under a causal mask the
+    // first key blocks see the most queries, so the heaviest CTAs start first; deterministic mode
+    // relies on a key block's predecessors having lower block indices.
+    const int num_n_blocks = (p.seqlen_k + block_n - 1) / block_n;
+    const int linear = static_cast<int>(blockIdx.x);
+    loc.n_block = linear % num_n_blocks;
+    const int batch_head = linear / num_n_blocks;
+    loc.head = batch_head % p.heads_q;
+    loc.batch = batch_head / p.heads_q;
+    const int kv_head = loc.head / (p.heads_q / p.heads_kv);
+
+    int64_t q_token = 0, k_token = 0;
+    loc.len_q = p.seqlen_q;
+    loc.len_k = p.seqlen_k;
+    loc.len_k_rows = p.seqlen_k;
+    loc.q_flat = static_cast<int64_t>(loc.batch) * p.seqlen_q;
+    loc.k_flat = static_cast<int64_t>(loc.batch) * p.seqlen_k;
+    if (p.cu_seqlens_q != nullptr) {
+      q_token = p.cu_seqlens_q[loc.batch];
+      k_token = p.cu_seqlens_k[loc.batch];
+      loc.len_q = p.cu_seqlens_q[loc.batch + 1] - static_cast<int>(q_token);
+      loc.len_k_rows = p.cu_seqlens_k[loc.batch + 1] - static_cast<int>(k_token);
+      loc.len_k = p.seqused_k != nullptr ? p.seqused_k[loc.batch] : loc.len_k_rows;
+      loc.q_flat = q_token;
+      loc.k_flat = k_token;
+    }
+    const int64_t b = loc.batch;
+    loc.q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + q_token * p.q_row_stride +
+            loc.head * p.q_head_stride;
+    loc.k = static_cast<const Element*>(p.k) + b * p.k_batch_stride + k_token * p.k_row_stride +
+            kv_head * p.k_head_stride;
+    loc.v = static_cast<const Element*>(p.v) + b * p.v_batch_stride + k_token * p.v_row_stride +
+            kv_head * p.v_head_stride;
+    loc.dout = static_cast<const Element*>(bp.dout) + b * bp.dout_batch_stride +
+               q_token * bp.dout_row_stride + loc.head * bp.dout_head_stride;
+    loc.lse = p.lse + b * p.lse_batch_stride + loc.head * p.lse_head_stride;
+    loc.dot = dot + (b * p.heads_q + loc.head) * p.seqlen_q;
+    return loc;
+  }
+};
+
+// The forward's score transform on S^T fragments (row = key, column = query): softcap or the
+// plain scale, then ALiBi.
+template <typename Traits>
+__device__ __forceinline__ void transform_scores_t(float (&s)[1][Traits::kQueryTiles][4],
+                                                   const FwdProblem& p, int first_key,
+                                                   int first_query, float alibi_slope,
+                                                   int diagonal_offset) {
+  constexpr int kPerLane = Traits::kQueryTiles * 4;
+  float* x = &s[0][0][0];
+  if (p.softcap > 0.0f) {
+    const float two_over_softcap = 2.0f * p.softmax_scale / p.softcap;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      x[i] = p.softcap * (1.0f - __fdividef(2.0f, __expf(x[i] * two_over_softcap) + 1.0f));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) x[i] *= p.softmax_scale;
+  }
+  if (alibi_slope != 0.0f) {
+    const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = first_key + lane / 4 + half * 8;
+#pragma unroll
+      for (int nt = 0; nt < Traits::kQueryTiles; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int query = first_query + nt * 8 + (lane % 4) * 2 + e;
+          s[0][nt][2 * half + e] += alibi_bias(alibi_slope, query, key, diagonal_offset);
+        }
+      }
+    }
+  }
+}
+
+// Sets the S^T entries of (key, query) pairs the query may not see to -inf (cut blocks only).
+template <typename Traits>
+__device__ __forceinline__ void mask_scores_t(float (&s)[1][Traits::kQueryTiles][4],
+                                              const KeyWindow& window, int first_key,
+                                              int first_query) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int nt = 0; nt < Traits::kQueryTiles; ++nt) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int query = first_query + nt * 8 + (lane % 4) * 2 + e;
+      const int begin = window.key_begin(query);
+      const int end = window.key_end(query);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int key = first_key + lane / 4 + half * 8;
+        if (key < begin || key >= end) s[0][nt][2 * half + e] = -INFINITY;
+      }
+    }
+  }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    bwd_kernel(const __grid_constant__ BwdProblem bp, const BwdWorkspacePointers ws) {
+  using Element = typename Traits::Element;
+  using QTile = typename Traits::QTile;
+  using KvTile = typename Traits::KvTile;
+  using DsTile = typename Traits::DsTile;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kQueryTiles = Traits::kQueryTiles;
+  constexpr int kKvTiles = Traits::kKvTiles;
+  constexpr int kDqTiles = Traits::kDqTiles;
+  const FwdProblem& p = bp.fwd;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t smem_base = smem_address(smem);
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int key_warp = warp % Traits::kKeyWarps;
+  const int dim_part = Traits::kDSplit == 1 ? 0 : warp / Traits::kKeyWarps;
+  const uint32_t warp_key_bytes = static_cast<uint32_t>(key_warp * 16 * KvTile::kRowBytes);
+
+  // ldmatrix lane patterns (see SwizzledTile::LaneAddresses). Row-major A operands and transposed B
+  // operands (K, V as A with the warp's key offset; Q, dO, K as B of P^T dO, dS^T Q, dS K): row
+  // lane % 16, chunk half lane / 16. Non-transposed B operands (Q, dO of K Q^T and V dO^T) and the
+  // transposed A operand dS (from dS^T): row lane % 8 + 8 * (lane / 16), chunk half (lane / 8) % 2.
+  // K, V, Q and dO tiles all have kHeadDim columns, so one object per pattern serves them all with
+  // the tile's offset added.
+  const typename KvTile::LaneAddresses row_addr(smem_base, lane % 16, lane / 16);
+  const typename KvTile::LaneAddresses col_addr(smem_base, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+
+  const BwdBlockLocation<Element> loc = BwdBlockLocation<Element>::locate(bp, ws.dot, kBlockN);
+  const int n0 = loc.n_block * kBlockN;
+  if (n0 >= loc.len_k_rows) return;  // varlen: this sequence is shorter than max_seqlen_k
+  const int head_chunks = p.head_dim / 8;
+
+  const KeyWindow window{loc.len_q, loc.len_k, p.window_left, p.window_right};
+  // The query blocks whose forward pass visits this key block (forward's test with this tiling).
+  // Both bounds of a query block's key range grow with the block, so they form one run.
+  const int num_m_blocks = (loc.len_q + kBlockM - 1) / kBlockM;
+  auto first_key_block = [&](int m_block) { return window.key_begin(m_block * kBlockM) / kBlockN; };
+  auto sees_this_block = [&](int m_block) {
+    const int m0 = m_block * kBlockM;
+    const int key_lo = window.key_begin(m0);
+    const int key_hi = window.key_end(min(m0 + kBlockM, loc.len_q) - 1);
+    return key_hi > key_lo && key_lo / kBlockN <= loc.n_block &&
+           loc.n_block < (key_hi + kBlockN - 1) / kBlockN;
+  };
+  int m_begin = num_m_blocks, m_end = 0;
+  for (int m_block = 0; m_block < num_m_blocks; ++m_block) {
+    if (sees_this_block(m_block)) {
+      m_begin = min(m_begin, m_block);
+      m_end = m_block + 1;
+    }
+  }
+
+  float acc_dk[1][kKvTiles][4];
+  float acc_dv[1][kKvTiles][4];
+  zero_accumulators(acc_dk);
+  zero_accumulators(acc_dv);
+
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float alibi_slope =
+      p.alibi_slopes != nullptr ? p.alibi_slopes[loc.batch * p.alibi_batch_stride + loc.head] : 0.0f;
+  const bool transform = p.softcap > 0.0f || alibi_slope != 0.0f;
+  const int diagonal = window.diagonal_offset();
+  const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
+
+  if (m_begin < m_end) {
+    load_tile_async<Traits, KvTile>(smem_base + Traits::kKOffset,
+                                    loc.k + static_cast<int64_t>(n0) * p.k_row_stride, p.k_row_stride,
+                                    loc.len_k - n0, head_chunks);
+    load_tile_async<Traits, KvTile>(smem_base + Traits::kVOffset,
+                                    loc.v + static_cast<int64_t>(n0) * p.v_row_stride, p.v_row_stride,
+                                    loc.len_k - n0, head_chunks);
+    // Q, dO, LSE and dot of query block m into pipeline stage `stage`.
+    auto load_query_block = [&](int m_block, int stage) {
+      const int m0 = m_block * kBlockM;
+      const uint32_t stage_offset = static_cast<uint32_t>(stage * Traits::kStageBytes);
+      load_tile_async<Traits, QTile>(smem_base + Traits::kQOffset + stage_offset,
+                                     loc.q + static_cast<int64_t>(m0) * p.q_row_stride,
+                                     p.q_row_stride, loc.len_q - m0, head_chunks);
+      load_tile_async<Traits, QTile>(smem_base + Traits::kDoOffset + stage_offset,
+                                     loc.dout + static_cast<int64_t>(m0) * bp.dout_row_stride,
+                                     bp.dout_row_stride, loc.len_q - m0, head_chunks);
+      if (tid < 2 * kBlockM) {
+        const int row = tid % kBlockM;
+        const bool is_lse = tid < kBlockM;
+        const uint32_t dst = smem_base + (is_lse ? Traits::kLseOffset : Traits::kDotOffset) +
+                             static_cast<uint32_t>(stage * Traits::kRowStatsBytes + row * 4);
+        const float* rows = is_lse ? loc.lse : loc.dot;
+        const bool valid = m0 + row < loc.len_q;
+        cp_async_4(dst, valid ? rows + m0 + row : rows, valid);
+      }
+      cp_async_commit();
+    };
+    load_query_block(m_begin, 0);
+
+    // Transposed-B addresses for this warp's share of dK/dV columns, and for the dQ phase: this
+    // warp's 16 queries of dS (fixed chunk) and its share of K's columns.
+    const int dq_rows = warp % Traits::kDqRowWarps;
+    const int dq_cols = warp / Traits::kDqRowWarps;
+    const WarpColumnAddresses<DsTile, 1> ds_addr(smem_base + Traits::kDsOffset,
+                                                 lane % 8 + (lane / 16) * 8, (lane / 8) % 2, dq_rows);
+    const WarpColumnAddresses<KvTile, kDqTiles / 2> k_col_addr(
+        smem_base + Traits::kKOffset, lane % 16, lane / 16, dq_cols * (kDqTiles / 2));
+    // dK/dV B operands (Q, dO transposed): with one warp per key tile, the warp covers all columns
+    // and row_addr serves; with split columns the warp's run starts at a run-time step.
+    auto kv_b_address = [&](uint32_t tile_offset, int kk, int dp) {
+      if constexpr (Traits::kDSplit == 1) {
+        return row_addr.at(kk * 16, dp) + tile_offset;
+      } else {
+        const int first = dim_part * (kKvTiles / 2);
+        return smem_base + tile_offset +
+               static_cast<uint32_t>((lane % 16 + kk * 16) * QTile::kRowBytes +
+                                     (((2 * (first + dp)) | (lane / 16)) ^ QTile::swizzle_bits(lane % 16)) * 16);
+      }
+    };
+
+    for (int m_block = m_begin, stage = 0; m_block < m_end; ++m_block, stage ^= 1) {
+      const int m0 = m_block * kBlockM;
+      cp_async_wait<0>();
+      __syncthreads();
+      if (m_block + 1 < m_end) load_query_block(m_block + 1, stage ^ 1);
+      const uint32_t q_stage = static_cast<uint32_t>(stage * Traits::kStageBytes);
+      const float* lse_rows = reinterpret_cast<const float*>(smem + Traits::kLseOffset + stage * Traits::kRowStatsBytes);
+      const float* dot_rows = reinterpret_cast<const float*>(smem + Traits::kDotOffset + stage * Traits::kRowStatsBytes);
+
+      // S^T = K Q^T: the warp's 16 keys against every query of the block.
+      float acc_s[1][kQueryTiles][4];
+      zero_accumulators(acc_s);
+#pragma unroll
+      for (int kk = 0; kk < Traits::kDimSteps; ++kk) {
+        uint32_t a[1][4];
+        ldmatrix_x4(a[0], row_addr.at(0, kk) + Traits::kKOffset + warp_key_bytes);
+#pragma unroll
+        for (int np = 0; np < kQueryTiles / 2; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, col_addr.at(np * 16, kk) + Traits::kQOffset + q_stage);
+          mma_column_pair<Element>(acc_s, a, b, np);
+        }
+      }
+
+      const int first_key = n0 + key_warp * 16;
+      if (transform) transform_scores_t<Traits>(acc_s, p, first_key, m0, alibi_slope, diagonal);
+      if (!window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN)) {
+        mask_scores_t<Traits>(acc_s, window, first_key, m0);
+      }
+      // P^T = exp2(S^T * log2_scale - LSE * log2e). A row without keys has LSE = -inf: +inf gives P = 0.
+#pragma unroll
+      for (int nt = 0; nt < kQueryTiles; ++nt) {
+        const float2 lse = *reinterpret_cast<const float2*>(lse_rows + nt * 8 + (lane % 4) * 2);
+        const float lse2[2] = {lse.x == -INFINITY ? INFINITY : lse.x * kLog2e,
+                               lse.y == -INFINITY ? INFINITY : lse.y * kLog2e};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = exp2f(acc_s[0][nt][i] * log2_scale - lse2[i % 2]);
+      }
+
+      // dV += P^T dO.
+#pragma unroll
+      for (int kk = 0; kk < Traits::kQuerySteps; ++kk) {
+        uint32_t a[1][4];
+        a[0][0] = pack2<Element>(acc_s[0][2 * kk][0], acc_s[0][2 * kk][1]);
+        a[0][1] = pack2<Element>(acc_s[0][2 * kk][2], acc_s[0][2 * kk][3]);
+        a[0][2] = pack2<Element>(acc_s[0][2 * kk + 1][0], acc_s[0][2 * kk + 1][1]);
+        a[0][3] = pack2<Element>(acc_s[0][2 * kk + 1][2], acc_s[0][2 * kk + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < kKvTiles / 2; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, kv_b_address(Traits::kDoOffset + q_stage, kk, dp));
+          mma_column_pair<Element>(acc_dv, a, b, dp);
+        }
+      }
+
+      // dP^T = V dO^T.
+      float acc_dp[1][kQueryTiles][4];
+      zero_accumulators(acc_dp);
+#pragma unroll
+      for (int kk = 0; kk < Traits::kDimSteps; ++kk) {
+        uint32_t a[1][4];
+        ldmatrix_x4(a[0], row_addr.at(0, kk) + Traits::kVOffset + warp_key_bytes);
+#pragma unroll
+        for (int np = 0; np < kQueryTiles / 2; ++np) {
+          uint32_t b[4];
+          ldmatrix_x4(b, col_addr.at(np * 16, kk) + Traits::kDoOffset + q_stage);
+          mma_column_pair<Element>(acc_dp, a, b, np);
+        }
+      }
+
+      // dS^T = P^T (dP^T - dot), in place of dP^T. With softcap the score is softcap * tanh(u) (+
+      // ALiBi); its derivative 1 - tanh(u)^2 comes from the score recovered from P: ln P + LSE.
+#pragma unroll
+      for (int nt = 0; nt < kQueryTiles; ++nt) {
+        const float2 dot = *reinterpret_cast<const float2*>(dot_rows + nt * 8 + (lane % 4) * 2);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float prob = acc_s[0][nt][i];
+          float ds = prob * (acc_dp[0][nt][i] - (i % 2 == 0 ? dot.x : dot.y));
+          if (p.softcap > 0.0f) {
+            const int query = m0 + nt * 8 + (lane % 4) * 2 + i % 2;
+            const int key = first_key + lane / 4 + (i / 2) * 8;
+            const float lse = lse_rows[nt * 8 + (lane % 4) * 2 + i % 2];
+            const float bias = alibi_slope != 0.0f ? alibi_bias(alibi_slope, query, key, diagonal) : 0.0f;
+            const float tanh_u = (__logf(prob) + lse - bias) / p.softcap;
+            ds = prob > 0.0f ? ds * (1.0f - tanh_u * tanh_u) : 0.0f;
+          }
+          acc_dp[0][nt][i] = ds;
+        }
+      }
+
+      // dK += dS^T Q.
+#pragma unroll
+      for (int kk = 0; kk < Traits::kQuerySteps; ++kk) {
+        uint32_t a[1][4];
+        a[0][0] = pack2<Element>(acc_dp[0][2 * kk][0], acc_dp[0][2 * kk][1]);
+        a[0][1] = pack2<Element>(acc_dp[0][2 * kk][2], acc_dp[0][2 * kk][3]);
+        a[0][2] = pack2<Element>(acc_dp[0][2 * kk + 1][0], acc_dp[0][2 * kk + 1][1]);
+        a[0][3] = pack2<Element>(acc_dp[0][2 * kk + 1][2], acc_dp[0][2 * kk + 1][3]);
+#pragma unroll
+        for (int dp = 0; dp < kKvTiles / 2; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, kv_b_address(Traits::kQOffset + q_stage, kk, dp));
+          mma_column_pair<Element>(acc_dk, a, b, dp);
+        }
+      }
+
+      // dS^T to shared memory for the dQ GEMM (one warp per key tile writes it).
+      if (dim_part == 0) {
+#pragma unroll
+        for (int nt = 0; nt < kQueryTiles; ++nt) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int row = key_warp * 16 + lane / 4 + half * 8;
+            const uint32_t value = pack2<Element>(acc_dp[0][nt][2 * half], acc_dp[0][nt][2 * half + 1]);
+            const uint32_t addr = smem_base + Traits::kDsOffset + DsTile::chunk_offset(row, nt) + (lane % 4) * 4;
+            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
+          }
+        }
+      }
+      __syncthreads();
+
+      // dQ_block = dS K: this warp's 16 queries x its share of the head dim, over all keys.
+      float acc_dq[1][kDqTiles][4];
+      zero_accumulators(acc_dq);
+#pragma unroll
+      for (int kk = 0; kk < Traits::kKeySteps; ++kk) {
+        uint32_t a[1][4];
+        ldmatrix_x4_trans(a[0], ds_addr.at(kk * 16, 0));
+#pragma unroll
+        for (int dp = 0; dp < kDqTiles / 2; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, k_col_addr.at(kk * 16, dp));
+          mma_column_pair<Element>(acc_dq, a, b, dp);
+        }
+      }
+
+      // Deterministic mode: add in key-block order. The first key block that visits this query
+      // block adds first; each CTA waits until all earlier ones have added.
+      int* semaphore = nullptr;
+      if (bp.deterministic) {
+        const int64_t m_blocks_max = (p.seqlen_q + kBlockM - 1) / kBlockM;
+        semaphore = ws.semaphores + (static_cast<int64_t>(loc.batch) * p.heads_q + loc.head) * m_blocks_max + m_block;
+        if (tid == 0) {
+          const int expected = loc.n_block - first_key_block(m_block);
+          while (load_acquire(semaphore) != expected) {
+          }
+        }
+        __syncthreads();
+      }
+      const int64_t dq_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
+      float* dq_accum = ws.dq_accum + loc.q_flat * dq_row_stride + static_cast<int64_t>(loc.head) * p.head_dim;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = m0 + dq_rows * 16 + lane / 4 + half * 8;
+        if (row < loc.len_q) {
+#pragma unroll
+          for (int dt = 0; dt < kDqTiles; ++dt) {
+            const int col = (dq_cols * kDqTiles + dt) * 8 + (lane % 4) * 2;
+            if (col < p.head_dim) {
+              float* dst = dq_accum + row * dq_row_stride + col;
+              atomicAdd(dst, acc_dq[0][dt][2 * half]);
+              atomicAdd(dst + 1, acc_dq[0][dt][2 * half + 1]);
+            }
+          }
+        }
+      }
+      if (bp.deterministic) {
+        __threadfence();
+        __syncthreads();
+        if (tid == 0) atomicAdd(semaphore, 1);
+      }
+    }
+  }
+
+  // Epilogue: dK (times the scale) and dV of the warp's keys and columns. MHA writes the gradients;
+  // GQA/MQA writes this query head's share to the fp32 workspace for the group sum. Keys past
+  // seqused_k got P = 0 and are written as zeros.
+  const bool grouped = p.heads_q != p.heads_kv;
+  const int kv_head = loc.head / (p.heads_q / p.heads_kv);
+  const int64_t b = loc.batch;
+  const int64_t k_token = p.cu_seqlens_k != nullptr ? loc.k_flat : 0;
+  Element* dk = static_cast<Element*>(bp.dk) + b * bp.dk_batch_stride + k_token * bp.dk_row_stride +
+                kv_head * bp.dk_head_stride;
+  Element* dv = static_cast<Element*>(bp.dv) + b * bp.dv_batch_stride + k_token * bp.dv_row_stride +
+                kv_head * bp.dv_head_stride;
+  const int64_t expanded_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
+  const int64_t expanded_base = loc.k_flat * expanded_row_stride + static_cast<int64_t>(loc.head) * p.head_dim;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = n0 + key_warp * 16 + lane / 4 + half * 8;
+    if (key >= loc.len_k_rows) continue;
+#pragma unroll
+    for (int dt = 0; dt < kKvTiles; ++dt) {
+      const int col = (dim_part * kKvTiles + dt) * 8 + (lane % 4) * 2;
+      if (col >= p.head_dim) continue;
+      const float dk0 = acc_dk[0][dt][2 * half] * p.softmax_scale;
+      const float dk1 = acc_dk[0][dt][2 * half + 1] * p.softmax_scale;
+      const float dv0 = acc_dv[0][dt][2 * half];
+      const float dv1 = acc_dv[0][dt][2 * half + 1];
+      if (grouped) {
+        const int64_t offset = expanded_base + key * expanded_row_stride + col;
+        *reinterpret_cast<float2*>(ws.dk_expanded + offset) = make_float2(dk0, dk1);
+        *reinterpret_cast<float2*>(ws.dv_expanded + offset) = make_float2(dv0, dv1);
+      } else {
+        *reinterpret_cast<uint32_t*>(dk + key * bp.dk_row_stride + col) = pack2<Element>(dk0, dk1);
+        *reinterpret_cast<uint32_t*>(dv + key * bp.dv_row_stride + col) = pack2<Element>(dv0, dv1);
+      }
+    }
+  }
+}
+
+}  // namespace flashkit::sm80

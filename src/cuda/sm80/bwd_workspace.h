@@ -1,0 +1,40 @@
+// src/cuda/sm80/bwd_workspace.h
+// \brief How the sm80 backward carves up the caller's workspace; plain C++ (the dispatcher sizes
+// the workspace before any CUDA call).
+//
+// Regions, each starting on a 256-byte boundary, in this order:
+//   dq_accum    fp32 [total_q][heads_q][head_dim]  dQ accumulated over key blocks (atomics), then
+//                                                 scaled and converted into dq
+//   dot         fp32 [batch][heads_q][seqlen_q]    dot(dout, out) per query row; same indexing as
+//                                                 the LSE (varlen: seqlen_q is the max, rows past a
+//                                                 sequence's end are never read)
+//   dk_expanded fp32 [total_k][heads_q][head_dim]  GQA/MQA only: dK per query head before the
+//   dv_expanded fp32 [total_k][heads_q][head_dim]  group sum (empty for MHA: written to dk/dv)
+//   semaphores  int  [batch][heads_q][m blocks]     deterministic mode only: how many key blocks
+//                                                 have added into each query block's dQ
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "common/bwd_problem.h"
+
+namespace flashkit::sm80 {
+
+struct BwdWorkspaceLayout {
+  // Byte offsets from the workspace start, and the total size.
+  size_t dq_accum = 0;
+  size_t dot = 0;
+  size_t dk_expanded = 0;
+  size_t dv_expanded = 0;
+  size_t semaphores = 0;
+  size_t total = 0;
+
+  static BwdWorkspaceLayout of(const BwdProblem& problem);
+};
+
+// Number of query blocks of the backward kernel's tiling for `problem` (its semaphore count per
+// (batch, head)).
+int64_t bwd_num_m_blocks(const BwdProblem& problem);
+
+}  // namespace flashkit::sm80

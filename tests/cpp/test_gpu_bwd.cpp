@@ -1,0 +1,809 @@
+// tests/cpp/test_gpu_bwd.cpp
+// \brief flashkit::mha_bwd / mha_varlen_bwd on CUDA views against the CPU oracle.
+//
+// Each case: inputs rounded into the dtype, out / lse from the CPU reference forward, a random
+// dout; dq / dk / dv and the workspace poisoned with 0xFF bytes (NaN) before every run; the oracle
+// in fp64 (kExact) and in the input dtype (kInputDtype) from the same six tensors; then the rule
+// of TESTING.md per gradient: max |kernel - exact| <= 3 x max |low - exact| + slack. Also: every
+// gradient element finite, rows the mask gives nothing (query rows without keys, keys without
+// rows, keys past seqused_k) exactly zero, varlen tail tokens and layout gaps never written (see
+// gpu_bwd_test_util.h).
+//
+// The suites:
+//   DtypeHeadDimMask/*    dtype x head dim (40 ... 256, padded ones included) x mask (8 kinds)
+//                         on a GQA shape, s_q < s_k, s_q > s_k, s_q == s_k
+//   ShapesGqaVarlen/*     mask x {fixed, varlen} x {MHA, GQA, MQA} x 2 draws of (lengths 1 ...
+//                         1025, head dim, dtype, softmax_scale)
+//   LongSequences/*       2048 and 4224 tokens, few heads
+//   VarlenEdges/*         zero-length sequences, max_seqlen_q == 1, seqused_k, tails
+//   EmptyRows/*           masks that leave query rows without keys or keys without rows
+//   NoKeysNoQueries/*     seqlen_k == 0 (dq zero) and seqlen_q == 0 (dk, dv zero)
+//   GpuBwdTest.*          layout invariance (bitwise), 50 deterministic runs bitwise equal,
+//                         offsets past 2^31 elements (q / dout / dq batches, k / dk rows, v / dv
+//                         heads), more than 65,535 (batch x heads), a created stream, workspace
+//                         and bad-input errors on real device memory, a kernel left out of the
+//                         build
+// About a quarter of the grid cases (names ending in _det) run in deterministic mode.
+//
+// A case whose (dtype, head dim) this build has no backward kernel for is skipped, not failed.
+// Without a GPU every test skips itself. FLASHKIT_TEST_VERBOSE=1 prints the errors measured for
+// passing cases too.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <iostream>
+#include <ostream>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include "expect_error.h"
+#include "flashkit/flashkit.h"
+#include "gpu_bwd_test_util.h"
+#include "gpu_case_builders.h"
+#include "gpu_test_util.h"
+
+namespace flashkit::test {
+namespace {
+
+// ------------------------------------------------------------------------------------------------
+// The grids
+// ------------------------------------------------------------------------------------------------
+
+// A backward case: the forward case it differentiates, and the mode it runs in.
+struct BwdCase {
+  FwdCase c;
+  bool deterministic = false;
+  std::string name() const { return c.name + (deterministic ? "_det" : ""); }
+};
+
+void PrintTo(const BwdCase& b, std::ostream* os) {
+  *os << b.c.describe() << (b.deterministic ? " deterministic" : "");
+}
+
+std::string bwd_param_name(const ::testing::TestParamInfo<BwdCase>& info) {
+  return info.param.name();
+}
+
+// Every fourth case in deterministic mode.
+std::vector<BwdCase> as_bwd_cases(const std::vector<FwdCase>& cases) {
+  std::vector<BwdCase> out;
+  for (size_t i = 0; i < cases.size(); ++i) out.push_back({cases[i], i % 4 == 3});
+  return out;
+}
+
+const std::vector<int> kBwdHeadDims = {40, 64, 72, 96, 128, 192, 256};
+
+// dtype x head dim x mask, 6 query heads on 2 kv heads, batch 2: 2 x 7 x 8 = 112 cases.
+std::vector<BwdCase> dtype_head_dim_mask_cases() {
+  const std::pair<int, int> lengths[] = {{113, 239}, {239, 113}, {203, 203}};
+  std::vector<FwdCase> cases;
+  Rng rng(0xB7E4D);
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (size_t di = 0; di < kBwdHeadDims.size(); ++di) {
+      for (size_t mi = 0; mi < kAllMasks.size(); ++mi) {
+        const auto [sq, sk] = lengths[(di + mi) % 3];
+        FwdCase c = fixed_case(dtype, kBwdHeadDims[di], 6, 2, 2, sq, sk);
+        apply_mask(c, kAllMasks[mi], rng);
+        c.name = default_name(c, mask_name(kAllMasks[mi]));
+        cases.push_back(c);
+      }
+    }
+  }
+  return as_bwd_cases(finish(cases, 0x11000));
+}
+
+// mask x {fixed, varlen} x heads {6/6, 6/2, 6/1} x 2 draws: 96 cases. Pairs with s_q * s_k >=
+// 200k run batch 1 (fixed) or 2 (varlen) to keep the fp64 oracle cheap.
+std::vector<BwdCase> shape_cases() {
+  const std::vector<std::pair<int, int>> lengths = {
+      {1, 1},     {1, 17},    {17, 1},   {3, 97},     {17, 113},   {113, 17},  {127, 203},
+      {239, 113}, {113, 239}, {1, 1023}, {239, 1023}, {1023, 239}, {799, 339}, {1024, 1025}};
+  const std::vector<float> scales = {0.0f, 0.0f, 0.05f, 0.2f};
+  std::vector<FwdCase> cases;
+  Rng rng(0xB5A4E);
+  for (MaskKind mask : kAllMasks) {
+    for (bool varlen : {false, true}) {
+      for (const auto& [hq, hkv] : std::vector<std::pair<int, int>>{{6, 6}, {6, 2}, {6, 1}}) {
+        for (int draw = 0; draw < 2; ++draw) {
+          const DType dtype = rng.chance(0.5) ? DType::kBFloat16 : DType::kFloat16;
+          const int d = rng.pick(kBwdHeadDims);
+          const auto [sq, sk] = rng.pick(lengths);
+          const bool large = int64_t{sq} * sk >= 200000;
+          FwdCase c = fixed_case(dtype, d, hq, hkv, large ? 1 : 2, sq, sk);
+          if (varlen) fill_varlen(c, large ? 2 : 4, sq, sk, rng);
+          c.softmax_scale = rng.pick(scales);
+          apply_mask(c, mask, rng);
+          c.name = default_name(c, mask_name(mask));
+          cases.push_back(c);
+        }
+      }
+    }
+  }
+  return as_bwd_cases(finish(cases, 0x12000));
+}
+
+// 2048 and 4224 tokens, few heads.
+std::vector<BwdCase> long_cases() {
+  std::vector<FwdCase> cases;
+  auto add = [&](FwdCase c, const std::string& mask) {
+    c.name = default_name(c, mask);
+    cases.push_back(c);
+  };
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 128, 4, 1, 1, 2048, 2048);
+    c.causal = true;
+    add(c, "causal");
+  }
+  add(fixed_case(DType::kFloat16, 64, 2, 2, 1, 4224, 4224), "none");
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 64, 2, 1, 1, 4224, 4224);
+    c.window_left = 1000;
+    c.window_right = 37;
+    add(c, "local");
+  }
+  {
+    FwdCase c = fixed_case(DType::kFloat16, 96, 2, 1, 1, 1025, 4224);
+    c.alibi = AlibiKind::kPerHead;
+    add(c, "alibi");
+  }
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 256, 2, 2, 1, 2048, 1023);
+    c.causal = true;
+    c.softcap = 30.0f;
+    c.q_scale = 10.0f;
+    add(c, "causalSoftcap");
+  }
+  {
+    FwdCase c = varlen_case(DType::kBFloat16, 128, 4, 2, {2048, 17, 1023, 0}, {4224, 2048, 0, 1});
+    c.tail_q = 3;
+    c.tail_k = 5;
+    c.causal = true;
+    add(c, "causal");
+  }
+  {
+    FwdCase c = varlen_case(DType::kFloat16, 64, 2, 1, {4224, 1}, {4224, 4224});
+    c.used_k = {3000, 4224};
+    c.causal = true;
+    c.alibi = AlibiKind::kPerBatchHead;
+    add(c, "causalAlibi");
+  }
+  return as_bwd_cases(finish(cases, 0x13000));
+}
+
+std::vector<BwdCase> varlen_edge_cases() {
+  std::vector<FwdCase> cases;
+  Rng rng(0xBED6E);
+  auto add_masks = [&](const FwdCase& base, const std::string& what,
+                       std::initializer_list<MaskKind> masks) {
+    int i = 0;
+    for (MaskKind m : masks) {
+      FwdCase c = base;
+      c.dtype = (i++ % 2 == 0) ? DType::kBFloat16 : DType::kFloat16;
+      apply_mask(c, m, rng);
+      c.name = what + "_" + short_dtype_name(c.dtype) + "_d" + std::to_string(c.head_dim) + "_" +
+               mask_name(m);
+      cases.push_back(c);
+    }
+  };
+  {
+    // Zero-length query sequences (first, last), a zero-length key sequence under queries, tails.
+    FwdCase c =
+        varlen_case(DType::kBFloat16, 64, 6, 2, {0, 17, 1, 113, 5, 0}, {13, 0, 239, 64, 1, 0});
+    c.tail_q = 5;
+    c.tail_k = 7;
+    add_masks(c, "zeroLengths",
+              {MaskKind::kNone, MaskKind::kCausal, MaskKind::kLocal, MaskKind::kAlibiBatch,
+               MaskKind::kSoftcap, MaskKind::kCausalAlibi, MaskKind::kCausalSoftcap});
+  }
+  {
+    // Decoding shapes: max_seqlen_q == 1, key lengths from 0 to 1023.
+    FwdCase c = varlen_case(DType::kBFloat16, 128, 8, 2, {1, 1, 0, 1, 1, 1, 0, 1},
+                            {1023, 0, 17, 1, 239, 500, 3, 64});
+    c.tail_q = 2;
+    add_masks(c, "decode", {MaskKind::kNone, MaskKind::kCausal, MaskKind::kAlibi});
+  }
+  {
+    // seqused_k below the stored key lengths (0 and 1 included): the unused keys get zero dk, dv.
+    FwdCase c = varlen_case(DType::kBFloat16, 96, 6, 1, {17, 17, 3, 113}, {239, 113, 17, 64});
+    c.used_k = {100, 0, 17, 1};
+    c.tail_k = 4;
+    add_masks(c, "sequsedK",
+              {MaskKind::kNone, MaskKind::kCausal, MaskKind::kLocal, MaskKind::kSoftcap,
+               MaskKind::kAlibiBatch});
+  }
+  {
+    // max_seqlen_q larger than every length.
+    FwdCase c = varlen_case(DType::kBFloat16, 72, 4, 4, {17, 1, 30}, {40, 40, 5});
+    c.extra_max_seqlen_q = 5;
+    add_masks(c, "looseMaxSeqlenQ", {MaskKind::kCausal, MaskKind::kNone});
+  }
+  {
+    // Every query sequence empty but one: most keys get zero gradients.
+    FwdCase c = varlen_case(DType::kBFloat16, 40, 6, 2, {0, 0, 0, 9, 0}, {5, 17, 0, 33, 2});
+    add_masks(c, "oneNonEmpty", {MaskKind::kNone, MaskKind::kCausal});
+  }
+  return as_bwd_cases(finish(cases, 0x14000));
+}
+
+// Query rows without keys (dq exactly 0) and keys without rows (dk, dv exactly 0).
+std::vector<BwdCase> empty_row_cases() {
+  std::vector<FwdCase> cases;
+  auto add = [&](FwdCase c, const std::string& what) {
+    c.name = what + "_" + short_dtype_name(c.dtype) + "_d" + std::to_string(c.head_dim);
+    cases.push_back(c);
+  };
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 64, 6, 2, 2, 239, 17);  // rows 0..221 see nothing
+    c.causal = true;
+    add(c, "causalSqGtSk");
+  }
+  {
+    FwdCase c = fixed_case(DType::kFloat16, 128, 6, 6, 2, 113, 17);  // rows 0..95 see nothing
+    c.window_left = 0;
+    c.window_right = 0;
+    add(c, "window0x0SqGtSk");
+  }
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 64, 6, 2, 2, 17, 239);  // keys 0..221 seen by none
+    c.window_left = 0;
+    c.window_right = 0;
+    add(c, "window0x0SqLtSk");
+  }
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 96, 8, 2, 1, 300, 40);
+    c.window_left = 5;
+    c.window_right = 2;
+    add(c, "window5x2");
+  }
+  {
+    FwdCase c = fixed_case(DType::kFloat16, 64, 4, 2, 2, 113, 113);  // one key per row
+    c.window_left = 0;
+    c.window_right = 0;
+    add(c, "diagonalOnly");
+  }
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 128, 6, 2, 2, 239, 113);
+    c.causal = true;
+    c.alibi = AlibiKind::kPerBatchHead;
+    add(c, "causalAlibiSqGtSk");
+  }
+  {
+    FwdCase c = fixed_case(DType::kFloat16, 256, 2, 1, 3, 64, 1);  // only the last row sees a key
+    c.causal = true;
+    c.softcap = 50.0f;
+    c.q_scale = 16.0f;
+    add(c, "causalSoftcapOneKey");
+  }
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 40, 6, 2, 1, 17, 1023);
+    c.window_left = 3;
+    c.window_right = 0;
+    add(c, "narrowWindow");
+  }
+  {
+    FwdCase c = varlen_case(DType::kBFloat16, 64, 6, 2, {50, 17, 8}, {10, 17, 64});
+    c.used_k = {3, 0, 64};
+    c.causal = true;
+    add(c, "varlenCausalUsedK");
+  }
+  return as_bwd_cases(finish(cases, 0x15000));
+}
+
+// seqlen_k == 0: every dq row is zero. seqlen_q == 0: every dk / dv row is zero.
+std::vector<BwdCase> no_key_no_query_cases() {
+  std::vector<FwdCase> cases;
+  Rng rng(0xB0C0);
+  const std::pair<MaskKind, int> variants[] = {{MaskKind::kNone, 17},
+                                               {MaskKind::kCausal, 1},
+                                               {MaskKind::kAlibi, 33},
+                                               {MaskKind::kSoftcap, 9}};
+  int i = 0;
+  for (const auto& [mask, len] : variants) {
+    for (bool no_keys : {true, false}) {
+      const DType dtype = i % 2 ? DType::kFloat16 : DType::kBFloat16;
+      const int d = i % 2 ? 128 : 64;
+      FwdCase c =
+          no_keys ? fixed_case(dtype, d, 4, 2, 2, len, 0) : fixed_case(dtype, d, 4, 2, 2, 0, len);
+      apply_mask(c, mask, rng);
+      c.name = default_name(c, mask_name(mask));
+      cases.push_back(c);
+      ++i;
+    }
+  }
+  return as_bwd_cases(finish(cases, 0x16000));
+}
+
+// `preferred` when this build has its backward on CUDA in some dtype, else the smallest head dim
+// it has, else `preferred` (the test then skips).
+int built_bwd_head_dim(int preferred) {
+  auto built = [](int d) {
+    return cuda_bwd_built(DType::kBFloat16, d) || cuda_bwd_built(DType::kFloat16, d);
+  };
+  if (built(preferred)) return preferred;
+  for (int d = 8; d <= 256; d += 8) {
+    if (built(d)) return d;
+  }
+  return preferred;
+}
+
+DType built_bwd_dtype(int head_dim) {
+  return cuda_bwd_built(DType::kBFloat16, head_dim) ? DType::kBFloat16 : DType::kFloat16;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Fixtures and the common run
+// ------------------------------------------------------------------------------------------------
+
+class GpuBwdTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device: cudaGetDeviceCount reports none";
+  }
+};
+
+class GpuBwdCaseTest : public GpuBwdTest, public ::testing::WithParamInterface<BwdCase> {};
+
+void report(const CheckReport& r) {
+  EXPECT_TRUE(r.ok) << r.text;
+  if (r.ok && verbose()) std::cout << r.text << "\n";
+}
+
+// Uploads, poisons dq / dk / dv and the workspace, runs, downloads and checks against `oracle`.
+BwdKernelOut run_and_check(BackwardCase& host, const BwdOracle& oracle, const BwdLayout& layout,
+                           bool deterministic) {
+  DeviceBwdProblem dev(host, layout);
+  dev.upload(nullptr);
+  dev.poison_gradients(nullptr);
+  dev.launch(nullptr, deterministic);
+  BwdKernelOut k = dev.download(nullptr);
+  report(check_gradients(host, oracle, k, dev.gaps_written()));
+  return k;
+}
+
+TEST_P(GpuBwdCaseTest, MatchesOracle) {
+  const BwdCase& b = GetParam();
+  if (const std::string why = bwd_case_unavailable(b.c); !why.empty()) GTEST_SKIP() << why;
+  BackwardCase host(b.c);
+  const BwdOracle oracle = run_bwd_oracle(host);
+  run_and_check(host, oracle, contiguous_bwd_layout(b.c), b.deterministic);
+}
+
+INSTANTIATE_TEST_SUITE_P(DtypeHeadDimMask, GpuBwdCaseTest,
+                         ::testing::ValuesIn(dtype_head_dim_mask_cases()), bwd_param_name);
+INSTANTIATE_TEST_SUITE_P(ShapesGqaVarlen, GpuBwdCaseTest, ::testing::ValuesIn(shape_cases()),
+                         bwd_param_name);
+INSTANTIATE_TEST_SUITE_P(LongSequences, GpuBwdCaseTest, ::testing::ValuesIn(long_cases()),
+                         bwd_param_name);
+INSTANTIATE_TEST_SUITE_P(VarlenEdges, GpuBwdCaseTest, ::testing::ValuesIn(varlen_edge_cases()),
+                         bwd_param_name);
+INSTANTIATE_TEST_SUITE_P(EmptyRows, GpuBwdCaseTest, ::testing::ValuesIn(empty_row_cases()),
+                         bwd_param_name);
+INSTANTIATE_TEST_SUITE_P(NoKeysNoQueries, GpuBwdCaseTest,
+                         ::testing::ValuesIn(no_key_no_query_cases()), bwd_param_name);
+
+// ------------------------------------------------------------------------------------------------
+// Layout invariance: the same values through other strides give bitwise the same gradients
+// ------------------------------------------------------------------------------------------------
+
+// q and dout head-major ([batch, heads, seqlen, d] in memory; varlen [heads, total, d]), k / v
+// and dk / dv as the two halves of packed [batch, seqlen, 2, heads_kv, d] buffers (as
+// flash_attn_kvpacked_func takes and returns them), out and dq with head stride d + 8, 24 extra
+// elements per row and 64 per batch (the gaps of dq must keep their poison).
+BwdLayout strided_bwd_layout(const FwdCase& c) {
+  BwdLayout l;
+  l.name = "head-major q / dout, packed kv / dkv, padded out / dq";
+  const int64_t d = c.head_dim, hq = c.heads_q, hkv = c.heads_kv;
+  const int64_t sq = c.varlen ? c.total_q() : c.seqlen_q;
+  const int64_t sk = c.varlen ? c.total_k() : c.seqlen_k;
+  const int64_t batches = c.varlen ? 1 : c.batch;
+  auto head_major = [&](int buffer) {
+    Placement p;
+    p.buffer = buffer;
+    p.row_stride = d;
+    p.head_stride = sq * d;
+    p.batch_stride = c.varlen ? 0 : hq * sq * d;
+    return p;
+  };
+  auto packed = [&](int buffer, int half) {
+    Placement p;
+    p.buffer = buffer;
+    p.offset = half * hkv * d;
+    p.row_stride = 2 * hkv * d;
+    p.head_stride = d;
+    p.batch_stride = c.varlen ? 0 : sk * 2 * hkv * d;
+    return p;
+  };
+  auto padded = [&](int buffer) {
+    Placement p;
+    p.buffer = buffer;
+    p.head_stride = d + 8;
+    p.row_stride = hq * (d + 8) + 24;
+    p.batch_stride = c.varlen ? 0 : sq * p.row_stride + 64;
+    return p;
+  };
+  l.q = head_major(0);
+  l.k = packed(1, 0);
+  l.v = packed(1, 1);
+  l.out = padded(2);
+  l.dout = head_major(3);
+  l.dq = padded(4);
+  l.dk = packed(5, 0);
+  l.dv = packed(5, 1);
+  const int64_t q_elems = batches * hq * sq * d;
+  const int64_t kv_elems = batches * sk * 2 * hkv * d;
+  const int64_t padded_elems = batches * (sq * l.out.row_stride + 64);
+  l.buffers = {q_elems, kv_elems, padded_elems, q_elems, padded_elems, kv_elems};
+  return l;
+}
+
+// Runs `c` contiguously and in the strided layout, both deterministic: both must match the
+// oracle, and each other bit for bit.
+void expect_layout_invariance(const FwdCase& c) {
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  BackwardCase host(c);
+  const BwdOracle oracle = run_bwd_oracle(host);
+  const BwdKernelOut dense = run_and_check(host, oracle, contiguous_bwd_layout(c), true);
+  const BwdLayout layout = strided_bwd_layout(c);
+  SCOPED_TRACE(layout.name);
+  const BwdKernelOut strided = run_and_check(host, oracle, layout, true);
+  const char* names[3] = {"dq", "dk", "dv"};
+  for (int t = 0; t < 3; ++t) {
+    int64_t differ = 0;
+    for (size_t n = 0; n < dense.grad[t].size(); ++n)
+      differ += dense.grad[t][n] != strided.grad[t][n];
+    EXPECT_EQ(differ, 0) << names[t] << " elements that differ from the contiguous run";
+  }
+}
+
+TEST_F(GpuBwdTest, LayoutStridedFixedGqaAlibi) {
+  FwdCase c = fixed_case(DType::kFloat16, 64, 6, 2, 2, 113, 239);
+  c.alibi = AlibiKind::kPerBatchHead;
+  c.name = "stridedFixed";
+  c.seed = 101;
+  expect_layout_invariance(c);
+}
+
+TEST_F(GpuBwdTest, LayoutStridedVarlenCausalSoftcap) {
+  FwdCase c = varlen_case(DType::kBFloat16, 96, 8, 2, {33, 1, 0, 200}, {100, 7, 5, 199});
+  c.tail_q = 6;
+  c.tail_k = 2;
+  c.causal = true;
+  c.softcap = 30.0f;
+  c.q_scale = 10.0f;
+  c.name = "stridedVarlen";
+  c.seed = 102;
+  expect_layout_invariance(c);
+}
+
+TEST_F(GpuBwdTest, LayoutStridedHeadDim256Local) {
+  FwdCase c = fixed_case(DType::kBFloat16, 256, 4, 1, 1, 203, 97);
+  c.window_left = 20;
+  c.window_right = 5;
+  c.name = "stridedD256";
+  c.seed = 103;
+  expect_layout_invariance(c);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Deterministic mode: 50 runs, bitwise equal
+// ------------------------------------------------------------------------------------------------
+
+// Many key blocks per query block and several query heads per kv head, so that both the dq
+// accumulation over key blocks and the dk / dv sum over the group would show any order dependence.
+void expect_deterministic(const FwdCase& c, int runs) {
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  BackwardCase host(c);
+  const BwdOracle oracle = run_bwd_oracle(host);
+  DeviceBwdProblem dev(host, contiguous_bwd_layout(c));
+  dev.upload(nullptr);
+  dev.poison_gradients(nullptr);
+  dev.launch(nullptr, true);
+  const BwdKernelOut first = dev.download(nullptr);
+  report(check_gradients(host, oracle, first));
+  for (int run = 1; run < runs; ++run) {
+    dev.poison_gradients(nullptr);
+    dev.launch(nullptr, true);
+    const BwdKernelOut again = dev.download(nullptr);
+    for (int t = 0; t < 3; ++t) {
+      ASSERT_EQ(std::memcmp(first.grad[t].data(), again.grad[t].data(), first.grad[t].size() * 2),
+                0)
+          << "run " << run << ": "
+          << (t == 0   ? "dq"
+              : t == 1 ? "dk"
+                       : "dv")
+          << " differs from run 0";
+    }
+  }
+}
+
+TEST_F(GpuBwdTest, DeterministicFixedCausalGqa) {
+  const int d = built_bwd_head_dim(128);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 8, 2, 2, 1023, 1025);
+  c.causal = true;
+  c.name = "deterministicFixed";
+  c.seed = 201;
+  expect_deterministic(c, 50);
+}
+
+TEST_F(GpuBwdTest, DeterministicVarlenMqaAlibiSoftcap) {
+  const int d = built_bwd_head_dim(64);
+  FwdCase c = varlen_case(built_bwd_dtype(d), d, 6, 1, {700, 0, 1, 333}, {1024, 17, 600, 333});
+  c.used_k = {1000, 17, 0, 300};
+  c.alibi = AlibiKind::kPerHead;
+  c.softcap = 30.0f;
+  c.q_scale = 10.0f;
+  c.name = "deterministicVarlen";
+  c.seed = 202;
+  expect_deterministic(c, 50);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Element offsets past 2^31
+// ------------------------------------------------------------------------------------------------
+//
+// An offset such as row * row_stride computed in 32 bits lands in the wrong place past 2^31
+// elements. As in the forward tests, normal numbers of rows are spread with huge strides (buffers
+// of about 4.3 GB, two or three per test), only the rows of the views are copied, and the oracle
+// runs on compact host copies of the same values.
+
+constexpr int64_t k2Pow31 = int64_t{1} << 31;
+
+int64_t round_up8(int64_t x) { return (x + 7) / 8 * 8; }
+
+// Runs `layout` when the device has its bytes free with 1 GiB to spare; skips otherwise.
+void run_big_layout_case(const FwdCase& c, const BwdLayout& layout) {
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  size_t bytes = 0;
+  for (int64_t elems : layout.buffers) bytes += static_cast<size_t>(elems) * 2;
+  size_t free_bytes = 0, total_bytes = 0;
+  FK_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (free_bytes < bytes + (size_t{1} << 30)) {
+    GTEST_SKIP() << "needs " << (bytes >> 20) << " MiB of device memory, " << (free_bytes >> 20)
+                 << " MiB free";
+  }
+  BackwardCase host(c);
+  const BwdOracle oracle = run_bwd_oracle(host);
+  SCOPED_TRACE(layout.name);
+  try {
+    run_and_check(host, oracle, layout, false);
+  } catch (const OutOfMemory& e) {
+    GTEST_SKIP() << "out of device memory: " << e.what();
+  }
+}
+
+// k and dk rows spread so that their last rows start past 2^31 elements (GQA: dk goes through
+// the group sum), v and dv heads spread so that head 1 starts past 2^31.
+TEST_F(GpuBwdTest, OffsetsPast2Pow31InKeyRowsAndHeads) {
+  const int d = built_bwd_head_dim(128);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 4, 2, 1, 77, 1000);
+  c.name = "bigKV";
+  c.seed = 501;
+  BwdLayout l = contiguous_bwd_layout(c);
+  l.name = "k / dk row stride > 2^31 / seqlen_k, v / dv head stride > 2^31";
+  const int64_t k_row = round_up8((k2Pow31 + c.seqlen_k - 2) / (c.seqlen_k - 1));
+  const int64_t v_head = k2Pow31 + 64;
+  for (Placement* p : {&l.k, &l.dk}) {
+    p->row_stride = k_row;
+    p->head_stride = d;
+    p->batch_stride = c.seqlen_k * k_row;
+    l.buffers[p->buffer] = (c.seqlen_k - 1) * k_row + c.heads_kv * d;
+  }
+  for (Placement* p : {&l.v, &l.dv}) {
+    p->row_stride = d;
+    p->head_stride = v_head;
+    p->batch_stride = v_head + int64_t{c.seqlen_k} * d;
+    l.buffers[p->buffer] = (c.heads_kv - 1) * v_head + int64_t{c.seqlen_k} * d;
+  }
+  ASSERT_GT((c.seqlen_k - 1) * k_row, k2Pow31);
+  run_big_layout_case(c, l);
+}
+
+// q, dout and dq of a second batch that starts past 2^31 elements; causal, so the mask offsets
+// are exercised too.
+TEST_F(GpuBwdTest, OffsetsPast2Pow31InQueryBatches) {
+  const int d = built_bwd_head_dim(64);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 3, 1, 2, 113, 239);
+  c.causal = true;
+  c.name = "bigQ";
+  c.seed = 502;
+  BwdLayout l = contiguous_bwd_layout(c);
+  l.name = "q / dout / dq batch stride > 2^31";
+  const int64_t batch_stride = k2Pow31 + 8;
+  const int64_t rows = int64_t{c.seqlen_q} * c.heads_q * d;
+  for (Placement* p : {&l.q, &l.dout, &l.dq}) {
+    p->batch_stride = batch_stride;
+    l.buffers[p->buffer] = batch_stride + rows;
+  }
+  run_big_layout_case(c, l);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Grid limits: more than 65,535 (batch x heads)
+// ------------------------------------------------------------------------------------------------
+
+void run_full_case(const FwdCase& c, bool deterministic) {
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  BackwardCase host(c);
+  const BwdOracle oracle = run_bwd_oracle(host);
+  run_and_check(host, oracle, contiguous_bwd_layout(c), deterministic);
+}
+
+TEST_F(GpuBwdTest, GridBatch70000) {
+  const int d = built_bwd_head_dim(64);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 1, 1, 70000, 9, 17);
+  c.causal = true;
+  c.name = "batch70000";
+  c.seed = 301;
+  run_full_case(c, false);
+}
+
+TEST_F(GpuBwdTest, GridBatch4500Heads16Deterministic) {
+  const int d = built_bwd_head_dim(64);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 16, 4, 4500, 33, 47);
+  c.alibi = AlibiKind::kPerBatchHead;
+  c.name = "batch4500heads16";
+  c.seed = 302;
+  run_full_case(c, true);
+}
+
+TEST_F(GpuBwdTest, GridVarlenBatch66000) {
+  Rng rng(303);
+  std::vector<int> lens_q(66000), lens_k(66000);
+  for (int& len : lens_q) len = rng.uniform_int(0, 12);
+  for (int& len : lens_k) len = rng.uniform_int(0, 12);
+  lens_q[0] = lens_k[0] = 12;
+  const int d = built_bwd_head_dim(128);
+  FwdCase c = varlen_case(built_bwd_dtype(d), d, 2, 1, lens_q, lens_k);
+  c.tail_q = 5;
+  c.window_left = 4;
+  c.window_right = 1;
+  c.name = "varlenBatch66000";
+  c.seed = 303;
+  run_full_case(c, false);
+}
+
+// ------------------------------------------------------------------------------------------------
+// A created stream
+// ------------------------------------------------------------------------------------------------
+
+// Holds a stream for 50 ms from the host. (A host function may not call CUDA; sleeping is fine.)
+void CUDART_CB hold_stream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }
+
+// The poison, the backward and the download run on a created non-blocking stream held for 50 ms
+// by a host function; only that stream is synchronized. A launch on another stream (e.g. the
+// legacy default stream, which does not wait for non-blocking streams) would run at once, and the
+// poison queued behind the hold would then overwrite its gradients. A warm-up run comes first: the
+// first launch of a kernel loads its module (lazy loading waits for the whole device), and the
+// first size query allocates the workspace.
+void expect_stream_run(const FwdCase& c, bool deterministic) {
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  BackwardCase host(c);
+  const BwdOracle oracle = run_bwd_oracle(host);
+  Stream stream;
+  DeviceBwdProblem dev(host, contiguous_bwd_layout(c));
+  dev.upload(stream.get());
+  dev.poison_gradients(stream.get());
+  dev.launch(stream.get(), deterministic);
+  dev.download(stream.get());
+  FK_CUDA_CHECK(cudaLaunchHostFunc(stream.get(), hold_stream, nullptr));
+  dev.poison_gradients(stream.get());
+  dev.launch(stream.get(), deterministic);
+  report(check_gradients(host, oracle, dev.download(stream.get()), dev.gaps_written()));
+  FK_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+TEST_F(GpuBwdTest, NonDefaultStreamFixed) {
+  const int d = built_bwd_head_dim(128);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 6, 2, 2, 1023, 1023);
+  c.causal = true;
+  c.name = "streamFixed";
+  c.seed = 601;
+  expect_stream_run(c, false);
+}
+
+TEST_F(GpuBwdTest, NonDefaultStreamVarlenDeterministic) {
+  const int d = built_bwd_head_dim(64);
+  FwdCase c = varlen_case(built_bwd_dtype(d), d, 4, 1, {100, 0, 239, 17}, {239, 5, 239, 0});
+  c.tail_q = 4;
+  c.alibi = AlibiKind::kPerHead;
+  c.name = "streamVarlen";
+  c.seed = 602;
+  expect_stream_run(c, true);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Errors on real device memory
+// ------------------------------------------------------------------------------------------------
+
+FwdCase small_built_case() {
+  const int d = built_bwd_head_dim(64);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 4, 2, 2, 65, 97);
+  c.causal = true;
+  c.name = "small";
+  c.seed = 401;
+  return c;
+}
+
+// A workspace below the size query's answer, or none, is refused before any launch: the gradients
+// keep their poison. Then the same call with the right workspace works.
+TEST_F(GpuBwdTest, WorkspaceTooSmallIsRefusedAndTheNextCallWorks) {
+  const FwdCase c = small_built_case();
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  BackwardCase host(c);
+  DeviceBwdProblem dev(host, contiguous_bwd_layout(c));
+  dev.upload(nullptr);
+  dev.poison_gradients(nullptr);
+  for (bool deterministic : {false, true}) {
+    MhaBwdParams p = dev.fixed_params(deterministic);
+    const size_t required = mha_bwd_workspace_size(p);
+    if (required == 0) continue;
+    DeviceBuffer scratch(required);
+    p.workspace = scratch.get();
+    p.workspace_bytes = required - 1;
+    const std::string needs = "but this call needs " + std::to_string(required) + " bytes";
+    EXPECT_ERROR_MENTIONS(mha_bwd(p), "mha_bwd: workspace_bytes is", needs.c_str());
+    p.workspace = nullptr;
+    p.workspace_bytes = 0;
+    EXPECT_ERROR_MENTIONS(mha_bwd(p), "mha_bwd: workspace is null; this call needs");
+    p.workspace = scratch.bytes_ptr() + 128;
+    p.workspace_bytes = required;
+    EXPECT_ERROR_MENTIONS(mha_bwd(p), "is not 256-byte aligned");
+  }
+  const BwdKernelOut untouched = dev.download(nullptr);
+  for (const std::vector<uint16_t>& grad : untouched.grad) {
+    for (uint16_t bits : grad) ASSERT_EQ(bits, kPoison16) << "written by a refused call";
+  }
+  dev.launch(nullptr, false);
+  const BwdOracle oracle = run_bwd_oracle(host);
+  report(check_gradients(host, oracle, dev.download(nullptr)));
+}
+
+TEST_F(GpuBwdTest, BadInputIsRefusedBeforeALaunch) {
+  const FwdCase c = small_built_case();
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  BackwardCase host(c);
+  DeviceBwdProblem dev(host, contiguous_bwd_layout(c));
+  dev.upload(nullptr);
+  dev.poison_gradients(nullptr);
+  MhaBwdParams p = dev.fixed_params(false);
+  MhaBwdParams bad = p;
+  bad.dk.dtype = c.dtype == DType::kBFloat16 ? DType::kFloat16 : DType::kBFloat16;
+  EXPECT_ERROR_MENTIONS(mha_bwd(bad), "mha_bwd: dk.dtype is");
+  bad = p;
+  bad.dq.data = p.q.data;
+  EXPECT_ERROR_MENTIONS(mha_bwd(bad), "mha_bwd: dq.data", "is also q.data");
+  bad = p;
+  bad.dv.data = static_cast<char*>(p.dv.data) + 2;
+  EXPECT_ERROR_MENTIONS(mha_bwd(bad), "mha_bwd: dv.data", "16-byte aligned");
+  const BwdKernelOut untouched = dev.download(nullptr);
+  for (const std::vector<uint16_t>& grad : untouched.grad) {
+    for (uint16_t bits : grad) ASSERT_EQ(bits, kPoison16) << "written by a refused call";
+  }
+}
+
+// A (dtype, head dim) without a backward kernel in this build: refused with the rebuild flags.
+TEST_F(GpuBwdTest, UnbuiltBackwardKernelIsRejected) {
+  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+    for (int d = 8; d <= 256; d += 8) {
+      if (cuda_bwd_built(dtype, d)) continue;
+      FwdCase c = fixed_case(dtype, d, 2, 2, 1, 17, 17);
+      c.name = "unbuilt";
+      c.seed = 402;
+      BackwardCase host(c);
+      DeviceBwdProblem dev(host, contiguous_bwd_layout(c));
+      dev.upload(nullptr);
+      EXPECT_ERROR_MENTIONS(dev.launch(nullptr, false), "does not include the CUDA backward kernel",
+                            "rebuild with");
+      return;
+    }
+  }
+  GTEST_SKIP() << "this build has every backward (dtype, head dim)";
+}
+
+}  // namespace
+}  // namespace flashkit::test
