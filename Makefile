@@ -1,5 +1,6 @@
 # The two commands a newcomer needs:
-#   make test    build everything, run every test this machine can run (GPU tests skip without a GPU)
+#   make test    build everything, run every test this machine can run (GPU tests skip without a GPU);
+#                the Python tests too where python3 imports torch (the build then has the extension)
 #   make bench   build, then benchmark the forward and backward passes on the GPU beside PyTorch
 #                SDPA's backends (FLASHKIT_BENCH_OPS=fwd for the forward alone)
 #                (no GPU: the CPU backend on a small problem, and it says so)
@@ -21,6 +22,7 @@ build: deps
 
 test: build
 	ctest --test-dir $(BUILD_DIR) --output-on-failure -j $(JOBS)
+	bash scripts/python_tests.sh $(BUILD_DIR)
 
 bench: build
 	bash bench/run_bench.sh $(BUILD_DIR)

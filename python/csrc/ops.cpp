@@ -1,0 +1,247 @@
+// python/csrc/ops.cpp
+// \brief The flashkit operators of PyTorch: torch.ops.flashkit.{fwd, varlen_fwd, bwd, varlen_bwd}.
+//
+// Each operator turns its tensors into flashkit views, allocates its outputs (and the backward's
+// workspace) from torch's caching allocator on the tensors' device, and calls the flashkit entry
+// point on torch's current stream. flashkit validates everything and throws flashkit::Error, which
+// call_flashkit turns into torch's c10::Error before it leaves the extension (the extension has its
+// own C++ runtime, python/CMakeLists.txt says why): Python sees a RuntimeError carrying flashkit's
+// message, as flash_attn's checks raise. The same
+// kernel function serves the CPU and the CUDA dispatch keys: flashkit picks its backend from the
+// views' device, so CPU tensors run the fp64 reference with the same semantics.
+//
+// What is an output: the forward returns (out, softmax_lse) because the backward needs both; the
+// backward returns (dq, dk, dv). Outputs are contiguous whatever the inputs' strides (the fake
+// implementations in python/flashkit/_ops.py promise the same). Nothing here synchronises or reads
+// device memory on the host, so the operators can be captured in CUDA graphs.
+//
+// dropout_p is passed through so that flashkit's own error rejects it until dropout lands (its seed
+// and offset join the schema then).
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <tuple>
+
+#include <ATen/ATen.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include "flashkit/api.h"
+#include "flashkit/error.h"
+#include "flashkit/params.h"
+#include "tensor_view.h"
+
+namespace flashkit::torch_glue {
+namespace {
+
+using OptionalTensor = std::optional<at::Tensor>;
+
+// Runs one flashkit entry point, rethrowing its error as torch's.
+template <typename Call>
+auto call_flashkit(Call&& call) {
+  try {
+    return call();
+  } catch (const Error& error) {
+    TORCH_CHECK(false, error.what());
+  }
+}
+
+constexpr const char* kFixedLayout = "[batch, seqlen, heads, head_dim]";
+constexpr const char* kPackedLayout = "[total_tokens, heads, head_dim]";
+
+// Python ints beyond int32 saturate instead of wrapping, so flashkit sees (and names) a value of
+// the same sign and order.
+int to_int(int64_t value) {
+  return static_cast<int>(std::clamp<int64_t>(value, INT32_MIN, INT32_MAX));
+}
+
+MaskSpec make_mask(bool causal, int64_t window_left, int64_t window_right) {
+  MaskSpec mask;
+  mask.causal = causal;
+  mask.window_left = to_int(window_left);
+  mask.window_right = to_int(window_right);
+  return mask;
+}
+
+// The forward's tensors and options, shared by the fixed-length and varlen operators.
+void fill_fwd_common(const char* fn, FwdCommon& p, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
+                     const OptionalTensor& alibi_slopes, double dropout_p, double softmax_scale,
+                     bool causal, int64_t window_left, int64_t window_right, double softcap) {
+  p.q = to_view(fn, "q", q);
+  p.k = to_view(fn, "k", k);
+  p.v = to_view(fn, "v", v);
+  p.out = to_view(fn, "out", out);
+  p.softmax_lse = to_view(fn, "softmax_lse", softmax_lse);
+  p.alibi_slopes = to_optional_view(fn, "alibi_slopes", alibi_slopes);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softcap = static_cast<float>(softcap);
+  p.mask = make_mask(causal, window_left, window_right);
+  p.dropout.p = static_cast<float>(dropout_p);
+}
+
+void fill_bwd_common(const char* fn, BwdCommon& p, const at::Tensor& dout, const at::Tensor& q,
+                     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+                     const at::Tensor& softmax_lse, const at::Tensor& dq, const at::Tensor& dk,
+                     const at::Tensor& dv, const OptionalTensor& alibi_slopes, double dropout_p,
+                     double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                     double softcap, bool deterministic) {
+  p.dout = to_view(fn, "dout", dout);
+  p.q = to_view(fn, "q", q);
+  p.k = to_view(fn, "k", k);
+  p.v = to_view(fn, "v", v);
+  p.out = to_view(fn, "out", out);
+  p.softmax_lse = to_view(fn, "softmax_lse", softmax_lse);
+  p.dq = to_view(fn, "dq", dq);
+  p.dk = to_view(fn, "dk", dk);
+  p.dv = to_view(fn, "dv", dv);
+  p.alibi_slopes = to_optional_view(fn, "alibi_slopes", alibi_slopes);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softcap = static_cast<float>(softcap);
+  p.mask = make_mask(causal, window_left, window_right);
+  p.dropout.p = static_cast<float>(dropout_p);
+  p.deterministic = deterministic;
+}
+
+// The workspace the size query asks for, from the caching allocator on q's device (its blocks are
+// 512-byte aligned, more than the 256 bytes flashkit needs). Kept alive by the caller until the
+// backward is enqueued; the caching allocator's stream semantics make reuse after that safe.
+at::Tensor allocate_workspace(BwdCommon& p, size_t bytes, const at::Tensor& q) {
+  at::Tensor workspace;
+  if (bytes > 0) {
+    workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
+    p.workspace = workspace.data_ptr();
+  }
+  p.workspace_bytes = bytes;
+  return workspace;
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
+                                       const at::Tensor& v, const OptionalTensor& alibi_slopes,
+                                       double dropout_p, double softmax_scale, bool causal,
+                                       int64_t window_left, int64_t window_right, double softcap) {
+  constexpr const char* fn = "flashkit::fwd";
+  check_rank(fn, "q", q, 4, kFixedLayout);
+  const c10::DeviceGuard device_guard(q.device());
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor softmax_lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  MhaFwdParams p;
+  fill_fwd_common(fn, p, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale, causal,
+                  window_left, window_right, softcap);
+  call_flashkit([&] { mha_fwd(p, current_stream(q.device())); });
+  return {out, softmax_lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const OptionalTensor& seqused_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const OptionalTensor& alibi_slopes, double dropout_p,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap) {
+  constexpr const char* fn = "flashkit::varlen_fwd";
+  check_rank(fn, "q", q, 3, kPackedLayout);
+  check_rank(fn, "cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]");
+  const c10::DeviceGuard device_guard(q.device());
+  // Sized from arguments flashkit has not validated yet: clamp so that allocation cannot fail
+  // before flashkit names the bad argument.
+  const int64_t batch = std::max<int64_t>(cu_seqlens_q.size(0) - 1, 0);
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor softmax_lse = at::empty({batch, q.size(1), std::max<int64_t>(max_seqlen_q, 0)},
+                                     q.options().dtype(at::kFloat));
+  MhaVarlenFwdParams p;
+  fill_fwd_common(fn, p, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale, causal,
+                  window_left, window_right, softcap);
+  p.cu_seqlens_q = to_view(fn, "cu_seqlens_q", cu_seqlens_q);
+  p.cu_seqlens_k = to_view(fn, "cu_seqlens_k", cu_seqlens_k);
+  p.seqused_k = to_optional_view(fn, "seqused_k", seqused_k);
+  p.max_seqlen_q = to_int(max_seqlen_q);
+  p.max_seqlen_k = to_int(max_seqlen_k);
+  call_flashkit([&] { mha_varlen_fwd(p, current_stream(q.device())); });
+  return {out, softmax_lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, const OptionalTensor& alibi_slopes,
+    double dropout_p, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+    double softcap, bool deterministic) {
+  constexpr const char* fn = "flashkit::bwd";
+  const c10::DeviceGuard device_guard(q.device());
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  MhaBwdParams p;
+  fill_bwd_common(fn, p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p,
+                  softmax_scale, causal, window_left, window_right, softcap, deterministic);
+  const size_t workspace_bytes = call_flashkit([&] { return mha_bwd_workspace_size(p); });
+  const at::Tensor workspace = allocate_workspace(p, workspace_bytes, q);
+  call_flashkit([&] { mha_bwd(p, current_stream(q.device())); });
+  return {dq, dk, dv};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const OptionalTensor& seqused_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const OptionalTensor& alibi_slopes, double dropout_p,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+    bool deterministic) {
+  constexpr const char* fn = "flashkit::varlen_bwd";
+  const c10::DeviceGuard device_guard(q.device());
+  at::Tensor dq = at::empty(q.sizes(), q.options());
+  at::Tensor dk = at::empty(k.sizes(), k.options());
+  at::Tensor dv = at::empty(v.sizes(), v.options());
+  MhaVarlenBwdParams p;
+  fill_bwd_common(fn, p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p,
+                  softmax_scale, causal, window_left, window_right, softcap, deterministic);
+  p.cu_seqlens_q = to_view(fn, "cu_seqlens_q", cu_seqlens_q);
+  p.cu_seqlens_k = to_view(fn, "cu_seqlens_k", cu_seqlens_k);
+  p.seqused_k = to_optional_view(fn, "seqused_k", seqused_k);
+  p.max_seqlen_q = to_int(max_seqlen_q);
+  p.max_seqlen_k = to_int(max_seqlen_k);
+  const size_t workspace_bytes = call_flashkit([&] { return mha_varlen_bwd_workspace_size(p); });
+  const at::Tensor workspace = allocate_workspace(p, workspace_bytes, q);
+  call_flashkit([&] { mha_varlen_bwd(p, current_stream(q.device())); });
+  return {dq, dk, dv};
+}
+
+}  // namespace
+}  // namespace flashkit::torch_glue
+
+// The schemas. Argument names follow flash_attn; window sides of -1 are unbounded.
+TORCH_LIBRARY(flashkit, m) {
+  m.def(
+      "fwd(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, float dropout_p, "
+      "float softmax_scale, bool causal, int window_left, int window_right, float softcap) "
+      "-> (Tensor out, Tensor softmax_lse)");
+  m.def(
+      "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "Tensor? seqused_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes, "
+      "float dropout_p, float softmax_scale, bool causal, int window_left, int window_right, "
+      "float softcap) -> (Tensor out, Tensor softmax_lse)");
+  m.def(
+      "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+      "Tensor? alibi_slopes, float dropout_p, float softmax_scale, bool causal, int window_left, "
+      "int window_right, float softcap, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, SymInt max_seqlen_q, "
+      "SymInt max_seqlen_k, Tensor? alibi_slopes, float dropout_p, float softmax_scale, "
+      "bool causal, int window_left, int window_right, float softcap, bool deterministic) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
+}
+
+TORCH_LIBRARY_IMPL(flashkit, CPU, m) {
+  m.impl("fwd", &flashkit::torch_glue::fwd);
+  m.impl("varlen_fwd", &flashkit::torch_glue::varlen_fwd);
+  m.impl("bwd", &flashkit::torch_glue::bwd);
+  m.impl("varlen_bwd", &flashkit::torch_glue::varlen_bwd);
+}
+
+// Registered whether or not this build has CUDA kernels: without them flashkit itself refuses CUDA
+// tensors with a message that says how to rebuild.
+TORCH_LIBRARY_IMPL(flashkit, CUDA, m) {
+  m.impl("fwd", &flashkit::torch_glue::fwd);
+  m.impl("varlen_fwd", &flashkit::torch_glue::varlen_fwd);
+  m.impl("bwd", &flashkit::torch_glue::bwd);
+  m.impl("varlen_bwd", &flashkit::torch_glue::varlen_bwd);
+}

@@ -1,0 +1,71 @@
+"""The torch.ops.flashkit operators: loading them, and their fake implementations.
+
+The operators themselves are C++ (python/csrc/ops.cpp) and are registered when ``flashkit._C`` is
+imported. The fake (meta) implementations below give torch.compile, FakeTensor and
+torch.library.opcheck the output shapes without running anything: every output is contiguous, as
+the C++ operators allocate it.
+
+    fwd(q, k, v, ...)                 -> out [b, s_q, h_q, d], softmax_lse fp32 [b, h_q, s_q]
+    varlen_fwd(q, k, v, cu_q, cu_k, ...) -> out [total_q, h_q, d],
+                                         softmax_lse fp32 [batch, h_q, max_seqlen_q]
+    bwd(dout, q, k, v, out, lse, ...) -> dq, dk, dv shaped like q, k, v
+    varlen_bwd(...)                   -> dq, dk, dv shaped like q, k, v
+"""
+
+from __future__ import annotations
+
+import torch
+
+from flashkit import _C  # noqa: F401  (registers the operators)
+
+fwd = torch.ops.flashkit.fwd.default
+varlen_fwd = torch.ops.flashkit.varlen_fwd.default
+bwd = torch.ops.flashkit.bwd.default
+varlen_bwd = torch.ops.flashkit.varlen_bwd.default
+
+
+@torch.library.register_fake("flashkit::fwd")
+def _fwd_fake(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right,
+              softcap):
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = q.new_empty(q.shape)
+    softmax_lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    return out, softmax_lse
+
+
+@torch.library.register_fake("flashkit::varlen_fwd")
+def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                     alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right,
+                     softcap):
+    batch = cu_seqlens_q.shape[0] - 1
+    out = q.new_empty(q.shape)
+    softmax_lse = q.new_empty((batch, q.shape[1], max_seqlen_q), dtype=torch.float32)
+    return out, softmax_lse
+
+
+@torch.library.register_fake("flashkit::bwd")
+def _bwd_fake(dout, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale, causal,
+              window_left, window_right, softcap, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+@torch.library.register_fake("flashkit::varlen_bwd")
+def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                     max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal,
+                     window_left, window_right, softcap, deterministic):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+_DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
+
+
+def cuda_fwd_built(dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether this build has the CUDA forward kernel for ``dtype`` at ``head_dim`` (a multiple of
+    8; the Python functions pad other head dims up to one). Builds may leave out head-dim families
+    and dtypes (FLASHKIT_HEAD_DIMS, FLASHKIT_DTYPES); a call for a left-out one raises."""
+    return dtype in _DTYPE_NAMES and _C.cuda_fwd_built(_DTYPE_NAMES[dtype], head_dim)
+
+
+def cuda_bwd_built(dtype: torch.dtype, head_dim: int) -> bool:
+    """As cuda_fwd_built, for the backward kernels."""
+    return dtype in _DTYPE_NAMES and _C.cuda_bwd_built(_DTYPE_NAMES[dtype], head_dim)

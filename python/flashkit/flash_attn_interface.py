@@ -1,0 +1,377 @@
+"""The flash_attn 2.x functions on flashkit: same names, argument order, defaults and results.
+
+Layouts (the last dim contiguous; other strides free):
+
+    fixed length:  q [batch, seqlen_q, heads_q, head_dim], k and v [batch, seqlen_k, heads_kv, head_dim]
+    varlen:        q [total_q, heads_q, head_dim], k and v [total_k, heads_kv, head_dim], sequence b
+                   being rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32 prefix sums from 0)
+
+Semantics:
+
+- heads_q must be a multiple of heads_kv (MHA, GQA, MQA); query head h reads KV head
+  h // (heads_q // heads_kv).
+- dtype float16 or bfloat16 on CUDA (sm_80 or newer) or on the CPU, where flashkit's fp64 reference
+  backend runs with the same semantics.
+- Head dims up to 256. One that is not a multiple of 8 is zero-padded to the next multiple for the
+  kernel and the result sliced back, as flash_attn does; softmax_scale defaults to
+  1 / sqrt(the unpadded head dim).
+- Masks are bottom-right aligned: query row i (of seqlen_q) may see key j (of seqlen_k) iff
+  i + seqlen_k - seqlen_q - window_size[0] <= j <= i + seqlen_k - seqlen_q + window_size[1], a
+  negative side being unbounded; causal=True sets window_size[1] = 0.
+- A query row that sees no key (causal with seqlen_q > seqlen_k, an empty sequence) gets a zero
+  output row and a log-sum-exp of -inf, never NaN.
+- softcap > 0: score = softcap * tanh(score / softcap). alibi_slopes: fp32 [heads_q] or
+  [batch, heads_q]; adds -slope * |i + seqlen_k - seqlen_q - j| to each score.
+- dropout_p must be 0: flashkit has no dropout yet and raises for anything else.
+- return_attn_probs=True returns (out, softmax_lse, None): softmax_lse is fp32 [batch, heads_q,
+  seqlen_q] (varlen: [heads_q, total_q], as flash_attn 2.x), the natural log of each row's softmax
+  denominator. The third element, flash_attn's dropout mask S_dmask, is None without dropout.
+- Gradients flow to q, k, v (and the packed tensors) through flashkit's backward pass; a build
+  without it raises flashkit's error when backward runs. The log-sum-exp is not differentiable.
+- Errors (bad device, dtype, shape, stride, head dim, a kernel this build left out) raise
+  RuntimeError with flashkit's message, as flash_attn's checks do; Python-side argument errors
+  raise ValueError or NotImplementedError.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn.functional as F
+
+from flashkit import _ops
+
+_HEAD_DIM_MULTIPLE = 8
+_MAX_HEAD_DIM = 256
+
+AttnOutput = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, None]]
+
+
+def _window(fn: str, window_size: Sequence[int]) -> Tuple[int, int]:
+    if len(window_size) != 2:
+        raise ValueError(f"{fn}: window_size is {tuple(window_size)}; expected a pair "
+                         "(left, right), -1 for an unbounded side")
+    return int(window_size[0]), int(window_size[1])
+
+
+def _check_head_dim(fn: str, q: torch.Tensor) -> None:
+    head_dim = q.shape[-1]
+    if head_dim > _MAX_HEAD_DIM:
+        raise RuntimeError(f"{fn}: head_dim (q.size(-1)) is {head_dim}; supported: up to "
+                           f"{_MAX_HEAD_DIM}")
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _pad_head_dim(x: torch.Tensor) -> torch.Tensor:
+    remainder = x.shape[-1] % _HEAD_DIM_MULTIPLE
+    if remainder == 0:
+        return _last_dim_contiguous(x)
+    return F.pad(x, [0, _HEAD_DIM_MULTIPLE - remainder])
+
+
+def _needs_grad(*tensors: torch.Tensor) -> bool:
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
+
+
+class _FlashAttnFunc(torch.autograd.Function):
+    """Fixed-length attention: flashkit::fwd forward, flashkit::bwd backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
+                deterministic):
+        head_dim = q.shape[-1]
+        q, k, v = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
+        out, softmax_lse = _ops.fwd(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal,
+                                    window[0], window[1], softcap)
+        ctx.save_for_backward(q, k, v, out, softmax_lse, alibi_slopes)
+        ctx.options = (dropout_p, softmax_scale, causal, window, softcap, deterministic)
+        ctx.head_dim = head_dim
+        ctx.mark_non_differentiable(softmax_lse)
+        return out[..., :head_dim], softmax_lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, softmax_lse, alibi_slopes = ctx.saved_tensors
+        dropout_p, softmax_scale, causal, window, softcap, deterministic = ctx.options
+        dq, dk, dv = _ops.bwd(_pad_head_dim(dout), q, k, v, out, softmax_lse, alibi_slopes,
+                              dropout_p, softmax_scale, causal, window[0], window[1], softcap,
+                              deterministic)
+        d = ctx.head_dim
+        return dq[..., :d], dk[..., :d], dv[..., :d], None, None, None, None, None, None, None
+
+
+class _FlashAttnVarlenFunc(torch.autograd.Function):
+    """Variable-length attention: flashkit::varlen_fwd forward, flashkit::varlen_bwd backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                softmax_scale, causal, window, softcap, alibi_slopes, deterministic):
+        head_dim = q.shape[-1]
+        q, k, v = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
+        out, softmax_lse = _ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, None,
+                                           max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
+                                           softmax_scale, causal, window[0], window[1], softcap)
+        ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+        ctx.options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window,
+                       softcap, deterministic)
+        ctx.head_dim = head_dim
+        ctx.mark_non_differentiable(softmax_lse)
+        return out[..., :head_dim], softmax_lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+        (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window, softcap,
+         deterministic) = ctx.options
+        dq, dk, dv = _ops.varlen_bwd(_pad_head_dim(dout), q, k, v, out, softmax_lse, cu_seqlens_q,
+                                     cu_seqlens_k, None, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                                     dropout_p, softmax_scale, causal, window[0], window[1],
+                                     softcap, deterministic)
+        d = ctx.head_dim
+        return (dq[..., :d], dk[..., :d], dv[..., :d]) + (None,) * 11
+
+
+def _attention(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+               deterministic):
+    """Fixed-length attention with autograd when a gradient is wanted, else the bare operator."""
+    if q.dim() != 4:
+        raise RuntimeError(f"{fn}: q has shape {list(q.shape)}; expected 4 dims "
+                           "[batch, seqlen_q, heads_q, head_dim]")
+    _check_head_dim(fn, q)
+    window = _window(fn, window_size)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    if _needs_grad(q, k, v):
+        return _FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window, softcap,
+                                    alibi_slopes, deterministic)
+    head_dim = q.shape[-1]
+    out, softmax_lse = _ops.fwd(_pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), alibi_slopes,
+                                dropout_p, softmax_scale, causal, window[0], window[1], softcap)
+    return out[..., :head_dim], softmax_lse
+
+
+def _varlen_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                      dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                      deterministic):
+    if q.dim() != 3:
+        raise RuntimeError(f"{fn}: q has shape {list(q.shape)}; expected 3 dims "
+                           "[total_q, heads_q, head_dim]")
+    _check_head_dim(fn, q)
+    window = _window(fn, window_size)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    if _needs_grad(q, k, v):
+        return _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                          max_seqlen_k, dropout_p, softmax_scale, causal, window,
+                                          softcap, alibi_slopes, deterministic)
+    head_dim = q.shape[-1]
+    out, softmax_lse = _ops.varlen_fwd(_pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v),
+                                       cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q,
+                                       max_seqlen_k, alibi_slopes, dropout_p, softmax_scale,
+                                       causal, window[0], window[1], softcap)
+    return out[..., :head_dim], softmax_lse
+
+
+def _packed_lse(softmax_lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                total_q: int) -> torch.Tensor:
+    """flashkit's varlen LSE [batch, heads, max_seqlen_q] as flash_attn 2.x's [heads, total_q].
+    Tokens past cu_seqlens_q[-1] (unused tail rows) get -inf."""
+    batch = softmax_lse.shape[0]
+    tokens = torch.arange(total_q, device=softmax_lse.device, dtype=cu_seqlens_q.dtype)
+    seq = torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True)
+    in_batch = seq < batch
+    seq = seq.clamp(max=batch - 1)
+    row = (tokens - cu_seqlens_q[seq]).clamp(0, softmax_lse.shape[2] - 1)
+    packed = softmax_lse[seq.long(), :, row.long()]  # [total_q, heads]
+    packed = torch.where(in_batch[:, None], packed, float("-inf"))
+    return packed.t().contiguous()
+
+
+def _result(out, softmax_lse, return_attn_probs):
+    return (out, softmax_lse, None) if return_attn_probs else out
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> AttnOutput:
+    """softmax(q k^T * softmax_scale + bias, masked) v for a batch of equal-length sequences.
+
+    Args:
+        q: [batch, seqlen_q, heads_q, head_dim], float16 or bfloat16.
+        k, v: [batch, seqlen_k, heads_kv, head_dim]; heads_q a multiple of heads_kv.
+        dropout_p: must be 0.0 (flashkit has no dropout yet).
+        softmax_scale: defaults to 1 / sqrt(head_dim).
+        causal: bottom-right aligned causal mask.
+        window_size: (left, right) sliding window; -1 is unbounded.
+        softcap: > 0 applies softcap * tanh(score / softcap).
+        alibi_slopes: fp32 [heads_q] or [batch, heads_q].
+        deterministic: bit-identical gradients from run to run.
+        return_attn_probs: also return softmax_lse [batch, heads_q, seqlen_q] and None.
+
+    Returns:
+        out [batch, seqlen_q, heads_q, head_dim], or (out, softmax_lse, None).
+    """
+    out, softmax_lse = _attention("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal,
+                                  window_size, softcap, alibi_slopes, deterministic)
+    return _result(out, softmax_lse, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> AttnOutput:
+    """flash_attn_func on qkv [batch, seqlen, 3, heads, head_dim] (q, k, v stacked on dim 2).
+
+    Returns out [batch, seqlen, heads, head_dim], or (out, softmax_lse, None); the gradient is
+    one tensor shaped like qkv.
+    """
+    if qkv.dim() != 5 or qkv.shape[2] != 3:
+        raise RuntimeError(f"flash_attn_qkvpacked_func: qkv has shape {list(qkv.shape)}; expected "
+                           "[batch, seqlen, 3, heads, head_dim]")
+    q, k, v = qkv.unbind(2)
+    out, softmax_lse = _attention("flash_attn_qkvpacked_func", q, k, v, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic)
+    return _result(out, softmax_lse, return_attn_probs)
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> AttnOutput:
+    """flash_attn_func with kv [batch, seqlen_k, 2, heads_kv, head_dim] (k, v stacked on dim 2).
+
+    Returns out [batch, seqlen_q, heads_q, head_dim], or (out, softmax_lse, None).
+    """
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise RuntimeError(f"flash_attn_kvpacked_func: kv has shape {list(kv.shape)}; expected "
+                           "[batch, seqlen_k, 2, heads_kv, head_dim]")
+    k, v = kv.unbind(2)
+    out, softmax_lse = _attention("flash_attn_kvpacked_func", q, k, v, dropout_p, softmax_scale,
+                                  causal, window_size, softcap, alibi_slopes, deterministic)
+    return _result(out, softmax_lse, return_attn_probs)
+
+
+def flash_attn_varlen_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+    block_table: Optional[torch.Tensor] = None,
+) -> AttnOutput:
+    """Attention over sequences of different lengths packed along the token dimension.
+
+    Args:
+        q: [total_q, heads_q, head_dim]; k, v: [total_k, heads_kv, head_dim].
+        cu_seqlens_q, cu_seqlens_k: int32 [batch + 1], prefix sums of the lengths, from 0.
+        max_seqlen_q, max_seqlen_k: bounds on every query / key length.
+        block_table: paged KV is not supported yet (it comes with the KV-cache entry point).
+        The rest as flash_attn_func; masks apply per sequence.
+
+    Returns:
+        out [total_q, heads_q, head_dim] (rows past cu_seqlens_q[-1] are not written), or
+        (out, softmax_lse [heads_q, total_q], None).
+    """
+    if block_table is not None:
+        raise NotImplementedError("flash_attn_varlen_func: block_table (paged KV) is not supported "
+                                  "by flashkit yet; pass block_table=None")
+    out, softmax_lse = _varlen_attention(
+        "flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+    if not return_attn_probs:
+        return out
+    return out, _packed_lse(softmax_lse, cu_seqlens_q, q.shape[0]), None
+
+
+def flash_attn_varlen_qkvpacked_func(
+    qkv: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> AttnOutput:
+    """flash_attn_varlen_func on qkv [total, 3, heads, head_dim] with one cu_seqlens for q and k.
+
+    Returns out [total, heads, head_dim], or (out, softmax_lse [heads, total], None).
+    """
+    if qkv.dim() != 4 or qkv.shape[1] != 3:
+        raise RuntimeError(f"flash_attn_varlen_qkvpacked_func: qkv has shape {list(qkv.shape)}; "
+                           "expected [total, 3, heads, head_dim]")
+    q, k, v = qkv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)
+
+
+def flash_attn_varlen_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+) -> AttnOutput:
+    """flash_attn_varlen_func with kv [total_k, 2, heads_kv, head_dim] (k, v stacked on dim 1).
+
+    Returns out [total_q, heads_q, head_dim], or (out, softmax_lse [heads_q, total_q], None).
+    """
+    if kv.dim() != 4 or kv.shape[1] != 2:
+        raise RuntimeError(f"flash_attn_varlen_kvpacked_func: kv has shape {list(kv.shape)}; "
+                           "expected [total_k, 2, heads_kv, head_dim]")
+    k, v = kv.unbind(1)
+    return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                  dropout_p, softmax_scale, causal, window_size, softcap,
+                                  alibi_slopes, deterministic, return_attn_probs)

@@ -1,0 +1,1 @@
+"""flashkit inside other libraries (Hugging Face transformers: flashkit.integrations.transformers)."""

@@ -1,0 +1,111 @@
+"""The oracle of the Python tests: attention in plain PyTorch, with flashkit's semantics.
+
+attention_ref computes in fp32 (``upcast=True``, the reference) or in the input dtype (the second
+reference whose error sets the tolerance, keys scaled instead of queries), per TESTING.md. Masks are
+bottom-right aligned; a window side >= seqlen_k is unbounded; a row that sees no key gives zeros and
+a log-sum-exp of -inf.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Tuple
+
+import torch
+
+
+@dataclass
+class Options:
+    """The attention options a case runs with (flash_attn_func's keyword arguments)."""
+
+    causal: bool = False
+    window_size: Tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: bool = False
+    softmax_scale: Optional[float] = None
+    alibi_slopes: Optional[torch.Tensor] = field(default=None, repr=False)
+
+    def kwargs(self) -> dict:
+        return dict(causal=self.causal, window_size=self.window_size, softcap=self.softcap,
+                    alibi_slopes=self.alibi_slopes, softmax_scale=self.softmax_scale)
+
+
+def visible(seqlen_q: int, seqlen_k: int, opts: Options, device) -> torch.Tensor:
+    """bool [seqlen_q, seqlen_k]: which keys each query row may see."""
+    left, right = opts.window_size
+    if left >= seqlen_k:
+        left = -1
+    if right >= seqlen_k:
+        right = -1
+    if opts.causal:
+        right = 0
+    i = torch.arange(seqlen_q, device=device)[:, None]
+    j = torch.arange(seqlen_k, device=device)[None, :]
+    diag = i + seqlen_k - seqlen_q
+    ok = torch.ones(seqlen_q, seqlen_k, dtype=torch.bool, device=device)
+    if left >= 0:
+        ok &= j >= diag - left
+    if right >= 0:
+        ok &= j <= diag + right
+    return ok
+
+
+def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Options,
+                  upcast: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    """out [b, s_q, h_q, d] and lse fp32 [b, h_q, s_q] of q [b, s_q, h_q, d], k/v [b, s_k, h_kv, d].
+
+    upcast=True: fp32 throughout, out in fp32. upcast=False: scores and probabilities rounded to the
+    input dtype, out in the input dtype."""
+    dtype = q.dtype
+    if upcast:
+        q, k, v = q.float(), k.float(), v.float()
+    batch, seqlen_q, heads_q, head_dim = q.shape
+    seqlen_k, heads_kv = k.shape[1], k.shape[2]
+    k = k.repeat_interleave(heads_q // heads_kv, dim=2)
+    v = v.repeat_interleave(heads_q // heads_kv, dim=2)
+    scale = opts.softmax_scale if opts.softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, k * scale).float()
+    if not upcast:
+        scores = scores.to(dtype).float()
+    if opts.softcap > 0:
+        scores = opts.softcap * torch.tanh(scores / opts.softcap)
+    if opts.alibi_slopes is not None:
+        slopes = opts.alibi_slopes.float()
+        slopes = slopes[None, :, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
+        i = torch.arange(seqlen_q, device=q.device)[:, None]
+        j = torch.arange(seqlen_k, device=q.device)[None, :]
+        scores = scores - slopes * (i + seqlen_k - seqlen_q - j).abs().float()
+    mask = visible(seqlen_q, seqlen_k, opts, q.device)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # -inf for a row that sees nothing
+    probs = torch.exp(scores - lse[..., None].masked_fill(torch.isinf(lse)[..., None], 0.0))
+    probs = probs.masked_fill(~mask, 0.0)
+    if not upcast:
+        probs = probs.to(dtype)
+    out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
+    return (out if upcast else out.to(dtype)), lse
+
+
+def check_close(name: str, got: torch.Tensor, ref: torch.Tensor, lowp: torch.Tensor,
+                factor: float = 2.0, slack: float = 1e-5) -> None:
+    """The error-ratio rule: max|got - ref| <= factor * max|lowp - ref| + slack, with NaN and inf
+    in the same positions on both sides."""
+    lowp_dtype = lowp.dtype
+    got, ref, lowp = got.float().cpu(), ref.float().cpu(), lowp.float().cpu()
+    assert got.shape == ref.shape, f"{name}: shape {tuple(got.shape)} vs {tuple(ref.shape)}"
+    nan_got, nan_ref = torch.isnan(got), torch.isnan(ref)
+    assert torch.equal(nan_got, nan_ref), (
+        f"{name}: NaN at {int(nan_got.sum())} positions, the reference at {int(nan_ref.sum())}")
+    inf_got, inf_ref = torch.isinf(got), torch.isinf(ref)
+    assert torch.equal(inf_got, inf_ref), f"{name}: inf positions differ from the reference"
+    assert torch.equal(got[inf_got], ref[inf_ref]), f"{name}: inf signs differ"
+    finite = ~(nan_ref | inf_ref)
+    if not finite.any():
+        return
+    err = (got[finite] - ref[finite]).abs().max().item()
+    lowp_finite = finite & torch.isfinite(lowp)
+    err_lowp = (lowp[lowp_finite] - ref[lowp_finite]).abs().max().item() if lowp_finite.any() else 0
+    assert err <= factor * err_lowp + slack, (
+        f"{name}: max error {err:.3g} exceeds {factor} x the {lowp_dtype} reference's "
+        f"{err_lowp:.3g} + {slack:g}")

@@ -1,0 +1,196 @@
+"""The forward functions against the fp32 PyTorch reference (error-ratio rule of TESTING.md): dtype x
+head dim (including ones padded to a multiple of 8) x masks x MHA/GQA/MQA x lengths, fixed-length
+and varlen; the packed variants against the unpacked ones; return values as flash_attn's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import poison_cuda_allocator, skip_unbuilt
+from flashkit import (
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+)
+from reference import Options, attention_ref, check_close
+
+DTYPES = [torch.float16, torch.bfloat16]
+HEAD_DIMS = [8, 40, 59, 64, 96, 111, 128, 256]
+MASKS = ["none", "causal", "window", "softcap", "alibi", "causal_alibi"]
+HEADS = [(6, 6), (6, 2), (6, 1)]
+# (seqlen_q, seqlen_k): both orders, ones, odd and block-straddling lengths.
+LENGTHS = [(1, 1), (1, 239), (3, 17), (17, 3), (97, 113), (113, 97), (127, 128), (203, 339),
+           (239, 1), (64, 0)]
+
+
+def make_options(mask: str, heads_q: int, batch: int, device: str, seed: int) -> Options:
+    gen = torch.Generator().manual_seed(seed)
+    opts = Options()
+    if mask in ("causal", "causal_alibi"):
+        opts.causal = True
+    if mask == "window":
+        left, right = torch.randint(0, 64, (2,), generator=gen).tolist()
+        opts.window_size = (left, right)
+    if mask == "softcap":
+        opts.softcap = 2.5
+    if mask in ("alibi", "causal_alibi"):
+        shape = (heads_q,) if seed % 2 == 0 else (batch, heads_q)
+        opts.alibi_slopes = (torch.rand(shape, generator=gen) * 0.3).to(device)
+    return opts
+
+
+def randn(shape, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=gen).to(dtype).to(device)
+
+
+def run_fixed(device, dtype, head_dim, mask, heads, seqlen_q, seqlen_k, batch=2, seed=0):
+    skip_unbuilt(device, dtype, head_dim)
+    heads_q, heads_kv = heads
+    q = randn((batch, seqlen_q, heads_q, head_dim), dtype, device, seed)
+    k = randn((batch, seqlen_k, heads_kv, head_dim), dtype, device, seed + 1)
+    v = randn((batch, seqlen_k, heads_kv, head_dim), dtype, device, seed + 2)
+    opts = make_options(mask, heads_q, batch, device, seed)
+    poison_cuda_allocator(device)
+    out, lse, s_dmask = flash_attn_func(q, k, v, return_attn_probs=True, **opts.kwargs())
+    assert s_dmask is None
+    assert out.shape == q.shape and out.dtype == dtype and out.device == q.device
+    assert lse.shape == (batch, heads_q, seqlen_q) and lse.dtype == torch.float32
+    out_ref, lse_ref = attention_ref(q, k, v, opts)
+    out_lowp, lse_lowp = attention_ref(q, k, v, opts, upcast=False)
+    factor = 3.0 if opts.softcap > 0 else 2.0
+    check_close("out", out, out_ref, out_lowp, factor)
+    check_close("softmax_lse", lse, lse_ref, lse_lowp, factor)
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_fwd_grid(device, dtype, head_dim, mask):
+    index = HEAD_DIMS.index(head_dim) + len(HEAD_DIMS) * MASKS.index(mask)
+    seqlen_q, seqlen_k = [(97, 113), (113, 97), (17, 203), (128, 128)][index % 4]
+    run_fixed(device, dtype, head_dim, mask, HEADS[index % len(HEADS)], seqlen_q, seqlen_k,
+              seed=index)
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("lengths", LENGTHS, ids=[f"{q}x{k}" for q, k in LENGTHS])
+def test_fwd_lengths(device, lengths, mask):
+    run_fixed(device, torch.bfloat16, 64, mask, (4, 2), *lengths, seed=sum(lengths))
+
+
+def test_empty_rows_are_zero_with_lse_minus_inf(device):
+    # causal with seqlen_q > seqlen_k: the first seqlen_q - seqlen_k rows see no key.
+    q = randn((1, 9, 2, 64), torch.float16, device, 1)
+    k = randn((1, 4, 2, 64), torch.float16, device, 2)
+    out, lse, _ = flash_attn_func(q, k, k, causal=True, return_attn_probs=True)
+    assert torch.all(out[:, :5] == 0)
+    assert torch.all(lse[:, :, :5] == float("-inf"))
+    assert torch.isfinite(lse[:, :, 5:]).all() and not torch.isnan(out).any()
+
+
+def pack(tensors):
+    """[sum of lengths, ...] and int32 prefix sums of a list of [len_b, ...] tensors."""
+    lengths = [t.shape[0] for t in tensors]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0).to(torch.int32)
+    return torch.cat(tensors), cu
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "alibi", "softcap"])
+@pytest.mark.parametrize("head_dim", [40, 64, 128])
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_varlen(device, dtype, head_dim, mask):
+    skip_unbuilt(device, dtype, head_dim)
+    seed = head_dim + MASKS.index(mask)
+    heads_q, heads_kv = HEADS[seed % len(HEADS)]
+    lengths_q = [17, 0, 113, 1, 64]
+    lengths_k = [33, 5, 97, 0, 64]
+    qs = [randn((n, heads_q, head_dim), dtype, "cpu", seed + 10 * b) for b, n in
+          enumerate(lengths_q)]
+    ks = [randn((n, heads_kv, head_dim), dtype, "cpu", seed + 10 * b + 1) for b, n in
+          enumerate(lengths_k)]
+    vs = [randn((n, heads_kv, head_dim), dtype, "cpu", seed + 10 * b + 2) for b, n in
+          enumerate(lengths_k)]
+    opts = make_options(mask, heads_q, len(lengths_q), "cpu", seed)
+    q, cu_q = pack(qs)
+    k, cu_k = pack(ks)
+    v, _ = pack(vs)
+    device_opts = Options(**{**opts.__dict__})
+    if opts.alibi_slopes is not None:
+        device_opts.alibi_slopes = opts.alibi_slopes.to(device)
+    poison_cuda_allocator(device)
+    out, lse, _ = flash_attn_varlen_func(q.to(device), k.to(device), v.to(device), cu_q.to(device),
+                                         cu_k.to(device), max(lengths_q), max(lengths_k),
+                                         return_attn_probs=True, **device_opts.kwargs())
+    assert out.shape == q.shape and lse.shape == (heads_q, q.shape[0])
+    for b in range(len(lengths_q)):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        seq_opts = Options(**{**opts.__dict__})
+        if opts.alibi_slopes is not None and opts.alibi_slopes.dim() == 2:
+            seq_opts.alibi_slopes = opts.alibi_slopes[b]
+        ref, lse_ref = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts)
+        lowp, lse_lowp = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts,
+                                       upcast=False)
+        factor = 3.0 if opts.softcap > 0 else 2.0
+        check_close(f"out of sequence {b}", out[rows][None], ref, lowp, factor)
+        check_close(f"softmax_lse of sequence {b}", lse[:, rows][None], lse_ref, lse_lowp, factor)
+
+
+def test_varlen_matches_fixed_when_lengths_are_equal(device):
+    q = randn((3, 50, 4, 64), torch.bfloat16, device, 3)
+    k = randn((3, 70, 2, 64), torch.bfloat16, device, 4)
+    v = randn((3, 70, 2, 64), torch.bfloat16, device, 5)
+    cu_q = torch.arange(0, 151, 50, dtype=torch.int32, device=device)
+    cu_k = torch.arange(0, 211, 70, dtype=torch.int32, device=device)
+    fixed = flash_attn_func(q, k, v, causal=True)
+    varlen = flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k,
+                                    50, 70, causal=True)
+    assert torch.equal(varlen, fixed.flatten(0, 1))
+
+
+@pytest.mark.parametrize("head_dim", [64, 59])
+def test_packed_variants_match_unpacked(device, head_dim):
+    skip_unbuilt(device, torch.float16, head_dim)
+    qkv = randn((2, 37, 3, 4, head_dim), torch.float16, device, 7)
+    q, k, v = qkv.unbind(2)
+    expected = flash_attn_func(q, k, v, causal=True)
+    assert torch.equal(flash_attn_qkvpacked_func(qkv, causal=True), expected)
+    assert torch.equal(flash_attn_kvpacked_func(q, qkv[:, :, 1:], causal=True), expected)
+
+    cu = torch.tensor([0, 37, 74], dtype=torch.int32, device=device)
+    flat = qkv.flatten(0, 1)
+    expected_varlen = flash_attn_varlen_func(*flat.unbind(1), cu, cu, 37, 37, causal=True)
+    assert torch.equal(expected_varlen, expected.flatten(0, 1))
+    assert torch.equal(flash_attn_varlen_qkvpacked_func(flat, cu, 37, causal=True),
+                       expected_varlen)
+    assert torch.equal(flash_attn_varlen_kvpacked_func(flat[:, 0], flat[:, 1:], cu, cu, 37, 37,
+                                                       causal=True), expected_varlen)
+
+
+def test_layout_invariance(device):
+    # The same values through [batch, heads, seqlen, dim]-ordered memory give the same result.
+    q = randn((2, 4, 45, 64), torch.bfloat16, device, 8).transpose(1, 2)
+    k = randn((2, 4, 60, 64), torch.bfloat16, device, 9).transpose(1, 2)
+    v = randn((2, 4, 60, 64), torch.bfloat16, device, 10).transpose(1, 2)
+    assert not q.is_contiguous()
+    assert torch.equal(flash_attn_func(q, k, v), flash_attn_func(q.contiguous(), k.contiguous(),
+                                                                 v.contiguous()))
+
+
+def test_softmax_scale_default_uses_unpadded_head_dim(device):
+    q = randn((1, 20, 2, 59), torch.float16, device, 11)
+    k = randn((1, 20, 2, 59), torch.float16, device, 12)
+    assert torch.equal(flash_attn_func(q, k, k), flash_attn_func(q, k, k, softmax_scale=59 ** -0.5))
+    assert flash_attn_func(q, k, k).shape == q.shape
+
+
+def test_return_values(device):
+    q = randn((2, 5, 2, 32), torch.bfloat16, device, 13)
+    out = flash_attn_func(q, q, q)
+    assert isinstance(out, torch.Tensor)
+    result = flash_attn_qkvpacked_func(torch.stack((q, q, q), 2), return_attn_probs=True)
+    assert isinstance(result, tuple) and len(result) == 3 and result[2] is None
