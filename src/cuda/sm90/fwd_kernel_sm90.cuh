@@ -1,0 +1,400 @@
+// src/cuda/sm90/fwd_kernel_sm90.cuh
+// \brief The warp-specialized forward kernel on wgmma + TMA (sm_90a, Hopper).
+//
+// One CTA computes kBlockM = 128 query rows of one (batch, head), with three warpgroups:
+//
+//   producer  (warpgroup 0, 24 registers; its first warp works, one lane issues the copies)
+//     TMA Q (128 x D) once                              -> q_full
+//     for each visible key block, last to first, through a ring of kStages stages:
+//       wait empty[s]; TMA K[n] -> k_full[s]; TMA V[n] -> v_full[s]
+//       (varlen, a block reaching past the sequence: V lands on v_tail, the warp zeroes the rows
+//        past the sequence (they hold the next sequence's tokens, possibly inf or NaN, which
+//        0 * x would spread into O), fences, and then arrives on v_full[s] itself)
+//   consumers (warpgroups 1 and 2, 240 registers; 64 query rows each)
+//     wait q_full
+//     per key block: wait k_full[s]
+//                    S = Q K^T                  (wgmma SS: Q and K from shared memory, fp32 S)
+//                    softcap / ALiBi / mask     (the sm80 kernel's helpers: same semantics)
+//                    online softmax S -> P      (online_softmax.cuh: the accumulator layout of a
+//                                                warp's 16 rows is the mma.sync one)
+//                    wait v_full[s]
+//                    O += P V                   (wgmma RS: P from registers, V from shared memory)
+//                    arrive empty[s]            (one arrival per consumer warp)
+//     epilogue: O / rowsum -> 16-bit, staged through the warpgroup's own rows of the Q tile,
+//               16-byte stores of the rows inside the sequence; LSE per row.
+//
+// Blocks are visited from the last to the first, as in the sm80 kernel, so the blocks the causal
+// diagonal or the sequence end cut come first. Rows and keys past a sequence's end are read (TMA
+// zero-fills past the tensor, and in a packed varlen tensor reads the next sequence) but masked,
+// zeroed (V) or never written (rows of O and LSE).
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/fwd_problem.h"
+#include "cuda/common/attention_mask.cuh"
+#include "cuda/common/online_softmax.cuh"
+#include "cuda/sm80/fwd_kernel.cuh"
+#include "cuda/sm90/mbarrier.cuh"
+#include "cuda/sm90/tensor_map.h"
+#include "cuda/sm90/tma.cuh"
+#include "cuda/sm90/warpgroup.cuh"
+#include "cuda/sm90/wgmma.cuh"
+
+namespace flashkit::sm90 {
+
+// The kernel's parameter block: the problem and the tensor maps of Q, K and V (rank 4 [D, seqlen,
+// heads, batch] for fixed-length problems, rank 3 [D, total tokens, heads] for varlen).
+struct FwdParams {
+  FwdProblem problem;
+  CUtensorMap q_map;
+  CUtensorMap k_map;
+  CUtensorMap v_map;
+};
+
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_>
+struct FwdKernelTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
+  static constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
+  static constexpr int kProducerRegisters = 24;
+  static constexpr int kConsumerRegisters = 240;
+
+  // The shapes the sm80 score helpers (transform_scores, mask_scores) index: one 16-row tile per
+  // warp, kBlockN / 8 column groups.
+  static constexpr int kMTiles = 1;
+  static constexpr int kNTiles = kBlockN / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+
+  using QTile = Swizzle128Tile<kBlockM, kHeadDim>;  // also stages O in the epilogue
+  using KvTile = Swizzle128Tile<kBlockN, kHeadDim>;
+
+  // Shared-memory plan, byte offsets from a 1024-byte aligned base. Barriers last.
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQOffset + QTile::kBytes;
+  static constexpr int kVOffset = kKOffset + kStages * KvTile::kBytes;
+  static constexpr int kBarrierOffset = kVOffset + kStages * KvTile::kBytes;
+  struct Barriers {
+    uint64_t q_full;
+    uint64_t k_full[kStages];
+    uint64_t v_full[kStages];
+    uint64_t kv_empty[kStages];
+    uint64_t v_tail;
+  };
+  // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
+  static constexpr int kSmemBytes = kBarrierOffset + static_cast<int>(sizeof(Barriers)) + 1024;
+
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "whole wgmma k-steps and swizzle atoms");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
+};
+
+// The named barriers of this kernel (hardware ids; 0 is __syncthreads).
+enum class FwdBarrier : uint32_t {
+  kConsumer0Epilogue = kFirstNamedBarrier,  // the 128 threads of consumer warpgroup 0
+  kConsumer1Epilogue,                       // ... of consumer warpgroup 1
+};
+
+// Where this CTA's rows and keys live.
+struct FwdTile {
+  int batch;
+  int head;
+  int kv_head;
+  int m_block;
+  int len_q;
+  int len_k;
+  int q_token;  // varlen: the first token of the sequence in the packed tensors; 0 otherwise
+  int k_token;
+
+  __device__ __forceinline__ static FwdTile locate(const FwdProblem& p, int block_m) {
+    FwdTile t;
+    // Linear grid (no 65,535 limit on batch x heads), m-blocks fastest and heaviest first.
+    const int num_m_blocks = (p.seqlen_q + block_m - 1) / block_m;
+    const int linear = static_cast<int>(blockIdx.x);
+    t.m_block = num_m_blocks - 1 - linear % num_m_blocks;
+    const int batch_head = linear / num_m_blocks;
+    t.head = batch_head % p.heads_q;
+    t.batch = batch_head / p.heads_q;
+    t.kv_head = t.head / (p.heads_q / p.heads_kv);
+    t.len_q = p.seqlen_q;
+    t.len_k = p.seqlen_k;
+    t.q_token = 0;
+    t.k_token = 0;
+    if (p.cu_seqlens_q != nullptr) {
+      t.q_token = p.cu_seqlens_q[t.batch];
+      t.k_token = p.cu_seqlens_k[t.batch];
+      t.len_q = p.cu_seqlens_q[t.batch + 1] - t.q_token;
+      t.len_k = p.seqused_k != nullptr ? p.seqused_k[t.batch] : p.cu_seqlens_k[t.batch + 1] - t.k_token;
+    }
+    return t;
+  }
+};
+
+// Copies rows [row, row + box rows) of the (head, batch) slice of a tensor, all column blocks, into
+// the tile at `dst`, completing on `bar`.
+template <typename Tile>
+__device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap& map, uint32_t bar,
+                                              bool varlen, int row, int head, int batch) {
+#pragma unroll
+  for (int cb = 0; cb < Tile::kColumnBlocks; ++cb) {
+    const uint32_t block_dst = dst + cb * Tile::kColumnBlockBytes;
+    if (varlen) {
+      tma_load_3d(block_dst, map, bar, cb * kSwizzleAtomElements, row, head);
+    } else {
+      tma_load_4d(block_dst, map, bar, cb * kSwizzleAtomElements, row, head, batch);
+    }
+  }
+}
+
+template <typename Traits>
+__device__ __forceinline__ void producer_warp(const FwdParams& params, const FwdTile& tile,
+                                              uint32_t smem, typename Traits::Barriers& bars,
+                                              int n_begin, int n_end) {
+  using QTile = typename Traits::QTile;
+  using KvTile = typename Traits::KvTile;
+  constexpr int kBlockN = Traits::kBlockN;
+  const FwdProblem& p = params.problem;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+  const int batch = varlen ? 0 : tile.batch;
+
+  if (lane == 0) {
+    tma_prefetch_map(params.k_map);
+    tma_prefetch_map(params.v_map);
+    const uint32_t q_full = smem_u32(&bars.q_full);
+    mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
+    tma_load_tile<QTile>(smem + Traits::kQOffset, params.q_map, q_full, varlen,
+                         tile.q_token + tile.m_block * Traits::kBlockM, tile.head, batch);
+  }
+  RingCursor<Traits::kStages> cursor;
+  uint32_t tail_phase = 0;
+  for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
+    const int n0 = n_block * kBlockN;
+    const uint32_t k_dst = smem + Traits::kKOffset + cursor.stage * KvTile::kBytes;
+    const uint32_t v_dst = smem + Traits::kVOffset + cursor.stage * KvTile::kBytes;
+    const uint32_t k_full = smem_u32(&bars.k_full[cursor.stage]);
+    const uint32_t v_full = smem_u32(&bars.v_full[cursor.stage]);
+    mbarrier_wait(smem_u32(&bars.kv_empty[cursor.stage]), cursor.phase ^ 1u);
+    if (lane == 0) {
+      mbarrier_arrive_expect_tx(k_full, KvTile::kBytes);
+      tma_load_tile<KvTile>(k_dst, params.k_map, k_full, varlen, tile.k_token + n0, tile.kv_head, batch);
+    }
+    const int valid_keys = tile.len_k - n0;
+    if (!varlen || valid_keys >= kBlockN) {
+      if (lane == 0) {
+        mbarrier_arrive_expect_tx(v_full, KvTile::kBytes);
+        tma_load_tile<KvTile>(v_dst, params.v_map, v_full, varlen, tile.k_token + n0, tile.kv_head, batch);
+      }
+    } else {
+      const uint32_t v_tail = smem_u32(&bars.v_tail);
+      if (lane == 0) {
+        mbarrier_arrive_expect_tx(v_tail, KvTile::kBytes);
+        tma_load_tile<KvTile>(v_dst, params.v_map, v_tail, varlen, tile.k_token + n0, tile.kv_head, batch);
+      }
+      mbarrier_wait(v_tail, tail_phase);
+      tail_phase ^= 1u;
+      // Whole 128-byte rows of every column block: the swizzle only permutes chunks within a row.
+      const int zero_rows = kBlockN - valid_keys;
+      for (int i = lane; i < KvTile::kColumnBlocks * zero_rows * 8; i += 32) {
+        const int cb = i / (zero_rows * 8);
+        const int rest = i % (zero_rows * 8);
+        const uint32_t addr = v_dst + cb * KvTile::kColumnBlockBytes + (valid_keys + rest / 8) * 128 + (rest % 8) * 16;
+        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+      }
+      fence_proxy_async_shared();
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(v_full);
+    }
+    cursor.advance();
+  }
+}
+
+template <typename Traits>
+__device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, const FwdTile& tile,
+                                                   uint32_t smem, typename Traits::Barriers& bars,
+                                                   int n_begin, int n_end, int consumer) {
+  using Element = typename Traits::Element;
+  using QTile = typename Traits::QTile;
+  using KvTile = typename Traits::KvTile;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kNTiles = Traits::kNTiles;
+  constexpr int kDTiles = Traits::kDTiles;
+  const FwdProblem& p = params.problem;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4;  // within the warpgroup
+  const int m0 = tile.m_block * kBlockM;
+  const int rows_in_block = min(kBlockM, tile.len_q - m0);
+  const int row0 = consumer * 64;  // this warpgroup's first row in the tile
+  const int warp_row0 = row0 + warp * 16;
+
+  const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float alibi_slope =
+      p.alibi_slopes != nullptr ? p.alibi_slopes[tile.batch * p.alibi_batch_stride + tile.head] : 0.0f;
+  const bool transform = p.softcap > 0.0f || alibi_slope != 0.0f;
+  const int diagonal = window.diagonal_offset();
+  const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
+
+  float acc_o[1][kDTiles][4];
+  sm80::zero_accumulators(acc_o);
+  sm80::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
+  softmax.init();
+
+  const uint32_t sQ = smem + Traits::kQOffset;
+  if (n_end > n_begin) {
+    mbarrier_wait(smem_u32(&bars.q_full), 0);
+    RingCursor<Traits::kStages> cursor;
+    for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
+      const int n0 = n_block * kBlockN;
+      const uint32_t sK = smem + Traits::kKOffset + cursor.stage * KvTile::kBytes;
+      const uint32_t sV = smem + Traits::kVOffset + cursor.stage * KvTile::kBytes;
+
+      float acc_s[1][kNTiles][4];
+      mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
+        const uint64_t q_desc = k_major_descriptor(sQ + (kk / 4) * QTile::kColumnBlockBytes + row0 * 128 + (kk % 4) * 32);
+        const uint64_t k_desc = k_major_descriptor(sK + (kk / 4) * KvTile::kColumnBlockBytes + (kk % 4) * 32);
+        Wgmma<kBlockN>::template ss<Element, 0>(&acc_s[0][0][0], q_desc, k_desc, kk > 0 ? 1u : 0u);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
+
+      if (transform) {
+        sm80::transform_scores<Traits>(acc_s, p, m0 + warp_row0, n0, alibi_slope, diagonal);
+      }
+      if (!window.block_unmasked(m0, m0 + rows_in_block, n0, n0 + kBlockN)) {
+        sm80::mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
+      }
+      softmax.update(acc_s, acc_o, log2_scale);
+
+      uint32_t p_frag[kBlockN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        p_frag[kk][0] = sm80::pack2<Element>(acc_s[0][2 * kk][0], acc_s[0][2 * kk][1]);
+        p_frag[kk][1] = sm80::pack2<Element>(acc_s[0][2 * kk][2], acc_s[0][2 * kk][3]);
+        p_frag[kk][2] = sm80::pack2<Element>(acc_s[0][2 * kk + 1][0], acc_s[0][2 * kk + 1][1]);
+        p_frag[kk][3] = sm80::pack2<Element>(acc_s[0][2 * kk + 1][2], acc_s[0][2 * kk + 1][3]);
+      }
+
+      mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
+      wgmma_fence();
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint64_t v_desc = mn_major_descriptor(sV + kk * 16 * 128, KvTile::kColumnBlockBytes);
+        Wgmma<kHeadDim>::template rs<Element, 1>(&acc_o[0][0][0], p_frag[kk], v_desc, 1u);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(smem_u32(&bars.kv_empty[cursor.stage]));
+      cursor.advance();
+    }
+  }
+
+  float lse[2];
+  softmax.finalize(acc_o, log2_scale, lse);
+
+  // Epilogue: this warpgroup's 64 rows of the Q tile are free (its last S = Q K^T has completed)
+  // and no other warpgroup touches them.
+  const int g = lane / 4;
+  const int t = lane % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = warp_row0 + g + half * 8;
+#pragma unroll
+    for (int dt = 0; dt < kDTiles; ++dt) {
+      const uint32_t value = sm80::pack2<Element>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + QTile::chunk_offset(row, dt) + t * 4), "r"(value)
+                   : "memory");
+    }
+  }
+  named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kConsumer0Epilogue) + consumer, kWarpgroupThreads);
+
+  const int64_t q_row0 = static_cast<int64_t>(tile.q_token) + m0;
+  Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride +
+                 tile.head * p.out_head_stride;
+  constexpr int kChunks = kHeadDim / 8;
+  const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
+#pragma unroll
+  for (int i = thread; i < 64 * kChunks; i += kWarpgroupThreads) {
+    const int row = row0 + i / kChunks;
+    const int chunk = i % kChunks;
+    if (row < rows_in_block) {
+      uint4 value;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
+                   : "r"(sQ + QTile::chunk_offset(row, chunk)));
+      *reinterpret_cast<uint4*>(out + (q_row0 + row) * p.out_row_stride + chunk * 8) = value;
+    }
+  }
+  if (t == 0) {
+    float* lse_out = p.lse + tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride + m0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + g + half * 8;
+      if (row < rows_in_block) lse_out[row] = lse[half];
+    }
+  }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    fwd_kernel(const __grid_constant__ FwdParams params) {
+  using Barriers = typename Traits::Barriers;
+  const FwdProblem& p = params.problem;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t smem = (raw + 1023u) & ~1023u;
+  Barriers& bars = *reinterpret_cast<Barriers*>(smem_raw + (smem - raw) + Traits::kBarrierOffset);
+
+  const FwdTile tile = FwdTile::locate(p, Traits::kBlockM);
+  const int m0 = tile.m_block * Traits::kBlockM;
+  if (m0 >= tile.len_q) return;  // varlen: this sequence is shorter than max_seqlen_q
+  const int rows_in_block = min(Traits::kBlockM, tile.len_q - m0);
+  const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
+  const int key_lo = window.key_begin(m0);
+  const int key_hi = window.key_end(m0 + rows_in_block - 1);
+  const int n_begin = key_lo / Traits::kBlockN;
+  const int n_end = key_hi > key_lo ? (key_hi + Traits::kBlockN - 1) / Traits::kBlockN : n_begin;
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(smem_u32(&bars.q_full), 1);
+    mbarrier_init(smem_u32(&bars.v_tail), 1);
+#pragma unroll
+    for (int s = 0; s < Traits::kStages; ++s) {
+      mbarrier_init(smem_u32(&bars.k_full[s]), 1);
+      mbarrier_init(smem_u32(&bars.v_full[s]), 1);
+      mbarrier_init(smem_u32(&bars.kv_empty[s]), Traits::kConsumerWarps);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  const int warpgroup = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
+  if (warpgroup == 0) {
+    warpgroup_release_registers<Traits::kProducerRegisters>();
+    if (threadIdx.x / 32 == 0 && n_end > n_begin) {
+      producer_warp<Traits>(params, tile, smem, bars, n_begin, n_end);
+    }
+  } else {
+    warpgroup_claim_registers<Traits::kConsumerRegisters>();
+    consumer_warpgroup<Traits>(params, tile, smem, bars, n_begin, n_end, warpgroup - 1);
+  }
+}
+
+}  // namespace flashkit::sm90

@@ -1,0 +1,83 @@
+// src/cuda/sm90/fwd_launch_sm90.cuh
+// \brief Host side of the sm90 forward kernel: tensor maps, grid, shared memory, launch. Included
+// only by the generated per-(dtype, family) instance files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+
+#include "cuda/cuda_check.h"
+#include "cuda/sm90/fwd_kernel_sm90.cuh"
+#include "cuda/sm90/fwd_sm90.h"
+#include "cuda/sm90/fwd_tile_config_sm90.h"
+#include "cuda/sm90/tensor_map.h"
+#include "flashkit/error.h"
+
+namespace flashkit::sm90 {
+
+template <DType kDType> struct ElementOf;
+template <> struct ElementOf<DType::kBFloat16> { using type = __nv_bfloat16; };
+template <> struct ElementOf<DType::kFloat16> { using type = __half; };
+
+// The tensor map of q, k or v: [D, seqlen, heads, batch] (fixed) or [D, total, heads] (varlen),
+// tiled in 64 x box_rows boxes. A dim of extent 1 gets a nominal stride (its stride is never used,
+// and the driver wants every stride a positive multiple of 16 bytes).
+inline CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64_t rows,
+                                    int heads, int64_t row_stride, int64_t head_stride,
+                                    int64_t batch_stride, int box_rows, const char* what) {
+  auto bytes = [](int64_t extent, int64_t stride) {
+    return static_cast<uint64_t>(extent == 1 ? 16 : stride * 2);
+  };
+  StridedTensor16 t;
+  t.base = base;
+  t.rank = p.is_varlen() ? 3 : 4;
+  t.extents[0] = static_cast<uint64_t>(p.head_dim);
+  t.extents[1] = static_cast<uint64_t>(rows);
+  t.extents[2] = static_cast<uint64_t>(heads);
+  t.extents[3] = static_cast<uint64_t>(p.batch);
+  t.byte_strides[0] = bytes(rows, row_stride);
+  t.byte_strides[1] = bytes(heads, head_stride);
+  t.byte_strides[2] = bytes(p.batch, batch_stride);
+  return encode_tensor_map(t, p.dtype == DType::kBFloat16, box_rows, what);
+}
+
+template <DType kDType, int kHeadDimFamily>
+void run_fwd(const FwdProblem& problem, void* stream) {
+  constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
+  static_assert(kTile.block_m == 128, "no sm90 tile configuration for this head-dim family");
+  using Traits = FwdKernelTraits<typename ElementOf<kDType>::type, kHeadDimFamily, kTile.block_n,
+                                 kTile.stages>;
+
+  const int64_t num_m_blocks = (problem.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t num_blocks = num_m_blocks * problem.batch * problem.heads_q;
+  if (num_blocks == 0) return;
+  if (num_blocks > INT32_MAX) {
+    throw Error("mha_fwd: batch * heads_q * ceil(seqlen_q / " + std::to_string(Traits::kBlockM) +
+                ") = " + std::to_string(num_blocks) + " exceeds the 2^31 - 1 CTAs one launch can run");
+  }
+
+  const bool varlen = problem.is_varlen();
+  FwdParams params;
+  params.problem = problem;
+  params.q_map = input_tensor_map(problem, problem.q, varlen ? problem.total_q : problem.seqlen_q,
+                                  problem.heads_q, problem.q_row_stride, problem.q_head_stride,
+                                  problem.q_batch_stride, Traits::kBlockM, "q");
+  params.k_map = input_tensor_map(problem, problem.k, varlen ? problem.total_k : problem.seqlen_k,
+                                  problem.heads_kv, problem.k_row_stride, problem.k_head_stride,
+                                  problem.k_batch_stride, Traits::kBlockN, "k");
+  params.v_map = input_tensor_map(problem, problem.v, varlen ? problem.total_k : problem.seqlen_k,
+                                  problem.heads_kv, problem.v_row_stride, problem.v_head_stride,
+                                  problem.v_batch_stride, Traits::kBlockN, "v");
+
+  auto kernel = fwd_kernel<Traits>;
+  cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   Traits::kSmemBytes),
+              "cudaFuncSetAttribute(sm90 fwd_kernel, max dynamic shared memory)");
+  kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes,
+           static_cast<cudaStream_t>(stream)>>>(params);
+  cuda::check_last_launch("sm90 fwd_kernel");
+}
+
+}  // namespace flashkit::sm90

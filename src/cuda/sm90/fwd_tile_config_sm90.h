@@ -1,0 +1,33 @@
+// src/cuda/sm90/fwd_tile_config_sm90.h
+// \brief Tile sizes of the sm90 (wgmma + TMA) forward kernel per head-dim family, with the reasoning.
+//
+// A CTA is one producer warpgroup (its first warp issues the TMA copies) and two consumer
+// warpgroups of 64 query rows each, so kBlockM = 128. S = Q K^T is m64 x kBlockN per consumer, held
+// in kBlockN / 2 fp32 registers per thread, beside the output accumulator (D / 2 registers); the
+// consumers run at 240 registers after setmaxnreg. Shared memory holds Q (128 x D) and kStages
+// stages of K and V (kBlockN x D each) and caps the stages:
+//
+//   family | kBlockN | stages | smem (KiB)        | consumer fp32 accumulators (O + S) | why
+//   64     | 128     | 4      | 16 + 4 x 32 = 144 | 32 + 64                            | short k-loop (4 k-steps per S): deep ring hides TMA latency
+//   128    | 128     | 2      | 32 + 2 x 64 = 160 | 64 + 64                            | FA3's d128 shape; 128 keys per block amortise the softmax
+//   256    | 80      | 2      | 64 + 2 x 80 = 224 | 128 + 40                           | O takes 128 registers; 80 keys keep S + P under the 240 cap and the ring within 227 KiB
+#pragma once
+
+namespace flashkit::sm90 {
+
+struct FwdTileConfig {
+  int block_m;
+  int block_n;
+  int stages;
+};
+
+constexpr FwdTileConfig fwd_tile_config(int head_dim_family) {
+  switch (head_dim_family) {
+    case 64: return {128, 128, 4};
+    case 128: return {128, 128, 2};
+    case 256: return {128, 80, 2};
+    default: return {0, 0, 0};
+  }
+}
+
+}  // namespace flashkit::sm90
