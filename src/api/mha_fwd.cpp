@@ -52,11 +52,11 @@ RunFwd find_sm80_fwd(DType dtype, int family) {
   return nullptr;
 }
 
-// The sm90 kernel for (dtype, head dim), or nullptr when this build left it out. The sm90 path
-// serves only exact families (sm90::kFwdHeadDimFamilies).
-RunFwd find_sm90_fwd(DType dtype, int head_dim) {
+// The sm90 kernel for (dtype, family), or nullptr when this build left it out (a build without
+// sm_90a code has an empty list, hence the maybe-unused parameters).
+RunFwd find_sm90_fwd([[maybe_unused]] DType dtype, [[maybe_unused]] int family) {
 #define FLASHKIT_SM90_FWD_INSTANCE(kDType, kFamily) \
-  if (dtype == DType::kDType && head_dim == kFamily) return &sm90::run_fwd<DType::kDType, kFamily>;
+  if (dtype == DType::kDType && family == kFamily) return &sm90::run_fwd<DType::kDType, kFamily>;
   FLASHKIT_SM90_FWD_INSTANCES
 #undef FLASHKIT_SM90_FWD_INSTANCE
   return nullptr;
@@ -78,11 +78,13 @@ FwdPath requested_fwd_path(const char* fn) {
 
 // Why the sm90 kernel cannot run `problem` in this build, or "" when it can (the device aside).
 std::string sm90_unavailable_reason(const FwdProblem& problem) {
-  if (find_sm90_fwd(problem.dtype, problem.head_dim) == nullptr) {
+  const int family = sm90::fwd_head_dim_family(problem.head_dim);
+  if (find_sm90_fwd(problem.dtype, family) == nullptr) {
     return std::string("this build has no sm90 forward kernel for ") +
            build_dtype_name(problem.dtype) + " head dim " + std::to_string(problem.head_dim) +
-           " (sm90 families: 64, 128, 256, built when CMAKE_CUDA_ARCHITECTURES includes 90 and "
-           "FLASHKIT_SM90=ON; built head dims " + FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " +
+           " (sm90 family " + std::to_string(family) +
+           "; the sm90 families 64, 128 and 256 are built when CMAKE_CUDA_ARCHITECTURES includes "
+           "90 and FLASHKIT_SM90=ON; built head dims " + FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " +
            FLASHKIT_BUILT_DTYPES + ")";
   }
   return sm90::fwd_unsupported_reason(problem);
@@ -146,11 +148,13 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
 
   if (debug_enabled()) {
     if (use_sm90) {
-      const sm90::FwdTileConfig tile = sm90::fwd_tile_config(problem.head_dim);
+      const int family90 = sm90::fwd_head_dim_family(problem.head_dim);
+      const sm90::FwdTileConfig tile = sm90::fwd_tile_config(family90);
       std::fprintf(stderr,
-                   "flashkit: %s: cuda:%d sm90 forward (wgmma + TMA), %s head dim %d, tile %dx%d, "
-                   "%d stages, 2 consumer warpgroups, batch %d heads %d/%d seqlen %d/%d%s\n",
-                   fn, device, build_dtype_name(problem.dtype), problem.head_dim, tile.block_m,
+                   "flashkit: %s: cuda:%d sm90 forward (wgmma + TMA), %s head dim %d (family %d), "
+                   "tile %dx%d, %d stages, 2 consumer warpgroups, batch %d heads %d/%d seqlen "
+                   "%d/%d%s\n",
+                   fn, device, build_dtype_name(problem.dtype), problem.head_dim, family90, tile.block_m,
                    tile.block_n, tile.stages, problem.batch, problem.heads_q, problem.heads_kv,
                    problem.seqlen_q, problem.seqlen_k, problem.is_varlen() ? " (varlen maxima)" : "");
     } else {
@@ -170,7 +174,7 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
     }
   }
   if (use_sm90) {
-    find_sm90_fwd(problem.dtype, problem.head_dim)(problem, stream);
+    find_sm90_fwd(problem.dtype, sm90::fwd_head_dim_family(problem.head_dim))(problem, stream);
   } else {
     run_sm80(problem, stream);
   }

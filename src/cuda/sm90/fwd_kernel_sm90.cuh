@@ -329,12 +329,13 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, cons
   Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride +
                  tile.head * p.out_head_stride;
   constexpr int kChunks = kHeadDim / 8;
+  const int head_chunks = p.head_dim / 8;  // the columns past head_dim are padding
   const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
 #pragma unroll
   for (int i = thread; i < 64 * kChunks; i += kWarpgroupThreads) {
     const int row = row0 + i / kChunks;
     const int chunk = i % kChunks;
-    if (row < rows_in_block) {
+    if (row < rows_in_block && chunk < head_chunks) {
       uint4 value;
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)

@@ -23,10 +23,8 @@ std::string stride_problem(const char* tensor, const char* dim, int64_t extent, 
 }  // namespace
 
 std::string fwd_unsupported_reason(const FwdProblem& p) {
-  bool family = false;
-  for (int f : kFwdHeadDimFamilies) family = family || p.head_dim == f;
-  if (!family) {
-    return "head dim " + std::to_string(p.head_dim) + " is not one of 64, 128, 256";
+  if (fwd_head_dim_family(p.head_dim) < 0) {
+    return "head dim " + std::to_string(p.head_dim) + " is above 256";
   }
   if (p.dropout_p > 0.0f) return "dropout is not implemented on the sm90 path";
   const bool varlen = p.is_varlen();
