@@ -5,28 +5,32 @@
 //
 //   producer  (warpgroup 0, 24 registers; its first warp works, one lane issues the copies)
 //     TMA Q (128 x D) once                              -> q_full
-//     for each visible key block, last to first, through a ring of kStages stages:
-//       wait empty[s]; TMA K[n] -> k_full[s]; TMA V[n] -> v_full[s]
+//     for each visible key block n, last to first, through a ring of kStages stages:
+//       wait k_empty[s]; TMA K[n] -> k_full[s]
+//       wait v_empty[s]; TMA V[n] -> v_full[s]
 //       (varlen, a block reaching past the sequence: V lands on v_tail, the warp zeroes the rows
 //        past the sequence (they hold the next sequence's tokens, possibly inf or NaN, which
 //        0 * x would spread into O), fences, and then arrives on v_full[s] itself)
-//   consumers (warpgroups 1 and 2, 240 registers; 64 query rows each)
+//   consumers (warpgroups 1 and 2, 240 registers; 64 query rows each), software-pipelined by one
+//   block so that each block's softmax overlaps the tensor cores:
 //     wait q_full
-//     per key block: wait k_full[s]
-//                    S = Q K^T                  (wgmma SS: Q and K from shared memory, fp32 S)
-//                    softcap / ALiBi / mask     (the sm80 kernel's helpers: same semantics)
-//                    online softmax S -> P      (online_softmax.cuh: the accumulator layout of a
-//                                                warp's 16 rows is the mma.sync one)
-//                    wait v_full[s]
-//                    O += P V                   (wgmma RS: P from registers, V from shared memory)
-//                    arrive empty[s]            (one arrival per consumer warp)
+//     first block:  S = Q K^T (wgmma SS); release K; softmax S -> P (registers)
+//     each next block n, previous block p:
+//       [turn]  issue S_n = Q K_n^T (SS) and O += P_p V_p (RS: P from registers)   [pass turn]
+//       wait S_n; release K_n; softcap / ALiBi / mask; advance the row maxima; S_n -> P_n
+//       wait O; release V_p; rescale O if a row maximum moved
+//     last:   [turn] O += P V [pass turn]; release V
 //     epilogue: O / rowsum -> 16-bit, staged through the warpgroup's own rows of the Q tile,
 //               16-byte stores of the rows inside the sequence; LSE per row.
+//   [turn] is ping-pong between the two consumers (named barriers kScheduler0/1): a warpgroup
+//   issues its matrix products only after the other has issued its own, so one warpgroup's softmax
+//   runs while the other's products occupy the tensor cores.
 //
 // Blocks are visited from the last to the first, as in the sm80 kernel, so the blocks the causal
 // diagonal or the sequence end cut come first. Rows and keys past a sequence's end are read (TMA
 // zero-fills past the tensor, and in a packed varlen tensor reads the next sequence) but masked,
-// zeroed (V) or never written (rows of O and LSE).
+// zeroed (V) or never written (rows of O and LSE). Columns past head_dim (a head dim padded to its
+// family) are zero-filled by TMA and never written.
 #pragma once
 
 #include <cuda.h>
@@ -87,7 +91,8 @@ struct FwdKernelTraits {
     uint64_t q_full;
     uint64_t k_full[kStages];
     uint64_t v_full[kStages];
-    uint64_t kv_empty[kStages];
+    uint64_t k_empty[kStages];  // K and V are released separately: K after S, V after O += P V
+    uint64_t v_empty[kStages];
     uint64_t v_tail;
   };
   // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
@@ -101,6 +106,8 @@ struct FwdKernelTraits {
 enum class FwdBarrier : uint32_t {
   kConsumer0Epilogue = kFirstNamedBarrier,  // the 128 threads of consumer warpgroup 0
   kConsumer1Epilogue,                       // ... of consumer warpgroup 1
+  kScheduler0,  // consumer 0 may issue its matrix products (256 threads: both consumers)
+  kScheduler1,  // consumer 1 may issue its matrix products
 };
 
 // Where this CTA's rows and keys live.
@@ -182,11 +189,12 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, const Fwd
     const uint32_t v_dst = smem + Traits::kVOffset + cursor.stage * KvTile::kBytes;
     const uint32_t k_full = smem_u32(&bars.k_full[cursor.stage]);
     const uint32_t v_full = smem_u32(&bars.v_full[cursor.stage]);
-    mbarrier_wait(smem_u32(&bars.kv_empty[cursor.stage]), cursor.phase ^ 1u);
+    mbarrier_wait(smem_u32(&bars.k_empty[cursor.stage]), cursor.phase ^ 1u);
     if (lane == 0) {
       mbarrier_arrive_expect_tx(k_full, KvTile::kBytes);
       tma_load_tile<KvTile>(k_dst, params.k_map, k_full, varlen, tile.k_token + n0, tile.kv_head, batch);
     }
+    mbarrier_wait(smem_u32(&bars.v_empty[cursor.stage]), cursor.phase ^ 1u);
     const int valid_keys = tile.len_k - n0;
     if (!varlen || valid_keys >= kBlockN) {
       if (lane == 0) {
@@ -217,100 +225,32 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, const Fwd
   }
 }
 
+// The end of a consumer: normalize O, stage it through the warpgroup's own 64 rows of the Q tile
+// (free: its last S = Q K^T has completed, and no other warpgroup touches them), 16-byte stores of
+// the rows inside the sequence and the columns inside head_dim; LSE per row.
 template <typename Traits>
-__device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, const FwdTile& tile,
-                                                   uint32_t smem, typename Traits::Barriers& bars,
-                                                   int n_begin, int n_end, int consumer) {
+__device__ __forceinline__ void consumer_epilogue(
+    const FwdParams& params, const FwdTile& tile, uint32_t smem,
+    float (&acc_o)[1][Traits::kDTiles][4],
+    sm80::OnlineSoftmax<1, Traits::kNTiles, Traits::kDTiles>& softmax, float log2_scale,
+    int consumer) {
   using Element = typename Traits::Element;
   using QTile = typename Traits::QTile;
-  using KvTile = typename Traits::KvTile;
   constexpr int kBlockM = Traits::kBlockM;
-  constexpr int kBlockN = Traits::kBlockN;
   constexpr int kHeadDim = Traits::kHeadDim;
-  constexpr int kNTiles = Traits::kNTiles;
   constexpr int kDTiles = Traits::kDTiles;
   const FwdProblem& p = params.problem;
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4;  // within the warpgroup
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4;
   const int m0 = tile.m_block * kBlockM;
   const int rows_in_block = min(kBlockM, tile.len_q - m0);
-  const int row0 = consumer * 64;  // this warpgroup's first row in the tile
+  const int row0 = consumer * 64;
   const int warp_row0 = row0 + warp * 16;
-
-  const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
-  constexpr float kLog2e = 1.4426950408889634f;
-  const float alibi_slope =
-      p.alibi_slopes != nullptr ? p.alibi_slopes[tile.batch * p.alibi_batch_stride + tile.head] : 0.0f;
-  const bool transform = p.softcap > 0.0f || alibi_slope != 0.0f;
-  const int diagonal = window.diagonal_offset();
-  const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
-
-  float acc_o[1][kDTiles][4];
-  sm80::zero_accumulators(acc_o);
-  sm80::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
-  softmax.init();
-
   const uint32_t sQ = smem + Traits::kQOffset;
-  if (n_end > n_begin) {
-    mbarrier_wait(smem_u32(&bars.q_full), 0);
-    RingCursor<Traits::kStages> cursor;
-    for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
-      const int n0 = n_block * kBlockN;
-      const uint32_t sK = smem + Traits::kKOffset + cursor.stage * KvTile::kBytes;
-      const uint32_t sV = smem + Traits::kVOffset + cursor.stage * KvTile::kBytes;
-
-      float acc_s[1][kNTiles][4];
-      mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kHeadDim / 16; ++kk) {
-        const uint64_t q_desc = k_major_descriptor(sQ + (kk / 4) * QTile::kColumnBlockBytes + row0 * 128 + (kk % 4) * 32);
-        const uint64_t k_desc = k_major_descriptor(sK + (kk / 4) * KvTile::kColumnBlockBytes + (kk % 4) * 32);
-        Wgmma<kBlockN>::template ss<Element, 0>(&acc_s[0][0][0], q_desc, k_desc, kk > 0 ? 1u : 0u);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
-
-      if (transform) {
-        sm80::transform_scores<Traits>(acc_s, p, m0 + warp_row0, n0, alibi_slope, diagonal);
-      }
-      if (!window.block_unmasked(m0, m0 + rows_in_block, n0, n0 + kBlockN)) {
-        sm80::mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
-      }
-      softmax.update(acc_s, acc_o, log2_scale);
-
-      uint32_t p_frag[kBlockN / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        p_frag[kk][0] = sm80::pack2<Element>(acc_s[0][2 * kk][0], acc_s[0][2 * kk][1]);
-        p_frag[kk][1] = sm80::pack2<Element>(acc_s[0][2 * kk][2], acc_s[0][2 * kk][3]);
-        p_frag[kk][2] = sm80::pack2<Element>(acc_s[0][2 * kk + 1][0], acc_s[0][2 * kk + 1][1]);
-        p_frag[kk][3] = sm80::pack2<Element>(acc_s[0][2 * kk + 1][2], acc_s[0][2 * kk + 1][3]);
-      }
-
-      mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
-      wgmma_fence();
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t v_desc = mn_major_descriptor(sV + kk * 16 * 128, KvTile::kColumnBlockBytes);
-        Wgmma<kHeadDim>::template rs<Element, 1>(&acc_o[0][0][0], p_frag[kk], v_desc, 1u);
-      }
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
-
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(smem_u32(&bars.kv_empty[cursor.stage]));
-      cursor.advance();
-    }
-  }
 
   float lse[2];
   softmax.finalize(acc_o, log2_scale, lse);
 
-  // Epilogue: this warpgroup's 64 rows of the Q tile are free (its last S = Q K^T has completed)
-  // and no other warpgroup touches them.
   const int g = lane / 4;
   const int t = lane % 4;
 #pragma unroll
@@ -353,7 +293,202 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, cons
   }
 }
 
+// The ping-pong turn of consumer `consumer`: wait for it before issuing matrix products, pass it
+// to the other consumer after.
+struct ConsumerTurn {
+  uint32_t mine;
+  uint32_t other;
+
+  __device__ __forceinline__ explicit ConsumerTurn(int consumer)
+      : mine(static_cast<uint32_t>(FwdBarrier::kScheduler0) + consumer),
+        other(static_cast<uint32_t>(FwdBarrier::kScheduler0) + (1 - consumer)) {}
+  __device__ __forceinline__ void wait() const { named_barrier_sync(mine, 2 * kWarpgroupThreads); }
+  __device__ __forceinline__ void pass() const { named_barrier_arrive(other, 2 * kWarpgroupThreads); }
+};
+
+// S = Q K^T for this warpgroup's 64 rows, issued (not waited for).
 template <typename Traits>
+__device__ __forceinline__ void issue_qk(float* acc_s, uint32_t sQ_rows, uint32_t sK) {
+  using QTile = typename Traits::QTile;
+  using KvTile = typename Traits::KvTile;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+    const uint64_t q_desc = k_major_descriptor(sQ_rows + (kk / 4) * QTile::kColumnBlockBytes + (kk % 4) * 32);
+    const uint64_t k_desc = k_major_descriptor(sK + (kk / 4) * KvTile::kColumnBlockBytes + (kk % 4) * 32);
+    Wgmma<Traits::kBlockN>::template ss<typename Traits::Element, 0>(acc_s, q_desc, k_desc, kk > 0 ? 1u : 0u);
+  }
+  wgmma_commit();
+}
+
+// O += P V, P from registers, issued (not waited for).
+template <typename Traits>
+__device__ __forceinline__ void issue_pv(float* acc_o, const uint32_t (&p_frag)[Traits::kBlockN / 16][4],
+                                         uint32_t sV) {
+  using KvTile = typename Traits::KvTile;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+    const uint64_t v_desc = mn_major_descriptor(sV + kk * 16 * 128, KvTile::kColumnBlockBytes);
+    Wgmma<Traits::kHeadDim>::template rs<typename Traits::Element, 1>(acc_o, p_frag[kk], v_desc, 1u);
+  }
+  wgmma_commit();
+}
+
+// The probabilities of two adjacent 8-key groups, packed to 16 bits, are one k-step of the A operand.
+template <typename Traits>
+__device__ __forceinline__ void pack_probabilities(const float (&s)[1][Traits::kNTiles][4],
+                                                   uint32_t (&p_frag)[Traits::kBlockN / 16][4]) {
+  using Element = typename Traits::Element;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+    p_frag[kk][0] = sm80::pack2<Element>(s[0][2 * kk][0], s[0][2 * kk][1]);
+    p_frag[kk][1] = sm80::pack2<Element>(s[0][2 * kk][2], s[0][2 * kk][3]);
+    p_frag[kk][2] = sm80::pack2<Element>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    p_frag[kk][3] = sm80::pack2<Element>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
+}
+
+// kPipelined: the schedule of the header (one block of software pipelining + ping-pong). Otherwise
+// each block runs S, softmax, O += P V back to back (the first version; kept to measure the
+// schedule against, selected by FLASHKIT_SM90_SCHEDULE=serial).
+template <typename Traits, bool kPipelined>
+__device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, const FwdTile& tile,
+                                                   uint32_t smem, typename Traits::Barriers& bars,
+                                                   int n_begin, int n_end, int consumer) {
+  using Element = typename Traits::Element;
+  using QTile = typename Traits::QTile;
+  using KvTile = typename Traits::KvTile;
+  using Cursor = RingCursor<Traits::kStages>;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kNTiles = Traits::kNTiles;
+  constexpr int kDTiles = Traits::kDTiles;
+  const FwdProblem& p = params.problem;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4;  // within the warpgroup
+  const int m0 = tile.m_block * kBlockM;
+  const int rows_in_block = min(kBlockM, tile.len_q - m0);
+  const int row0 = consumer * 64;  // this warpgroup's first row in the tile
+  const int warp_row0 = row0 + warp * 16;
+
+  const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
+  constexpr float kLog2e = 1.4426950408889634f;
+  const float alibi_slope =
+      p.alibi_slopes != nullptr ? p.alibi_slopes[tile.batch * p.alibi_batch_stride + tile.head] : 0.0f;
+  const bool transform = p.softcap > 0.0f || alibi_slope != 0.0f;
+  const int diagonal = window.diagonal_offset();
+  const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
+
+  float acc_o[1][kDTiles][4];
+  sm80::zero_accumulators(acc_o);
+  sm80::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
+  softmax.init();
+
+  const uint32_t sQ = smem + Traits::kQOffset;
+  const uint32_t sQ_rows = sQ + row0 * 128;
+  auto k_tile = [&](const Cursor& c) { return smem + Traits::kKOffset + c.stage * KvTile::kBytes; };
+  auto v_tile = [&](const Cursor& c) { return smem + Traits::kVOffset + c.stage * KvTile::kBytes; };
+  // One arrival per consumer warp frees a stage's K (or V) for the producer.
+  auto release = [&](uint64_t& empty) {
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(smem_u32(&empty));
+  };
+  // Scores of block n -> probabilities (in place); returns whether O must be rescaled (factors in
+  // `rescale`).
+  auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], int n0, float (&rescale)[2]) {
+    if (transform) {
+      sm80::transform_scores<Traits>(acc_s, p, m0 + warp_row0, n0, alibi_slope, diagonal);
+    }
+    if (!window.block_unmasked(m0, m0 + rows_in_block, n0, n0 + kBlockN)) {
+      sm80::mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
+    }
+    const bool any = softmax.advance_max(acc_s, log2_scale, rescale);
+    softmax.exponentiate(acc_s, log2_scale);
+    return any;
+  };
+
+  if (!kPipelined && n_end > n_begin) {
+    mbarrier_wait(smem_u32(&bars.q_full), 0);
+    float acc_s[1][kNTiles][4];
+    uint32_t p_frag[kBlockN / 16][4];
+    float rescale[2];
+    Cursor cursor;
+    for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
+      mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+      wgmma_fence();
+      issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
+      wgmma_wait<0>();
+      wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
+      release(bars.k_empty[cursor.stage]);
+      if (softmax_block(acc_s, n_block * kBlockN, rescale)) softmax.rescale_output(acc_o, rescale);
+      pack_probabilities<Traits>(acc_s, p_frag);
+      mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
+      wgmma_fence();
+      issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(cursor));
+      wgmma_wait<0>();
+      wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+      release(bars.v_empty[cursor.stage]);
+      cursor.advance();
+    }
+  }
+  if (kPipelined && n_end > n_begin) {
+    const ConsumerTurn turn(consumer);
+    if (consumer == 1) turn.pass();  // consumer 0 takes the first turn
+    mbarrier_wait(smem_u32(&bars.q_full), 0);
+
+    float acc_s[1][kNTiles][4];
+    uint32_t p_frag[kBlockN / 16][4];
+    float rescale[2];
+    Cursor cursor;  // the block whose scores are being computed
+    Cursor previous;  // the block whose P V is pending
+    int n_block = n_end - 1;
+
+    mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+    turn.wait();
+    wgmma_fence();
+    issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
+    turn.pass();
+    wgmma_wait<0>();
+    wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
+    release(bars.k_empty[cursor.stage]);
+    softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
+    pack_probabilities<Traits>(acc_s, p_frag);
+
+    for (--n_block; n_block >= n_begin; --n_block) {
+      previous = cursor;
+      cursor.advance();
+      mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+      mbarrier_wait(smem_u32(&bars.v_full[previous.stage]), previous.phase);
+      turn.wait();
+      wgmma_fence();
+      issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
+      issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(previous));
+      turn.pass();
+      wgmma_wait<1>();  // S of this block (issued first) has landed; P V may still run
+      wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
+      release(bars.k_empty[cursor.stage]);
+      const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
+      wgmma_wait<0>();
+      wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+      release(bars.v_empty[previous.stage]);
+      if (any_rescale) softmax.rescale_output(acc_o, rescale);
+      pack_probabilities<Traits>(acc_s, p_frag);
+    }
+
+    mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
+    turn.wait();
+    wgmma_fence();
+    issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(cursor));
+    if (consumer == 0) turn.pass();  // consumer 1 waits for this last turn; consumer 0 does not
+    wgmma_wait<0>();
+    wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+    release(bars.v_empty[cursor.stage]);
+  }
+
+  consumer_epilogue<Traits>(params, tile, smem, acc_o, softmax, log2_scale, consumer);
+}
+
+template <typename Traits, bool kPipelined>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams params) {
   using Barriers = typename Traits::Barriers;
@@ -380,7 +515,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int s = 0; s < Traits::kStages; ++s) {
       mbarrier_init(smem_u32(&bars.k_full[s]), 1);
       mbarrier_init(smem_u32(&bars.v_full[s]), 1);
-      mbarrier_init(smem_u32(&bars.kv_empty[s]), Traits::kConsumerWarps);
+      mbarrier_init(smem_u32(&bars.k_empty[s]), Traits::kConsumerWarps);
+      mbarrier_init(smem_u32(&bars.v_empty[s]), Traits::kConsumerWarps);
     }
     mbarrier_init_fence();
   }
@@ -394,7 +530,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   } else {
     warpgroup_claim_registers<Traits::kConsumerRegisters>();
-    consumer_warpgroup<Traits>(params, tile, smem, bars, n_begin, n_end, warpgroup - 1);
+    consumer_warpgroup<Traits, kPipelined>(params, tile, smem, bars, n_begin, n_end, warpgroup - 1);
   }
 }
 

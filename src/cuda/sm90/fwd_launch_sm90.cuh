@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "cuda/cuda_check.h"
@@ -74,7 +75,11 @@ void run_fwd(const FwdProblem& problem, void* stream) {
                                   problem.heads_kv, problem.v_row_stride, problem.v_head_stride,
                                   problem.v_batch_stride, Traits::kBlockN, "v");
 
-  auto kernel = fwd_kernel<Traits>;
+  // FLASHKIT_SM90_SCHEDULE=serial runs the first (unpipelined) consumer schedule, for measuring
+  // the pipelined one against it.
+  const char* schedule = std::getenv("FLASHKIT_SM90_SCHEDULE");
+  const bool serial = schedule != nullptr && std::string(schedule) == "serial";
+  auto kernel = serial ? fwd_kernel<Traits, false> : fwd_kernel<Traits, true>;
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    Traits::kSmemBytes),
               "cudaFuncSetAttribute(sm90 fwd_kernel, max dynamic shared memory)");
