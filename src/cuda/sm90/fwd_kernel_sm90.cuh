@@ -1,10 +1,12 @@
 // src/cuda/sm90/fwd_kernel_sm90.cuh
 // \brief The warp-specialized forward kernel on wgmma + TMA (sm_90a, Hopper).
 //
-// One CTA computes kBlockM = 128 query rows of one (batch, head), with three warpgroups:
+// A CTA walks tiles of kBlockM = 128 query rows of one (batch, head): tile blockIdx.x, then every
+// gridDim.x-th after it (a persistent grid of one CTA per SM; FLASHKIT_SM90_GRID=tiles launches one
+// CTA per tile instead). Its three warpgroups:
 //
-//   producer  (warpgroup 0, 24 registers; its first warp works, one lane issues the copies)
-//     TMA Q (128 x D) once                              -> q_full
+//   producer  (warpgroup 0, 32 registers; its first warp works, one lane issues the copies)
+//     per tile: wait q_empty; TMA Q (128 x D)          -> q_full
 //     for each visible key block n, last to first, through a ring of kStages stages:
 //       wait k_empty[s]; TMA K[n] -> k_full[s]
 //       wait v_empty[s]; TMA V[n] -> v_full[s]
@@ -13,15 +15,17 @@
 //        0 * x would spread into O), fences, and then arrives on v_full[s] itself)
 //   consumers (warpgroups 1 and 2, 240 registers; 64 query rows each), software-pipelined by one
 //   block so that each block's softmax overlaps the tensor cores:
-//     wait q_full
+//     per tile: wait q_full
 //     first block:  S = Q K^T (wgmma SS); release K; softmax S -> P (registers)
 //     each next block n, previous block p:
 //       [turn]  issue S_n = Q K_n^T (SS) and O += P_p V_p (RS: P from registers)   [pass turn]
 //       wait S_n; release K_n; softcap / ALiBi / mask; advance the row maxima; S_n -> P_n
 //       wait O; release V_p; rescale O if a row maximum moved
+//     release Q (q_empty): the producer loads the next tile's Q under this tile's last P V and
+//                          epilogue, as it loads the next tile's K and V into freed stages
 //     last:   [turn] O += P V [pass turn]; release V
-//     epilogue: O / rowsum -> 16-bit, staged through the warpgroup's own rows of the Q tile,
-//               16-byte stores of the rows inside the sequence; LSE per row.
+//     epilogue: O / rowsum -> 16-bit, stored from registers (4 bytes per lane, rows inside the
+//               sequence, columns inside head_dim); LSE per row.
 //   [turn] is ping-pong between the two consumers (named barriers kScheduler0/1): a warpgroup
 //   issues its matrix products only after the other has issued its own, so one warpgroup's softmax
 //   runs while the other's products occupy the tensor cores.
@@ -70,7 +74,7 @@ struct FwdKernelTraits {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
-  static constexpr int kProducerRegisters = 24;
+  static constexpr int kProducerRegisters = 32;  // 32 x 128 + 240 x 256 = 64K, the register file
   static constexpr int kConsumerRegisters = 240;
 
   // The shapes the sm80 score helpers (transform_scores, mask_scores) index: one 16-row tile per
@@ -79,7 +83,7 @@ struct FwdKernelTraits {
   static constexpr int kNTiles = kBlockN / 8;
   static constexpr int kDTiles = kHeadDim / 8;
 
-  using QTile = Swizzle128Tile<kBlockM, kHeadDim>;  // also stages O in the epilogue
+  using QTile = Swizzle128Tile<kBlockM, kHeadDim>;
   using KvTile = Swizzle128Tile<kBlockN, kHeadDim>;
 
   // Shared-memory plan, byte offsets from a 1024-byte aligned base. Barriers last.
@@ -89,6 +93,7 @@ struct FwdKernelTraits {
   static constexpr int kBarrierOffset = kVOffset + kStages * KvTile::kBytes;
   struct Barriers {
     uint64_t q_full;
+    uint64_t q_empty;  // both consumers' last S = Q K^T of a tile has completed
     uint64_t k_full[kStages];
     uint64_t v_full[kStages];
     uint64_t k_empty[kStages];  // K and V are released separately: K after S, V after O += P V
@@ -104,13 +109,11 @@ struct FwdKernelTraits {
 
 // The named barriers of this kernel (hardware ids; 0 is __syncthreads).
 enum class FwdBarrier : uint32_t {
-  kConsumer0Epilogue = kFirstNamedBarrier,  // the 128 threads of consumer warpgroup 0
-  kConsumer1Epilogue,                       // ... of consumer warpgroup 1
-  kScheduler0,  // consumer 0 may issue its matrix products (256 threads: both consumers)
-  kScheduler1,  // consumer 1 may issue its matrix products
+  kScheduler0 = kFirstNamedBarrier,  // consumer 0 may issue its products (256 threads: both consumers)
+  kScheduler1,                       // consumer 1 may issue its matrix products
 };
 
-// Where this CTA's rows and keys live.
+// Where a tile's rows and keys live, and which key blocks it visits.
 struct FwdTile {
   int batch;
   int head;
@@ -120,12 +123,17 @@ struct FwdTile {
   int len_k;
   int q_token;  // varlen: the first token of the sequence in the packed tensors; 0 otherwise
   int k_token;
+  int m0;             // first row of the tile in its sequence
+  int rows_in_block;  // rows of the tile inside the sequence (<= 0: the tile is past its end)
+  int n_begin;        // visible key blocks [n_begin, n_end), walked from the last
+  int n_end;
 
-  __device__ __forceinline__ static FwdTile locate(const FwdProblem& p, int block_m) {
+  // Tile `linear` of the problem: m-blocks vary fastest, heaviest (last) first, so that under a
+  // causal mask the long rows start early, and the CTAs running at once share K and V in L2.
+  template <int kBlockM, int kBlockN>
+  __device__ __forceinline__ static FwdTile locate(const FwdProblem& p, int linear) {
     FwdTile t;
-    // Linear grid (no 65,535 limit on batch x heads), m-blocks fastest and heaviest first.
-    const int num_m_blocks = (p.seqlen_q + block_m - 1) / block_m;
-    const int linear = static_cast<int>(blockIdx.x);
+    const int num_m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
     t.m_block = num_m_blocks - 1 - linear % num_m_blocks;
     const int batch_head = linear / num_m_blocks;
     t.head = batch_head % p.heads_q;
@@ -141,8 +149,21 @@ struct FwdTile {
       t.len_q = p.cu_seqlens_q[t.batch + 1] - t.q_token;
       t.len_k = p.seqused_k != nullptr ? p.seqused_k[t.batch] : p.cu_seqlens_k[t.batch + 1] - t.k_token;
     }
+    t.m0 = t.m_block * kBlockM;
+    t.rows_in_block = min(kBlockM, t.len_q - t.m0);
+    t.n_begin = 0;
+    t.n_end = 0;
+    if (t.rows_in_block > 0) {
+      const sm80::KeyWindow window{t.len_q, t.len_k, p.window_left, p.window_right};
+      const int key_lo = window.key_begin(t.m0);
+      const int key_hi = window.key_end(t.m0 + t.rows_in_block - 1);
+      t.n_begin = key_lo / kBlockN;
+      t.n_end = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN : t.n_begin;
+    }
     return t;
   }
+
+  __device__ __forceinline__ bool has_keys() const { return n_end > n_begin; }
 };
 
 // Copies rows [row, row + box rows) of the (head, batch) slice of a tensor, all column blocks, into
@@ -162,133 +183,75 @@ __device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap& m
 }
 
 template <typename Traits>
-__device__ __forceinline__ void producer_warp(const FwdParams& params, const FwdTile& tile,
-                                              uint32_t smem, typename Traits::Barriers& bars,
-                                              int n_begin, int n_end) {
+__device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t smem,
+                                              typename Traits::Barriers& bars, int num_tiles) {
   using QTile = typename Traits::QTile;
   using KvTile = typename Traits::KvTile;
   constexpr int kBlockN = Traits::kBlockN;
   const FwdProblem& p = params.problem;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const bool varlen = p.cu_seqlens_q != nullptr;
-  const int batch = varlen ? 0 : tile.batch;
 
   if (lane == 0) {
+    tma_prefetch_map(params.q_map);
     tma_prefetch_map(params.k_map);
     tma_prefetch_map(params.v_map);
-    const uint32_t q_full = smem_u32(&bars.q_full);
-    mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
-    tma_load_tile<QTile>(smem + Traits::kQOffset, params.q_map, q_full, varlen,
-                         tile.q_token + tile.m_block * Traits::kBlockM, tile.head, batch);
   }
   RingCursor<Traits::kStages> cursor;
   uint32_t tail_phase = 0;
-  for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
-    const int n0 = n_block * kBlockN;
-    const uint32_t k_dst = smem + Traits::kKOffset + cursor.stage * KvTile::kBytes;
-    const uint32_t v_dst = smem + Traits::kVOffset + cursor.stage * KvTile::kBytes;
-    const uint32_t k_full = smem_u32(&bars.k_full[cursor.stage]);
-    const uint32_t v_full = smem_u32(&bars.v_full[cursor.stage]);
-    mbarrier_wait(smem_u32(&bars.k_empty[cursor.stage]), cursor.phase ^ 1u);
+  uint32_t q_loads = 0;
+  for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
+    const FwdTile tile = FwdTile::locate<Traits::kBlockM, kBlockN>(p, linear);
+    if (!tile.has_keys()) continue;
+    const int batch = varlen ? 0 : tile.batch;
+    mbarrier_wait(smem_u32(&bars.q_empty), (q_loads & 1u) ^ 1u);
+    ++q_loads;
     if (lane == 0) {
-      mbarrier_arrive_expect_tx(k_full, KvTile::kBytes);
-      tma_load_tile<KvTile>(k_dst, params.k_map, k_full, varlen, tile.k_token + n0, tile.kv_head, batch);
+      const uint32_t q_full = smem_u32(&bars.q_full);
+      mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
+      tma_load_tile<QTile>(smem + Traits::kQOffset, params.q_map, q_full, varlen,
+                           tile.q_token + tile.m0, tile.head, batch);
     }
-    mbarrier_wait(smem_u32(&bars.v_empty[cursor.stage]), cursor.phase ^ 1u);
-    const int valid_keys = tile.len_k - n0;
-    if (!varlen || valid_keys >= kBlockN) {
+    for (int n_block = tile.n_end - 1; n_block >= tile.n_begin; --n_block) {
+      const int n0 = n_block * kBlockN;
+      const uint32_t k_dst = smem + Traits::kKOffset + cursor.stage * KvTile::kBytes;
+      const uint32_t v_dst = smem + Traits::kVOffset + cursor.stage * KvTile::kBytes;
+      const uint32_t k_full = smem_u32(&bars.k_full[cursor.stage]);
+      const uint32_t v_full = smem_u32(&bars.v_full[cursor.stage]);
+      mbarrier_wait(smem_u32(&bars.k_empty[cursor.stage]), cursor.phase ^ 1u);
       if (lane == 0) {
-        mbarrier_arrive_expect_tx(v_full, KvTile::kBytes);
-        tma_load_tile<KvTile>(v_dst, params.v_map, v_full, varlen, tile.k_token + n0, tile.kv_head, batch);
+        mbarrier_arrive_expect_tx(k_full, KvTile::kBytes);
+        tma_load_tile<KvTile>(k_dst, params.k_map, k_full, varlen, tile.k_token + n0, tile.kv_head, batch);
       }
-    } else {
-      const uint32_t v_tail = smem_u32(&bars.v_tail);
-      if (lane == 0) {
-        mbarrier_arrive_expect_tx(v_tail, KvTile::kBytes);
-        tma_load_tile<KvTile>(v_dst, params.v_map, v_tail, varlen, tile.k_token + n0, tile.kv_head, batch);
+      mbarrier_wait(smem_u32(&bars.v_empty[cursor.stage]), cursor.phase ^ 1u);
+      const int valid_keys = tile.len_k - n0;
+      if (!varlen || valid_keys >= kBlockN) {
+        if (lane == 0) {
+          mbarrier_arrive_expect_tx(v_full, KvTile::kBytes);
+          tma_load_tile<KvTile>(v_dst, params.v_map, v_full, varlen, tile.k_token + n0, tile.kv_head, batch);
+        }
+      } else {
+        const uint32_t v_tail = smem_u32(&bars.v_tail);
+        if (lane == 0) {
+          mbarrier_arrive_expect_tx(v_tail, KvTile::kBytes);
+          tma_load_tile<KvTile>(v_dst, params.v_map, v_tail, varlen, tile.k_token + n0, tile.kv_head, batch);
+        }
+        mbarrier_wait(v_tail, tail_phase);
+        tail_phase ^= 1u;
+        // Whole 128-byte rows of every column block: the swizzle only permutes chunks within a row.
+        const int zero_rows = kBlockN - valid_keys;
+        for (int i = lane; i < KvTile::kColumnBlocks * zero_rows * 8; i += 32) {
+          const int cb = i / (zero_rows * 8);
+          const int rest = i % (zero_rows * 8);
+          const uint32_t addr =
+              v_dst + cb * KvTile::kColumnBlockBytes + (valid_keys + rest / 8) * 128 + (rest % 8) * 16;
+          asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+        }
+        fence_proxy_async_shared();
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(v_full);
       }
-      mbarrier_wait(v_tail, tail_phase);
-      tail_phase ^= 1u;
-      // Whole 128-byte rows of every column block: the swizzle only permutes chunks within a row.
-      const int zero_rows = kBlockN - valid_keys;
-      for (int i = lane; i < KvTile::kColumnBlocks * zero_rows * 8; i += 32) {
-        const int cb = i / (zero_rows * 8);
-        const int rest = i % (zero_rows * 8);
-        const uint32_t addr = v_dst + cb * KvTile::kColumnBlockBytes + (valid_keys + rest / 8) * 128 + (rest % 8) * 16;
-        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
-      }
-      fence_proxy_async_shared();
-      __syncwarp();
-      if (lane == 0) mbarrier_arrive(v_full);
-    }
-    cursor.advance();
-  }
-}
-
-// The end of a consumer: normalize O, stage it through the warpgroup's own 64 rows of the Q tile
-// (free: its last S = Q K^T has completed, and no other warpgroup touches them), 16-byte stores of
-// the rows inside the sequence and the columns inside head_dim; LSE per row.
-template <typename Traits>
-__device__ __forceinline__ void consumer_epilogue(
-    const FwdParams& params, const FwdTile& tile, uint32_t smem,
-    float (&acc_o)[1][Traits::kDTiles][4],
-    sm80::OnlineSoftmax<1, Traits::kNTiles, Traits::kDTiles>& softmax, float log2_scale,
-    int consumer) {
-  using Element = typename Traits::Element;
-  using QTile = typename Traits::QTile;
-  constexpr int kBlockM = Traits::kBlockM;
-  constexpr int kHeadDim = Traits::kHeadDim;
-  constexpr int kDTiles = Traits::kDTiles;
-  const FwdProblem& p = params.problem;
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4;
-  const int m0 = tile.m_block * kBlockM;
-  const int rows_in_block = min(kBlockM, tile.len_q - m0);
-  const int row0 = consumer * 64;
-  const int warp_row0 = row0 + warp * 16;
-  const uint32_t sQ = smem + Traits::kQOffset;
-
-  float lse[2];
-  softmax.finalize(acc_o, log2_scale, lse);
-
-  const int g = lane / 4;
-  const int t = lane % 4;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = warp_row0 + g + half * 8;
-#pragma unroll
-    for (int dt = 0; dt < kDTiles; ++dt) {
-      const uint32_t value = sm80::pack2<Element>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(sQ + QTile::chunk_offset(row, dt) + t * 4), "r"(value)
-                   : "memory");
-    }
-  }
-  named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kConsumer0Epilogue) + consumer, kWarpgroupThreads);
-
-  const int64_t q_row0 = static_cast<int64_t>(tile.q_token) + m0;
-  Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride +
-                 tile.head * p.out_head_stride;
-  constexpr int kChunks = kHeadDim / 8;
-  const int head_chunks = p.head_dim / 8;  // the columns past head_dim are padding
-  const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
-#pragma unroll
-  for (int i = thread; i < 64 * kChunks; i += kWarpgroupThreads) {
-    const int row = row0 + i / kChunks;
-    const int chunk = i % kChunks;
-    if (row < rows_in_block && chunk < head_chunks) {
-      uint4 value;
-      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                   : "=r"(value.x), "=r"(value.y), "=r"(value.z), "=r"(value.w)
-                   : "r"(sQ + QTile::chunk_offset(row, chunk)));
-      *reinterpret_cast<uint4*>(out + (q_row0 + row) * p.out_row_stride + chunk * 8) = value;
-    }
-  }
-  if (t == 0) {
-    float* lse_out = p.lse + tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride + m0;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp_row0 + g + half * 8;
-      if (row < rows_in_block) lse_out[row] = lse[half];
+      cursor.advance();
     }
   }
 }
@@ -351,11 +314,10 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[1][Traits::k
 // each block runs S, softmax, O += P V back to back (the first version; kept to measure the
 // schedule against, selected by FLASHKIT_SM90_SCHEDULE=serial).
 template <typename Traits, bool kPipelined>
-__device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, const FwdTile& tile,
-                                                   uint32_t smem, typename Traits::Barriers& bars,
-                                                   int n_begin, int n_end, int consumer) {
+__device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint32_t smem,
+                                                   typename Traits::Barriers& bars, int num_tiles,
+                                                   int consumer) {
   using Element = typename Traits::Element;
-  using QTile = typename Traits::QTile;
   using KvTile = typename Traits::KvTile;
   using Cursor = RingCursor<Traits::kStages>;
   constexpr int kBlockM = Traits::kBlockM;
@@ -363,153 +325,173 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, cons
   constexpr int kHeadDim = Traits::kHeadDim;
   constexpr int kNTiles = Traits::kNTiles;
   constexpr int kDTiles = Traits::kDTiles;
+  constexpr float kLog2e = 1.4426950408889634f;
   const FwdProblem& p = params.problem;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int warp = (static_cast<int>(threadIdx.x) / 32) % 4;  // within the warpgroup
-  const int m0 = tile.m_block * kBlockM;
-  const int rows_in_block = min(kBlockM, tile.len_q - m0);
-  const int row0 = consumer * 64;  // this warpgroup's first row in the tile
+  const int row0 = consumer * 64;  // this warpgroup's first row in a tile
   const int warp_row0 = row0 + warp * 16;
-
-  const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
-  constexpr float kLog2e = 1.4426950408889634f;
-  const float alibi_slope =
-      p.alibi_slopes != nullptr ? p.alibi_slopes[tile.batch * p.alibi_batch_stride + tile.head] : 0.0f;
-  const bool transform = p.softcap > 0.0f || alibi_slope != 0.0f;
-  const int diagonal = window.diagonal_offset();
-  const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
-
-  float acc_o[1][kDTiles][4];
-  sm80::zero_accumulators(acc_o);
-  sm80::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
-  softmax.init();
-
-  const uint32_t sQ = smem + Traits::kQOffset;
-  const uint32_t sQ_rows = sQ + row0 * 128;
+  const uint32_t sQ_rows = smem + Traits::kQOffset + row0 * 128;
   auto k_tile = [&](const Cursor& c) { return smem + Traits::kKOffset + c.stage * KvTile::kBytes; };
   auto v_tile = [&](const Cursor& c) { return smem + Traits::kVOffset + c.stage * KvTile::kBytes; };
-  // One arrival per consumer warp frees a stage's K (or V) for the producer.
+  // One arrival per consumer warp frees a stage's K (or V), or the Q tile, for the producer.
   auto release = [&](uint64_t& empty) {
     __syncwarp();
     if (lane == 0) mbarrier_arrive(smem_u32(&empty));
   };
-  // Scores of block n -> probabilities (in place); returns whether O must be rescaled (factors in
-  // `rescale`).
-  auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], int n0, float (&rescale)[2]) {
-    if (transform) {
-      sm80::transform_scores<Traits>(acc_s, p, m0 + warp_row0, n0, alibi_slope, diagonal);
-    }
-    if (!window.block_unmasked(m0, m0 + rows_in_block, n0, n0 + kBlockN)) {
-      sm80::mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
-    }
-    const bool any = softmax.advance_max(acc_s, log2_scale, rescale);
-    softmax.exponentiate(acc_s, log2_scale);
-    return any;
-  };
+  const ConsumerTurn turn(consumer);
+  Cursor ring;  // the next K/V stage to consume, continued across tiles
+  uint32_t q_loads = 0;
 
-  if (!kPipelined && n_end > n_begin) {
-    mbarrier_wait(smem_u32(&bars.q_full), 0);
-    float acc_s[1][kNTiles][4];
-    uint32_t p_frag[kBlockN / 16][4];
-    float rescale[2];
-    Cursor cursor;
-    for (int n_block = n_end - 1; n_block >= n_begin; --n_block) {
-      mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
-      wgmma_fence();
-      issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
-      wgmma_wait<0>();
-      wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
-      release(bars.k_empty[cursor.stage]);
-      if (softmax_block(acc_s, n_block * kBlockN, rescale)) softmax.rescale_output(acc_o, rescale);
-      pack_probabilities<Traits>(acc_s, p_frag);
-      mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
-      wgmma_fence();
-      issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(cursor));
-      wgmma_wait<0>();
-      wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
-      release(bars.v_empty[cursor.stage]);
-      cursor.advance();
+  for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
+    const FwdTile tile = FwdTile::locate<kBlockM, kBlockN>(p, linear);
+    if (tile.rows_in_block <= 0) continue;  // varlen: the sequence is shorter than max_seqlen_q
+    const int m0 = tile.m0;
+    const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
+    const float alibi_slope =
+        p.alibi_slopes != nullptr ? p.alibi_slopes[tile.batch * p.alibi_batch_stride + tile.head] : 0.0f;
+    const bool transform = p.softcap > 0.0f || alibi_slope != 0.0f;
+    const int diagonal = window.diagonal_offset();
+    // Scores are exponentiated as exp2(x * log2_scale - ...). Without softcap or ALiBi, x is the raw
+    // dot product and the softmax scale folds into log2_scale; with them, x is already scaled.
+    const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
+
+    float acc_o[1][kDTiles][4];
+    sm80::zero_accumulators(acc_o);
+    sm80::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
+    softmax.init();
+    // Scores of the block at key n0 -> probabilities (in place); returns whether O must be
+    // rescaled (factors in `rescale`).
+    auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], int n0, float (&rescale)[2]) {
+      if (transform) {
+        sm80::transform_scores<Traits>(acc_s, p, m0 + warp_row0, n0, alibi_slope, diagonal);
+      }
+      if (!window.block_unmasked(m0, m0 + tile.rows_in_block, n0, n0 + kBlockN)) {
+        sm80::mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
+      }
+      const bool any = softmax.advance_max(acc_s, log2_scale, rescale);
+      softmax.exponentiate(acc_s, log2_scale);
+      return any;
+    };
+
+    if (tile.has_keys()) {
+      mbarrier_wait(smem_u32(&bars.q_full), q_loads & 1u);
+      ++q_loads;
+      float acc_s[1][kNTiles][4];
+      uint32_t p_frag[kBlockN / 16][4];
+      float rescale[2];
+      if constexpr (!kPipelined) {
+        for (int n_block = tile.n_end - 1; n_block >= tile.n_begin; --n_block) {
+          mbarrier_wait(smem_u32(&bars.k_full[ring.stage]), ring.phase);
+          wgmma_fence();
+          issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(ring));
+          wgmma_wait<0>();
+          wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
+          release(bars.k_empty[ring.stage]);
+          if (softmax_block(acc_s, n_block * kBlockN, rescale)) softmax.rescale_output(acc_o, rescale);
+          pack_probabilities<Traits>(acc_s, p_frag);
+          mbarrier_wait(smem_u32(&bars.v_full[ring.stage]), ring.phase);
+          wgmma_fence();
+          issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(ring));
+          wgmma_wait<0>();
+          wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+          release(bars.v_empty[ring.stage]);
+          ring.advance();
+        }
+        release(bars.q_empty);
+      } else {
+        if (consumer == 1) turn.pass();  // consumer 0 takes the tile's first turn
+        Cursor cursor = ring;  // the block whose scores are being computed
+        Cursor previous;       // the block whose P V is pending
+        int n_block = tile.n_end - 1;
+
+        mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+        turn.wait();
+        wgmma_fence();
+        issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
+        turn.pass();
+        wgmma_wait<0>();
+        wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
+        release(bars.k_empty[cursor.stage]);
+        softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
+        pack_probabilities<Traits>(acc_s, p_frag);
+
+        for (--n_block; n_block >= tile.n_begin; --n_block) {
+          previous = cursor;
+          cursor.advance();
+          mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+          mbarrier_wait(smem_u32(&bars.v_full[previous.stage]), previous.phase);
+          turn.wait();
+          wgmma_fence();
+          issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
+          issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(previous));
+          turn.pass();
+          wgmma_wait<1>();  // S of this block (issued first) has landed; P V may still run
+          wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
+          release(bars.k_empty[cursor.stage]);
+          const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
+          wgmma_wait<0>();
+          wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+          release(bars.v_empty[previous.stage]);
+          if (any_rescale) softmax.rescale_output(acc_o, rescale);
+          pack_probabilities<Traits>(acc_s, p_frag);
+        }
+        release(bars.q_empty);  // every S of the tile has completed
+
+        mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
+        turn.wait();
+        wgmma_fence();
+        issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(cursor));
+        if (consumer == 0) turn.pass();  // consumer 1 waits for this last turn; consumer 0 does not
+        wgmma_wait<0>();
+        wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+        release(bars.v_empty[cursor.stage]);
+        cursor.advance();
+        ring = cursor;
+      }
+    }
+
+    // Epilogue: normalize, store this lane's pairs of columns of its two rows.
+    float lse[2];
+    softmax.finalize(acc_o, log2_scale, lse);
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int head_chunks = p.head_dim / 8;  // the columns past head_dim are padding
+    Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride +
+                   tile.head * p.out_head_stride;
+    const int64_t q_row0 = static_cast<int64_t>(tile.q_token) + m0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + g + half * 8;
+      if (row < tile.rows_in_block) {
+        Element* out_row = out + (q_row0 + row) * p.out_row_stride + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          if (dt < head_chunks) {
+            *reinterpret_cast<uint32_t*>(out_row + 8 * dt) =
+                sm80::pack2<Element>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+          }
+        }
+        if (t == 0) {
+          p.lse[tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride + m0 + row] = lse[half];
+        }
+      }
     }
   }
-  if (kPipelined && n_end > n_begin) {
-    const ConsumerTurn turn(consumer);
-    if (consumer == 1) turn.pass();  // consumer 0 takes the first turn
-    mbarrier_wait(smem_u32(&bars.q_full), 0);
-
-    float acc_s[1][kNTiles][4];
-    uint32_t p_frag[kBlockN / 16][4];
-    float rescale[2];
-    Cursor cursor;  // the block whose scores are being computed
-    Cursor previous;  // the block whose P V is pending
-    int n_block = n_end - 1;
-
-    mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
-    turn.wait();
-    wgmma_fence();
-    issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
-    turn.pass();
-    wgmma_wait<0>();
-    wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
-    release(bars.k_empty[cursor.stage]);
-    softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
-    pack_probabilities<Traits>(acc_s, p_frag);
-
-    for (--n_block; n_block >= n_begin; --n_block) {
-      previous = cursor;
-      cursor.advance();
-      mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
-      mbarrier_wait(smem_u32(&bars.v_full[previous.stage]), previous.phase);
-      turn.wait();
-      wgmma_fence();
-      issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
-      issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(previous));
-      turn.pass();
-      wgmma_wait<1>();  // S of this block (issued first) has landed; P V may still run
-      wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
-      release(bars.k_empty[cursor.stage]);
-      const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
-      wgmma_wait<0>();
-      wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
-      release(bars.v_empty[previous.stage]);
-      if (any_rescale) softmax.rescale_output(acc_o, rescale);
-      pack_probabilities<Traits>(acc_s, p_frag);
-    }
-
-    mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
-    turn.wait();
-    wgmma_fence();
-    issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(cursor));
-    if (consumer == 0) turn.pass();  // consumer 1 waits for this last turn; consumer 0 does not
-    wgmma_wait<0>();
-    wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
-    release(bars.v_empty[cursor.stage]);
-  }
-
-  consumer_epilogue<Traits>(params, tile, smem, acc_o, softmax, log2_scale, consumer);
 }
 
 template <typename Traits, bool kPipelined>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
-    fwd_kernel(const __grid_constant__ FwdParams params) {
+    fwd_kernel(const __grid_constant__ FwdParams params, int num_tiles) {
   using Barriers = typename Traits::Barriers;
-  const FwdProblem& p = params.problem;
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t smem = (raw + 1023u) & ~1023u;
   Barriers& bars = *reinterpret_cast<Barriers*>(smem_raw + (smem - raw) + Traits::kBarrierOffset);
 
-  const FwdTile tile = FwdTile::locate(p, Traits::kBlockM);
-  const int m0 = tile.m_block * Traits::kBlockM;
-  if (m0 >= tile.len_q) return;  // varlen: this sequence is shorter than max_seqlen_q
-  const int rows_in_block = min(Traits::kBlockM, tile.len_q - m0);
-  const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
-  const int key_lo = window.key_begin(m0);
-  const int key_hi = window.key_end(m0 + rows_in_block - 1);
-  const int n_begin = key_lo / Traits::kBlockN;
-  const int n_end = key_hi > key_lo ? (key_hi + Traits::kBlockN - 1) / Traits::kBlockN : n_begin;
-
   if (threadIdx.x == 0) {
     mbarrier_init(smem_u32(&bars.q_full), 1);
+    mbarrier_init(smem_u32(&bars.q_empty), Traits::kConsumerWarps);
     mbarrier_init(smem_u32(&bars.v_tail), 1);
 #pragma unroll
     for (int s = 0; s < Traits::kStages; ++s) {
@@ -525,12 +507,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warpgroup = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
   if (warpgroup == 0) {
     warpgroup_release_registers<Traits::kProducerRegisters>();
-    if (threadIdx.x / 32 == 0 && n_end > n_begin) {
-      producer_warp<Traits>(params, tile, smem, bars, n_begin, n_end);
-    }
+    if (threadIdx.x / 32 == 0) producer_warp<Traits>(params, smem, bars, num_tiles);
   } else {
     warpgroup_claim_registers<Traits::kConsumerRegisters>();
-    consumer_warpgroup<Traits, kPipelined>(params, tile, smem, bars, n_begin, n_end, warpgroup - 1);
+    consumer_warpgroup<Traits, kPipelined>(params, smem, bars, num_tiles, warpgroup - 1);
   }
 }
 

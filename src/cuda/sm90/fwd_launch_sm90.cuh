@@ -5,6 +5,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <string>
@@ -24,16 +25,17 @@ template <> struct ElementOf<DType::kFloat16> { using type = __half; };
 
 // The tensor map of q, k or v: [D, seqlen, heads, batch] (fixed) or [D, total, heads] (varlen),
 // tiled in 64 x box_rows boxes. The driver wants every extent >= 1 and every stride a positive
-// multiple of 16 bytes: a dim of extent 0 (no keys at all: nothing is ever loaded) gets extent 1,
-// and a dim of extent 1, whose stride is never used and may be anything, gets the span of the dims
-// inside it when its own stride does not qualify.
+// multiple of 16 bytes: a tensor with no rows (no keys at all: nothing is ever loaded, and its
+// strides may be 0) gets a map of one row, and a dim of extent 1, whose stride is never used and may
+// be anything, gets the span of the dims inside it when its own stride does not qualify.
 inline CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64_t rows,
                                     int heads, int64_t row_stride, int64_t head_stride,
                                     int64_t batch_stride, int box_rows, const char* what) {
   StridedTensor16 t;
   t.base = base;
   t.rank = p.is_varlen() ? 3 : 4;
-  const int64_t extents[4] = {p.head_dim, rows > 0 ? rows : 1, heads, p.batch};
+  const bool empty = rows <= 0;
+  const int64_t extents[4] = {p.head_dim, empty ? 1 : rows, empty ? 1 : heads, empty ? 1 : p.batch};
   const int64_t strides[3] = {row_stride, head_stride, batch_stride};
   int64_t span = 2 * p.head_dim;  // bytes covered by the dims inside the current one
   for (int i = 0; i < 4; ++i) t.extents[i] = static_cast<uint64_t>(extents[i]);
@@ -75,16 +77,26 @@ void run_fwd(const FwdProblem& problem, void* stream) {
                                   problem.heads_kv, problem.v_row_stride, problem.v_head_stride,
                                   problem.v_batch_stride, Traits::kBlockN, "v");
 
-  // FLASHKIT_SM90_SCHEDULE=serial runs the first (unpipelined) consumer schedule, for measuring
-  // the pipelined one against it.
+  // Two switches for measuring the design against its simpler variants (bench/NOTES.md):
+  // FLASHKIT_SM90_SCHEDULE=serial runs the unpipelined consumer schedule, FLASHKIT_SM90_GRID=tiles
+  // one CTA per tile instead of the persistent grid.
   const char* schedule = std::getenv("FLASHKIT_SM90_SCHEDULE");
   const bool serial = schedule != nullptr && std::string(schedule) == "serial";
+  const char* grid = std::getenv("FLASHKIT_SM90_GRID");
+  const bool one_cta_per_tile = grid != nullptr && std::string(grid) == "tiles";
+  int device = 0;
+  int sm_count = 0;
+  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda::check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
+              "cudaDeviceGetAttribute(multiprocessor count)");
+  const int64_t ctas = one_cta_per_tile ? num_blocks : std::min<int64_t>(num_blocks, sm_count);
+
   auto kernel = serial ? fwd_kernel<Traits, false> : fwd_kernel<Traits, true>;
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    Traits::kSmemBytes),
               "cudaFuncSetAttribute(sm90 fwd_kernel, max dynamic shared memory)");
-  kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes,
-           static_cast<cudaStream_t>(stream)>>>(params);
+  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes,
+           static_cast<cudaStream_t>(stream)>>>(params, static_cast<int>(num_blocks));
   cuda::check_last_launch("sm90 fwd_kernel");
 }
 
