@@ -5,7 +5,7 @@
 // gridDim.x-th after it (a persistent grid of one CTA per SM; FLASHKIT_SM90_GRID=tiles launches one
 // CTA per tile instead). Its three warpgroups:
 //
-//   producer  (warpgroup 0, 32 registers; its first warp works, one lane issues the copies)
+//   producer  (warpgroup 0, 40 registers; its first warp works, one lane issues the copies)
 //     per tile: wait q_empty; TMA Q (128 x D)          -> q_full
 //     for each visible key block n, last to first, through a ring of kStages stages:
 //       wait k_empty[s]; TMA K[n] -> k_full[s]
@@ -13,7 +13,7 @@
 //       (varlen, a block reaching past the sequence: V lands on v_tail, the warp zeroes the rows
 //        past the sequence (they hold the next sequence's tokens, possibly inf or NaN, which
 //        0 * x would spread into O), fences, and then arrives on v_full[s] itself)
-//   consumers (warpgroups 1 and 2, 240 registers; 64 query rows each), software-pipelined by one
+//   consumers (warpgroups 1 and 2, 232 registers; 64 query rows each), software-pipelined by one
 //   block so that each block's softmax overlaps the tensor cores:
 //     per tile: wait q_full
 //     first block:  S = Q K^T (wgmma SS); release K; softmax S -> P (registers)
@@ -74,8 +74,15 @@ struct FwdKernelTraits {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
-  static constexpr int kProducerRegisters = 32;  // 32 x 128 + 240 x 256 = 64K, the register file
-  static constexpr int kConsumerRegisters = 240;
+  // setmaxnreg moves registers within the CTA's allocation at launch (the 64K file split evenly
+  // and rounded down to 8: 168 per thread at 384 threads). A consumer's claim blocks until the
+  // producer's release has put enough in the pool, so the claims must not exceed the release.
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+  static_assert((kLaunchRegisters - kProducerRegisters) * kWarpgroupThreads >=
+                    (kConsumerRegisters - kLaunchRegisters) * kConsumerWarpgroups * kWarpgroupThreads,
+                "the consumers claim more registers than the producer releases: setmaxnreg would hang");
 
   // The shapes the sm80 score helpers (transform_scores, mask_scores) index: one 16-row tile per
   // warp, kBlockN / 8 column groups.

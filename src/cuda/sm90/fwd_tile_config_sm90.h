@@ -5,7 +5,7 @@
 // warpgroups of 64 query rows each, so kBlockM = 128. S = Q K^T is m64 x kBlockN per consumer, held
 // in kBlockN / 2 fp32 registers per thread, beside the output accumulator (D / 2 registers) and the
 // previous block's P (kBlockN / 4 registers, read by O += P V while S of the next block lands); the
-// consumers run at 240 registers after setmaxnreg. Shared memory holds Q (128 x D) and kStages
+// consumers run at 232 registers after setmaxnreg. Shared memory holds Q (128 x D) and kStages
 // stages of K and V (kBlockN x D each) and caps the stages:
 //
 //   family | kBlockN | stages | smem (KiB)        | O + S + P registers | why
