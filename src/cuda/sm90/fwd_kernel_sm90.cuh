@@ -2,8 +2,9 @@
 // \brief The warp-specialized forward kernel on wgmma + TMA (sm_90a, Hopper).
 //
 // A CTA walks tiles of kBlockM = 128 query rows of one (batch, head): tile blockIdx.x, then every
-// gridDim.x-th after it (a persistent grid of one CTA per SM; FLASHKIT_SM90_GRID=tiles launches one
-// CTA per tile instead). Its three warpgroups:
+// gridDim.x-th after it. By default the grid has one CTA per tile (each CTA runs one tile);
+// FLASHKIT_SM90_GRID=persistent launches one CTA per SM instead (fwd_launch_sm90.cuh says why that is
+// not the default yet). Its three warpgroups:
 //
 //   producer  (warpgroup 0, 40 registers; its first warp works, one lane issues the copies)
 //     per tile: wait q_empty; TMA Q (128 x D)          -> q_full
@@ -21,8 +22,9 @@
 //       [turn]  issue S_n = Q K_n^T (SS) and O += P_p V_p (RS: P from registers)   [pass turn]
 //       wait S_n; release K_n; softcap / ALiBi / mask; advance the row maxima; S_n -> P_n
 //       wait O; release V_p; rescale O if a row maximum moved
-//     release Q (q_empty): the producer loads the next tile's Q under this tile's last P V and
-//                          epilogue, as it loads the next tile's K and V into freed stages
+//     release Q (q_empty): with several tiles per CTA, the producer loads the next tile's Q under
+//                          this tile's last P V and epilogue, as it loads the next tile's K and V
+//                          into the stages this tile frees
 //     last:   [turn] O += P V [pass turn]; release V
 //     epilogue: O / rowsum -> 16-bit, stored from registers (4 bytes per lane, rows inside the
 //               sequence, columns inside head_dim); LSE per row.

@@ -77,19 +77,24 @@ void run_fwd(const FwdProblem& problem, void* stream) {
                                   problem.heads_kv, problem.v_row_stride, problem.v_head_stride,
                                   problem.v_batch_stride, Traits::kBlockN, "v");
 
-  // Two switches for measuring the design against its simpler variants (bench/NOTES.md):
-  // FLASHKIT_SM90_SCHEDULE=serial runs the unpipelined consumer schedule, FLASHKIT_SM90_GRID=tiles
-  // one CTA per tile instead of the persistent grid.
+  // Two switches for measuring the design against its variants (bench/NOTES.md):
+  // FLASHKIT_SM90_SCHEDULE=serial runs the unpipelined consumer schedule; FLASHKIT_SM90_GRID=
+  // persistent launches one CTA per SM walking tiles in a static round robin instead of one CTA per
+  // tile. The default is one CTA per tile: the hardware hands tiles to SMs as they free up, which
+  // under a causal mask balanced the work far better than the static round robin (H100, 2026-11-23:
+  // causal up to 25% slower persistent) until a dynamic tile scheduler exists.
   const char* schedule = std::getenv("FLASHKIT_SM90_SCHEDULE");
   const bool serial = schedule != nullptr && std::string(schedule) == "serial";
   const char* grid = std::getenv("FLASHKIT_SM90_GRID");
-  const bool one_cta_per_tile = grid != nullptr && std::string(grid) == "tiles";
-  int device = 0;
-  int sm_count = 0;
-  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
-  cuda::check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
-              "cudaDeviceGetAttribute(multiprocessor count)");
-  const int64_t ctas = one_cta_per_tile ? num_blocks : std::min<int64_t>(num_blocks, sm_count);
+  int64_t ctas = num_blocks;
+  if (grid != nullptr && std::string(grid) == "persistent") {
+    int device = 0;
+    int sm_count = 0;
+    cuda::check(cudaGetDevice(&device), "cudaGetDevice");
+    cuda::check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
+                "cudaDeviceGetAttribute(multiprocessor count)");
+    ctas = std::min<int64_t>(num_blocks, sm_count);
+  }
 
   auto kernel = serial ? fwd_kernel<Traits, false> : fwd_kernel<Traits, true>;
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
