@@ -17,8 +17,12 @@
 //   EmptyRows/*           windows and causal masks that leave rows without keys
 //   NoKeys/*              seqlen_k == 0: out 0, lse -inf
 //   GpuFwdTest.*          layout invariance, offsets past 2^31 elements, grid limits, a created
-//                         stream, bad input, a head dim left out of the build, determinism
+//                         stream, bad input, a head dim left out of the build, determinism, the
+//                         forced paths (FLASHKIT_FWD_PATH)
 //
+// Each case runs on the path the dispatcher picks: sm90 on a Hopper GPU wherever it covers the case,
+// else sm80. To run the suite on both paths there, run the binary a second time with
+// FLASHKIT_FWD_PATH=sm80 (scripts/gpu_check.sh does: step gpu_tests_sm80).
 // Without a GPU every test skips itself (fixture SetUp). FLASHKIT_TEST_VERBOSE=1 prints the errors
 // measured for passing cases too.
 #include <cuda_runtime.h>
