@@ -143,15 +143,23 @@ __global__ void wgmma_rs_kernel(const uint16_t* a, const uint16_t* b, float* c) 
   auto pair = [&](int r, int k) {
     return static_cast<uint32_t>(a[r * K + k]) | (static_cast<uint32_t>(a[r * K + k + 1]) << 16);
   };
+  // All A fragments are loaded before the first wgmma: registers written between the products of
+  // one batch would make ptxas serialize them (warning C7519).
+  uint32_t frag[K / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < K / 16; ++kk) {
+    frag[kk][0] = pair(row, kk * 16 + col);
+    frag[kk][1] = pair(row + 8, kk * 16 + col);
+    frag[kk][2] = pair(row, kk * 16 + col + 8);
+    frag[kk][3] = pair(row + 8, kk * 16 + col + 8);
+  }
   float d[N / 2];
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) d[i] = 0.0f;
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
-    const uint32_t frag[4] = {pair(row, kk * 16 + col), pair(row + 8, kk * 16 + col),
-                              pair(row, kk * 16 + col + 8), pair(row + 8, kk * 16 + col + 8)};
-    Wgmma<N>::template rs<Element, 1>(d, frag, mn_major_descriptor(sb + kk * 16 * 128, BTile::kColumnBlockBytes), 1u);
+    Wgmma<N>::template rs<Element, 1>(d, frag[kk], mn_major_descriptor(sb + kk * 16 * 128, BTile::kColumnBlockBytes), 1u);
   }
   wgmma_commit();
   wgmma_wait<0>();
