@@ -4,7 +4,8 @@
 // from registers and B MN-major, the bulk tensor copy (TMA) of a 4-D tensor with zero fill past its
 // end, streamed through an mbarrier ring (full/empty phases) by a producer warp to a consumer
 // warpgroup after setmaxnreg, and named barriers. Compiled for sm_90a only (its own object
-// library); every test skips itself unless a compute capability 9.0 device is present.
+// library); every test skips itself unless a compute capability 9.0 device is present, except the
+// host-side coverage rules (Sm90Coverage), which need no GPU.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -16,7 +17,9 @@
 #include <string>
 #include <vector>
 
+#include "common/fwd_problem.h"
 #include "common/half_float.h"
+#include "cuda/sm90/fwd_sm90.h"
 #include "cuda/sm90/mbarrier.cuh"
 #include "cuda/sm90/tensor_map.h"
 #include "cuda/sm90/tma.cuh"
@@ -377,6 +380,46 @@ TEST_F(GpuSm90BlocksTest, NamedBarriersHandOff) {
   SM90_CHECK(cudaDeviceSynchronize());
   const auto got = dout.download(rounds);
   for (int r = 0; r < rounds; ++r) EXPECT_EQ(got[r], r * r + 1) << "round " << r;
+}
+
+// A contiguous [batch, seqlen, heads, head_dim] bf16 problem with 16-byte aligned (fake) pointers;
+// the coverage rules read only shapes, strides and addresses.
+FwdProblem contiguous_problem(int batch, int seqlen_q, int seqlen_k, int heads, int head_dim) {
+  FwdProblem p;
+  p.batch = batch;
+  p.heads_q = heads;
+  p.heads_kv = heads;
+  p.head_dim = head_dim;
+  p.seqlen_q = seqlen_q;
+  p.seqlen_k = seqlen_k;
+  p.q = p.k = p.v = p.out = reinterpret_cast<void*>(uintptr_t{1} << 20);
+  const int64_t row = static_cast<int64_t>(heads) * head_dim;
+  p.q_row_stride = p.out_row_stride = p.k_row_stride = p.v_row_stride = row;
+  p.q_head_stride = p.out_head_stride = p.k_head_stride = p.v_head_stride = head_dim;
+  p.q_batch_stride = p.out_batch_stride = row * seqlen_q;
+  p.k_batch_stride = p.v_batch_stride = row * seqlen_k;
+  return p;
+}
+
+TEST(Sm90Coverage, HeadDimsRoundUpToTheFamilies) {
+  for (int d = 8; d <= 256; d += 8) {
+    EXPECT_EQ(fwd_head_dim_family(d), d <= 64 ? 64 : d <= 128 ? 128 : 256) << "head dim " << d;
+  }
+  EXPECT_EQ(fwd_head_dim_family(264), -1);
+}
+
+TEST(Sm90Coverage, BroadcastKeysRunOnSm80AndNoKeysRunOnSm90) {
+  EXPECT_EQ(fwd_unsupported_reason(contiguous_problem(2, 300, 500, 4, 128)), "");
+  FwdProblem broadcast = contiguous_problem(2, 300, 500, 4, 128);
+  broadcast.k_batch_stride = 0;  // one k for the whole batch
+  EXPECT_NE(fwd_unsupported_reason(broadcast).find("k batch stride 0"), std::string::npos)
+      << fwd_unsupported_reason(broadcast);
+  // seqlen_k = 0: k and v are never read, and their contiguous batch stride is 0.
+  EXPECT_EQ(fwd_unsupported_reason(contiguous_problem(2, 300, 0, 4, 128)), "");
+  // A dim of extent 1 has no stride to check.
+  FwdProblem one_head = contiguous_problem(2, 300, 500, 1, 64);
+  one_head.k_head_stride = 0;
+  EXPECT_EQ(fwd_unsupported_reason(one_head), "");
 }
 
 }  // namespace
