@@ -47,8 +47,9 @@
 
 #include "common/fwd_problem.h"
 #include "cuda/common/attention_mask.cuh"
+#include "cuda/common/mma_sm80.cuh"
 #include "cuda/common/online_softmax.cuh"
-#include "cuda/sm80/fwd_kernel.cuh"
+#include "cuda/common/score_mods.cuh"
 #include "cuda/sm90/mbarrier.cuh"
 #include "cuda/sm90/tensor_map.h"
 #include "cuda/sm90/tma.cuh"
@@ -86,8 +87,8 @@ struct FwdKernelTraits {
                     (kConsumerRegisters - kLaunchRegisters) * kConsumerWarpgroups * kWarpgroupThreads,
                 "the consumers claim more registers than the producer releases: setmaxnreg would hang");
 
-  // The shapes the sm80 score helpers (transform_scores, mask_scores) index: one 16-row tile per
-  // warp, kBlockN / 8 column groups.
+  // The shapes the score helpers of score_mods.cuh index: one 16-row tile per warp, kBlockN / 8
+  // column groups.
   static constexpr int kMTiles = 1;
   static constexpr int kNTiles = kBlockN / 8;
   static constexpr int kDTiles = kHeadDim / 8;
