@@ -9,6 +9,9 @@
 #              installed
 #   build      cmake --build <preset dir> -j $FLASHKIT_JOBS (default: all cores), timed
 #   gpu_tests  flashkit_gpu_tests [--gtest_filter=$FLASHKIT_GTEST_FILTER]
+#   gpu_tests_sm80  the forward GPU suite again with FLASHKIT_FWD_PATH=sm80, so that on a Hopper GPU
+#              both forward paths run it (gpu_tests takes the automatic choice, sm90 there); skipped
+#              with FLASHKIT_SKIP_SM80_RERUN=1
 #   cpu_tests  flashkit_cpu_tests
 #   memcheck, racecheck   only with FLASHKIT_SANITIZE=1: compute-sanitizer on the GPU tests
 #              [--gtest_filter=$FLASHKIT_SANITIZE_FILTER]
@@ -132,6 +135,10 @@ step_gpu_tests() {
   "$BUILD_DIR/tests/cpp/flashkit_gpu_tests" "${args[@]}"
 }
 
+step_gpu_tests_sm80() {
+  FLASHKIT_FWD_PATH=sm80 "$BUILD_DIR/tests/cpp/flashkit_gpu_tests" "--gtest_filter=*GpuFwd*"
+}
+
 step_cpu_tests() {
   "$BUILD_DIR/tests/cpp/flashkit_cpu_tests"
 }
@@ -171,7 +178,8 @@ step_report() {
   python3 bench/report.py --out-dir "$OUT" "${inputs[@]}"
 }
 
-export -f step_env step_configure step_build step_gpu_tests step_cpu_tests sanitize step_memcheck \
+export -f step_env step_configure step_build step_gpu_tests step_gpu_tests_sm80 step_cpu_tests \
+  sanitize step_memcheck \
   step_racecheck step_bench step_peers step_report
 
 # ---- running them --------------------------------------------------------------------------------
@@ -231,8 +239,10 @@ run_step env
 run_step configure
 if ok configure; then run_step build; else skip_step build "configure failed"; fi
 
-for t in gpu_tests cpu_tests; do
+for t in gpu_tests gpu_tests_sm80 cpu_tests; do
   if [ "${FLASHKIT_SKIP_TESTS:-0}" = 1 ]; then skip_step $t "FLASHKIT_SKIP_TESTS=1"
+  elif [ $t = gpu_tests_sm80 ] && [ "${FLASHKIT_SKIP_SM80_RERUN:-0}" = 1 ]; then
+    skip_step $t "FLASHKIT_SKIP_SM80_RERUN=1"
   elif ok build; then run_step $t
   else skip_step $t "no build"; fi
 done
@@ -304,7 +314,7 @@ summary() {
   printf '%-10s %-32s %s\n' step result seconds
   for s in "${STEPS[@]}"; do printf '%-10s %-32s %s\n' "$s" "${RESULT[$s]}" "${SECS[$s]}"; done
   if ok build; then echo "build time: $(cat "$OUT/build_time.txt") s with -j $JOBS$INCREMENTAL"; fi
-  for t in gpu_tests cpu_tests; do
+  for t in gpu_tests gpu_tests_sm80 cpu_tests; do
     if [ -e "$SCRATCH/$t.log" ]; then echo "$t: $(test_counts "$SCRATCH/$t.log")"; fi
   done
   last_line memcheck 'SUMMARY:'

@@ -2,11 +2,16 @@
 // \brief The forward entry points: validate, then run on the backend that owns the data. This is
 // the one place that chooses a CUDA kernel.
 //
-// CPU views run the reference (src/cpu/). CUDA views run the sm80 (mma.sync) kernel of the
-// problem's (dtype, head-dim family), provided this build compiled it; the generated build_config.h
-// lists which ones it did. Everything that can be rejected without the GPU is rejected before the
-// first CUDA runtime call, so bad input never touches the device.
+// CPU views run the reference (src/cpu/). CUDA views run, on compute capability 9.0, the sm90 (wgmma
+// + TMA) kernel of the problem's (dtype, head-dim family) when this build compiled it and it covers
+// the problem (sm90::fwd_unsupported_reason), and otherwise the sm80 (mma.sync) kernel, provided
+// this build compiled it; the generated build_config.h lists which ones it did. The environment
+// variable FLASHKIT_FWD_PATH=sm80|sm90 forces a path (for tests and for chasing a bug); forcing sm90
+// where it cannot run is an error, not a fallback. Everything that can be rejected without the GPU
+// is rejected before the first CUDA runtime call, so bad input never touches the device.
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "api/dispatch_support.h"
@@ -22,6 +27,8 @@
 #include "cuda/cuda_check.h"
 #include "cuda/sm80/fwd_sm80.h"
 #include "cuda/sm80/fwd_tile_config.h"
+#include "cuda/sm90/fwd_sm90.h"
+#include "cuda/sm90/fwd_tile_config_sm90.h"
 #endif
 
 namespace flashkit {
@@ -45,6 +52,44 @@ RunFwd find_sm80_fwd(DType dtype, int family) {
   return nullptr;
 }
 
+// The sm90 kernel for (dtype, family), or nullptr when this build left it out (a build without
+// sm_90a code has an empty list, hence the maybe-unused parameters).
+RunFwd find_sm90_fwd([[maybe_unused]] DType dtype, [[maybe_unused]] int family) {
+#define FLASHKIT_SM90_FWD_INSTANCE(kDType, kFamily) \
+  if (dtype == DType::kDType && family == kFamily) return &sm90::run_fwd<DType::kDType, kFamily>;
+  FLASHKIT_SM90_FWD_INSTANCES
+#undef FLASHKIT_SM90_FWD_INSTANCE
+  return nullptr;
+}
+
+enum class FwdPath { kAuto, kSm80, kSm90 };
+
+// FLASHKIT_FWD_PATH: unset or empty for the automatic choice, "sm80" or "sm90" to force one. Read
+// on every call, so a test can switch it between calls.
+FwdPath requested_fwd_path(const char* fn) {
+  const char* value = std::getenv("FLASHKIT_FWD_PATH");
+  if (value == nullptr || value[0] == '\0') return FwdPath::kAuto;
+  if (std::strcmp(value, "sm80") == 0) return FwdPath::kSm80;
+  if (std::strcmp(value, "sm90") == 0) return FwdPath::kSm90;
+  throw Error(std::string(fn) + ": FLASHKIT_FWD_PATH is '" + value +
+              "'; it must be sm80, sm90 or unset (automatic: sm90 on compute capability 9.0 where "
+              "it covers the problem, else sm80)");
+}
+
+// Why the sm90 kernel cannot run `problem` in this build, or "" when it can (the device aside).
+std::string sm90_unavailable_reason(const FwdProblem& problem) {
+  const int family = sm90::fwd_head_dim_family(problem.head_dim);
+  if (find_sm90_fwd(problem.dtype, family) == nullptr) {
+    return std::string("this build has no sm90 forward kernel for ") +
+           build_dtype_name(problem.dtype) + " head dim " + std::to_string(problem.head_dim) +
+           " (sm90 family " + std::to_string(family) +
+           "; the sm90 families 64, 128 and 256 are built when CMAKE_CUDA_ARCHITECTURES includes "
+           "90 and FLASHKIT_SM90=ON; built head dims " + FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " +
+           FLASHKIT_BUILT_DTYPES + ")";
+  }
+  return sm90::fwd_unsupported_reason(problem);
+}
+
 bool family_built_for_some_dtype(int family) {
   return find_sm80_fwd(DType::kBFloat16, family) != nullptr ||
          find_sm80_fwd(DType::kFloat16, family) != nullptr;
@@ -58,9 +103,15 @@ bool dtype_built_for_some_family(DType dtype) {
 }
 
 void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* stream) {
+  const FwdPath requested = requested_fwd_path(fn);
+  const std::string sm90_unavailable = sm90_unavailable_reason(problem);
+  if (requested == FwdPath::kSm90 && !sm90_unavailable.empty()) {
+    throw Error(std::string(fn) + ": FLASHKIT_FWD_PATH=sm90 but the sm90 forward cannot run this "
+                "problem: " + sm90_unavailable + "; unset FLASHKIT_FWD_PATH to let flashkit choose");
+  }
   const int family = sm80::fwd_head_dim_family(problem.head_dim);
-  const RunFwd run = find_sm80_fwd(problem.dtype, family);
-  if (run == nullptr) {
+  const RunFwd run_sm80 = find_sm80_fwd(problem.dtype, family);
+  if (run_sm80 == nullptr && requested != FwdPath::kSm90) {
     std::string rebuild;
     if (!family_built_for_some_dtype(family)) {
       rebuild += "-DFLASHKIT_HEAD_DIMS=\"" +
@@ -79,16 +130,6 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
                 FLASHKIT_BUILT_DTYPES + ")");
   }
   if (!api::has_query_rows(problem)) return;
-  if (debug_enabled()) {
-    const sm80::FwdTileConfig tile = sm80::fwd_tile_config(family);
-    std::fprintf(stderr,
-                 "flashkit: %s: cuda:%d sm80 forward, %s head dim %d (family %d), tile %dx%d, "
-                 "%d warps, Q in %s, batch %d heads %d/%d seqlen %d/%d%s\n",
-                 fn, device, build_dtype_name(problem.dtype), problem.head_dim, family, tile.block_m,
-                 tile.block_n, tile.warps, tile.q_in_registers ? "registers" : "shared memory",
-                 problem.batch, problem.heads_q, problem.heads_kv, problem.seqlen_q,
-                 problem.seqlen_k, problem.is_varlen() ? " (varlen maxima)" : "");
-  }
 
   const api::CurrentDeviceGuard device_guard(device);
   const int arch = cuda::current_device_arch();
@@ -97,7 +138,46 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
                 std::to_string(arch / 10) + "." + std::to_string(arch % 10) +
                 "; the flashkit CUDA kernels need 8.0 or newer (Ampere, Ada, Hopper)");
   }
-  run(problem, stream);
+  if (requested == FwdPath::kSm90 && arch != 90) {
+    throw Error(std::string(fn) + ": FLASHKIT_FWD_PATH=sm90 but cuda:" + std::to_string(device) +
+                " has compute capability " + std::to_string(arch / 10) + "." +
+                std::to_string(arch % 10) + "; the sm90 kernels run on 9.0 (Hopper) only");
+  }
+  const bool use_sm90 = requested == FwdPath::kSm90 ||
+                        (requested == FwdPath::kAuto && arch == 90 && sm90_unavailable.empty());
+
+  if (debug_enabled()) {
+    if (use_sm90) {
+      const int family90 = sm90::fwd_head_dim_family(problem.head_dim);
+      const sm90::FwdTileConfig tile = sm90::fwd_tile_config(family90);
+      std::fprintf(stderr,
+                   "flashkit: %s: cuda:%d sm90 forward (wgmma + TMA), %s head dim %d (family %d), "
+                   "tile %dx%d, %d stages, 2 consumer warpgroups, batch %d heads %d/%d seqlen "
+                   "%d/%d%s\n",
+                   fn, device, build_dtype_name(problem.dtype), problem.head_dim, family90, tile.block_m,
+                   tile.block_n, tile.stages, problem.batch, problem.heads_q, problem.heads_kv,
+                   problem.seqlen_q, problem.seqlen_k, problem.is_varlen() ? " (varlen maxima)" : "");
+    } else {
+      const sm80::FwdTileConfig tile = sm80::fwd_tile_config(family);
+      const std::string why_not_sm90 =
+          requested == FwdPath::kSm80 ? "forced by FLASHKIT_FWD_PATH=sm80"
+          : arch != 90                ? "compute capability is not 9.0"
+                                      : sm90_unavailable;
+      std::fprintf(stderr,
+                   "flashkit: %s: cuda:%d sm80 forward, %s head dim %d (family %d), tile %dx%d, "
+                   "%d warps, Q in %s, batch %d heads %d/%d seqlen %d/%d%s (not sm90: %s)\n",
+                   fn, device, build_dtype_name(problem.dtype), problem.head_dim, family,
+                   tile.block_m, tile.block_n, tile.warps,
+                   tile.q_in_registers ? "registers" : "shared memory", problem.batch,
+                   problem.heads_q, problem.heads_kv, problem.seqlen_q, problem.seqlen_k,
+                   problem.is_varlen() ? " (varlen maxima)" : "", why_not_sm90.c_str());
+    }
+  }
+  if (use_sm90) {
+    find_sm90_fwd(problem.dtype, sm90::fwd_head_dim_family(problem.head_dim))(problem, stream);
+  } else {
+    run_sm80(problem, stream);
+  }
 }
 
 #endif  // FLASHKIT_WITH_CUDA

@@ -328,6 +328,8 @@ FwdProblem validate_mha_varlen_fwd(const MhaVarlenFwdParams& p, const char* fn) 
   problem.cu_seqlens_q = static_cast<const int*>(p.cu_seqlens_q.data);
   problem.cu_seqlens_k = static_cast<const int*>(p.cu_seqlens_k.data);
   problem.seqused_k = static_cast<const int*>(p.seqused_k.data);
+  problem.total_q = total_q;
+  problem.total_k = total_k;
   fill_options(p, problem.seqlen_q, problem.seqlen_k, problem);
   return problem;
 }

@@ -40,6 +40,10 @@ struct FwdProblem {
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
   const int* seqused_k = nullptr;
+  // Varlen: the rows of the packed q (and out) and k (and v), q.size(0) and k.size(0); the extent a
+  // kernel reading whole tiles (the sm90 copy engine) may address. 0 for mha_fwd.
+  int64_t total_q = 0;
+  int64_t total_k = 0;
 
   const float* alibi_slopes = nullptr;  // slope of (b, h) = alibi_slopes[b * alibi_batch_stride + h]
   int64_t alibi_batch_stride = 0;       // 0 for [heads_q] slopes

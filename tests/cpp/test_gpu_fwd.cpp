@@ -17,8 +17,12 @@
 //   EmptyRows/*           windows and causal masks that leave rows without keys
 //   NoKeys/*              seqlen_k == 0: out 0, lse -inf
 //   GpuFwdTest.*          layout invariance, offsets past 2^31 elements, grid limits, a created
-//                         stream, bad input, a head dim left out of the build, determinism
+//                         stream, bad input, a head dim left out of the build, determinism, the
+//                         forced paths (FLASHKIT_FWD_PATH)
 //
+// Each case runs on the path the dispatcher picks: sm90 on a Hopper GPU wherever it covers the case,
+// else sm80. To run the suite on both paths there, run the binary a second time with
+// FLASHKIT_FWD_PATH=sm80 (scripts/gpu_check.sh does: step gpu_tests_sm80).
 // Without a GPU every test skips itself (fixture SetUp). FLASHKIT_TEST_VERBOSE=1 prints the errors
 // measured for passing cases too.
 #include <cuda_runtime.h>
@@ -28,6 +32,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <iostream>
@@ -37,6 +42,7 @@
 #include <utility>
 #include <vector>
 
+#include "build_config.h"
 #include "flashkit/flashkit.h"
 #include "gpu_case_builders.h"
 #include "gpu_test_util.h"
@@ -809,6 +815,85 @@ TEST_F(GpuFwdTest, UnbuiltHeadDimIsRejected) {
   ok.seed = 62;
   const HostInputs ok_in = make_inputs(ok);
   run_and_check(ok, ok_in, run_oracle(ok, ok_in, all_items(ok)), contiguous_layout(ok));
+}
+
+// ------------------------------------------------------------------------------------------------
+// Forcing a forward path (FLASHKIT_FWD_PATH)
+// ------------------------------------------------------------------------------------------------
+
+// Sets an environment variable for one scope and restores the caller's value (the whole binary may
+// run under FLASHKIT_FWD_PATH=sm80).
+class ScopedEnv {
+ public:
+  ScopedEnv(const char* name, const char* value) : name_(name) {
+    const char* old = std::getenv(name);
+    had_ = old != nullptr;
+    if (had_) old_ = old;
+    setenv(name, value, 1);
+  }
+  ~ScopedEnv() {
+    if (had_) {
+      setenv(name_, old_.c_str(), 1);
+    } else {
+      unsetenv(name_);
+    }
+  }
+  ScopedEnv(const ScopedEnv&) = delete;
+  ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string old_;
+};
+
+// Whether FLASHKIT_FWD_PATH=sm90 can run (dtype, head dim) here: a compute capability 9.0 device and
+// the sm90 kernel of its family (64, 128 or 256) in this build (build_config.h's list).
+bool sm90_runs([[maybe_unused]] DType dtype, int head_dim) {
+  cudaDeviceProp prop;
+  FK_CUDA_CHECK(cudaGetDeviceProperties(&prop, current_device()));
+  [[maybe_unused]] const int family = head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
+  bool built = false;
+#define FLASHKIT_SM90_FWD_INSTANCE(kDType, kFamily) \
+  built = built || (dtype == DType::kDType && family == kFamily);
+  FLASHKIT_SM90_FWD_INSTANCES
+#undef FLASHKIT_SM90_FWD_INSTANCE
+  return built && prop.major == 9 && prop.minor == 0;
+}
+
+// Each forced path either runs and matches the oracle or, where it cannot run, is refused with an
+// error naming FLASHKIT_FWD_PATH before any launch; an unknown path is refused the same way.
+TEST_F(GpuFwdTest, ForcedFwdPaths) {
+  const int d = built_head_dim(64);
+  FwdCase c = fixed_case(built_dtype(d), d, 2, 2, 2, 65, 97);
+  c.causal = true;
+  c.name = "forcedPath";
+  c.seed = 63;
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const Oracle oracle = run_oracle(c, in, all_items(c));
+  DeviceProblem dev(c, in, contiguous_layout(c));
+  dev.upload(nullptr);
+  FK_CUDA_CHECK(cudaDeviceSynchronize());
+  for (const char* path : {"sm80", "sm90", "sm75"}) {
+    SCOPED_TRACE(path);
+    const ScopedEnv forced("FLASHKIT_FWD_PATH", path);
+    const bool runs = std::string(path) == "sm80" ||
+                      (std::string(path) == "sm90" && sm90_runs(c.dtype, c.head_dim));
+    dev.poison_outputs(nullptr);
+    try {
+      dev.launch(nullptr);
+      if (runs) {
+        report(check_against_oracle(c, oracle, dev.download(nullptr)));
+      } else {
+        ADD_FAILURE() << "FLASHKIT_FWD_PATH=" << path << " ran, though it cannot run here";
+      }
+    } catch (const flashkit::Error& e) {
+      EXPECT_FALSE(runs) << e.what();
+      EXPECT_NE(std::string(e.what()).find("FLASHKIT_FWD_PATH"), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  }
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -50,8 +50,20 @@ struct OnlineSoftmax {
   // rescale of its whole output accumulator (D / 8 * 4 FMULs per row pair) on almost every block.
   __device__ __forceinline__ void update(float (&scores)[kMTiles][kNTiles][4],
                                          float (&out)[kMTiles][kDTiles][4], float log2_scale) {
-    constexpr float kRescaleThreshold = 8.0f;
     float rescale[kRows];
+    if (advance_max(scores, log2_scale, rescale)) rescale_output(out, rescale);
+    exponentiate(scores, log2_scale);
+  }
+
+  // update() in three steps, for kernels whose output accumulator is still being written by an
+  // asynchronous matrix product when the next block's scores arrive (sm90): advance_max and
+  // exponentiate need only the scores; rescale_output runs once the accumulator is settled.
+  //
+  // advance_max moves the reference maxima (see update) and scales the row sums; it returns whether
+  // any row of the warp moved, and then `rescale` holds each row's factor for rescale_output.
+  __device__ __forceinline__ bool advance_max(const float (&scores)[kMTiles][kNTiles][4],
+                                              float log2_scale, float (&rescale)[kRows]) {
+    constexpr float kRescaleThreshold = 8.0f;
     bool any_rescale = false;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -72,16 +84,26 @@ struct OnlineSoftmax {
         any_rescale |= grow;
       }
     }
-    if (__any_sync(0xffffffffu, any_rescale)) {
+    const bool any = __any_sync(0xffffffffu, any_rescale);
+    if (any) {
 #pragma unroll
       for (int r = 0; r < kRows; ++r) row_sum[r] *= rescale[r];
-#pragma unroll
-      for (int mt = 0; mt < kMTiles; ++mt)
-#pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) out[mt][dt][i] *= rescale[2 * mt + i / 2];
     }
+    return any;
+  }
+
+  __device__ __forceinline__ void rescale_output(float (&out)[kMTiles][kDTiles][4],
+                                                 const float (&rescale)[kRows]) const {
+#pragma unroll
+    for (int mt = 0; mt < kMTiles; ++mt)
+#pragma unroll
+      for (int dt = 0; dt < kDTiles; ++dt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) out[mt][dt][i] *= rescale[2 * mt + i / 2];
+  }
+
+  // Scores -> probabilities against the current reference maxima, added to the row sums.
+  __device__ __forceinline__ void exponentiate(float (&scores)[kMTiles][kNTiles][4], float log2_scale) {
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll

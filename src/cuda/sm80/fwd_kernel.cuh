@@ -31,6 +31,7 @@
 #include "cuda/common/attention_mask.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/common/online_softmax.cuh"
+#include "cuda/common/score_mods.cuh"
 #include "cuda/common/swizzled_tile.cuh"
 
 namespace flashkit::sm80 {
@@ -174,73 +175,6 @@ struct FwdBlockLocation {
     return loc;
   }
 };
-
-// Softcap and ALiBi turn the raw dot products into scores in natural units. Each modification is
-// one loop behind one uniform branch, so the unrolled per-element code carries no branches and the
-// main loop's code stays compact (three inlined variants, one per combination, cost 3% at d128).
-template <typename Traits>
-__device__ __forceinline__ void transform_scores(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
-                                                 const FwdProblem& p, int first_row, int first_key,
-                                                 float alibi_slope, int diagonal_offset) {
-  constexpr int kPerLane = Traits::kMTiles * Traits::kNTiles * 4;
-  float* x = &s[0][0][0];
-  if (p.softcap > 0.0f) {
-    // softcap * tanh(y), tanh(y) = 1 - 2 / (exp(2y) + 1): accurate to ~1e-7 absolute with the fast
-    // exp, unlike tanh.approx (~5e-4 relative), which softcap would magnify by `softcap`.
-    const float two_over_softcap = 2.0f * p.softmax_scale / p.softcap;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      x[i] = p.softcap * (1.0f - __fdividef(2.0f, __expf(x[i] * two_over_softcap) + 1.0f));
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) x[i] *= p.softmax_scale;
-  }
-  if (alibi_slope != 0.0f) {
-    const int lane = static_cast<int>(threadIdx.x) % 32;
-#pragma unroll
-    for (int mt = 0; mt < Traits::kMTiles; ++mt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = first_row + mt * 16 + lane / 4 + half * 8;
-#pragma unroll
-        for (int nt = 0; nt < Traits::kNTiles; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int key = first_key + nt * 8 + (lane % 4) * 2 + e;
-            s[mt][nt][2 * half + e] += alibi_bias(alibi_slope, row, key, diagonal_offset);
-          }
-        }
-      }
-    }
-  }
-}
-
-// Sets the scores of keys a row may not see to -inf. Only blocks cut by the mask call this.
-template <typename Traits>
-__device__ __forceinline__ void mask_scores(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
-                                            const KeyWindow& window, int first_row, int first_key) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int lane_key = first_key + (lane % 4) * 2;
-#pragma unroll
-  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = first_row + mt * 16 + lane / 4 + half * 8;
-      // Visible columns of this lane, relative to its first key: [begin, end).
-      const int begin = window.key_begin(row) - lane_key;
-      const int end = window.key_end(row) - lane_key;
-#pragma unroll
-      for (int nt = 0; nt < Traits::kNTiles; ++nt) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int column = nt * 8 + e;
-          if (column < begin || column >= end) s[mt][nt][2 * half + e] = -INFINITY;
-        }
-      }
-    }
-  }
-}
 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)

@@ -1,0 +1,527 @@
+// src/cuda/sm90/fwd_kernel_sm90.cuh
+// \brief The warp-specialized forward kernel on wgmma + TMA (sm_90a, Hopper).
+//
+// A CTA walks tiles of kBlockM = 128 query rows of one (batch, head): tile blockIdx.x, then every
+// gridDim.x-th after it. By default the grid has one CTA per tile (each CTA runs one tile);
+// FLASHKIT_SM90_GRID=persistent launches one CTA per SM instead (fwd_launch_sm90.cuh says why that is
+// not the default yet). Its three warpgroups:
+//
+//   producer  (warpgroup 0, 40 registers; its first warp works, one lane issues the copies)
+//     per tile: wait q_empty; TMA Q (128 x D)          -> q_full
+//     for each visible key block n, last to first, through a ring of kStages stages:
+//       wait k_empty[s]; TMA K[n] -> k_full[s]
+//       wait v_empty[s]; TMA V[n] -> v_full[s]
+//       (varlen, a block reaching past the sequence: V lands on v_tail, the warp zeroes the rows
+//        past the sequence (they hold the next sequence's tokens, possibly inf or NaN, which
+//        0 * x would spread into O), fences, and then arrives on v_full[s] itself)
+//   consumers (warpgroups 1 and 2, 232 registers; 64 query rows each), software-pipelined by one
+//   block so that each block's softmax overlaps the tensor cores:
+//     per tile: wait q_full
+//     first block:  S = Q K^T (wgmma SS); release K; softmax S -> P (registers)
+//     each next block n, previous block p:
+//       [turn]  issue S_n = Q K_n^T (SS) and O += P_p V_p (RS: P from registers)   [pass turn]
+//       wait S_n; release K_n; softcap / ALiBi / mask; advance the row maxima; S_n -> P_n
+//       wait O; release V_p; rescale O if a row maximum moved
+//     release Q (q_empty): with several tiles per CTA, the producer loads the next tile's Q under
+//                          this tile's last P V and epilogue, as it loads the next tile's K and V
+//                          into the stages this tile frees
+//     last:   [turn] O += P V [pass turn]; release V
+//     epilogue: O / rowsum -> 16-bit, stored from registers (4 bytes per lane, rows inside the
+//               sequence, columns inside head_dim); LSE per row.
+//   [turn] is ping-pong between the two consumers (named barriers kScheduler0/1): a warpgroup
+//   issues its matrix products only after the other has issued its own, so one warpgroup's softmax
+//   runs while the other's products occupy the tensor cores.
+//
+// Blocks are visited from the last to the first, as in the sm80 kernel, so the blocks the causal
+// diagonal or the sequence end cut come first. Rows and keys past a sequence's end are read (TMA
+// zero-fills past the tensor, and in a packed varlen tensor reads the next sequence) but masked,
+// zeroed (V) or never written (rows of O and LSE). Columns past head_dim (a head dim padded to its
+// family) are zero-filled by TMA and never written.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/fwd_problem.h"
+#include "cuda/common/attention_mask.cuh"
+#include "cuda/common/mma_sm80.cuh"
+#include "cuda/common/online_softmax.cuh"
+#include "cuda/common/score_mods.cuh"
+#include "cuda/sm90/mbarrier.cuh"
+#include "cuda/sm90/tensor_map.h"
+#include "cuda/sm90/tma.cuh"
+#include "cuda/sm90/warpgroup.cuh"
+#include "cuda/sm90/wgmma.cuh"
+
+namespace flashkit::sm90 {
+
+// The kernel's parameter block: the problem and the tensor maps of Q, K and V (rank 4 [D, seqlen,
+// heads, batch] for fixed-length problems, rank 3 [D, total tokens, heads] for varlen).
+struct FwdParams {
+  FwdProblem problem;
+  CUtensorMap q_map;
+  CUtensorMap k_map;
+  CUtensorMap v_map;
+};
+
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_>
+struct FwdKernelTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kStages = kStages_;
+  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
+  static constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
+  // setmaxnreg moves registers within the CTA's allocation at launch (the 64K file split evenly
+  // and rounded down to 8: 168 per thread at 384 threads). A consumer's claim blocks until the
+  // producer's release has put enough in the pool, so the claims must not exceed the release.
+  static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
+  static_assert((kLaunchRegisters - kProducerRegisters) * kWarpgroupThreads >=
+                    (kConsumerRegisters - kLaunchRegisters) * kConsumerWarpgroups * kWarpgroupThreads,
+                "the consumers claim more registers than the producer releases: setmaxnreg would hang");
+
+  // The shapes the score helpers of score_mods.cuh index: one 16-row tile per warp, kBlockN / 8
+  // column groups.
+  static constexpr int kMTiles = 1;
+  static constexpr int kNTiles = kBlockN / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+
+  using QTile = Swizzle128Tile<kBlockM, kHeadDim>;
+  using KvTile = Swizzle128Tile<kBlockN, kHeadDim>;
+
+  // Shared-memory plan, byte offsets from a 1024-byte aligned base. Barriers last.
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQOffset + QTile::kBytes;
+  static constexpr int kVOffset = kKOffset + kStages * KvTile::kBytes;
+  static constexpr int kBarrierOffset = kVOffset + kStages * KvTile::kBytes;
+  struct Barriers {
+    uint64_t q_full;
+    uint64_t q_empty;  // both consumers' last S = Q K^T of a tile has completed
+    uint64_t k_full[kStages];
+    uint64_t v_full[kStages];
+    uint64_t k_empty[kStages];  // K and V are released separately: K after S, V after O += P V
+    uint64_t v_empty[kStages];
+    uint64_t v_tail;
+  };
+  // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
+  static constexpr int kSmemBytes = kBarrierOffset + static_cast<int>(sizeof(Barriers)) + 1024;
+
+  static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "whole wgmma k-steps and swizzle atoms");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
+};
+
+// The named barriers of this kernel (hardware ids; 0 is __syncthreads).
+enum class FwdBarrier : uint32_t {
+  kScheduler0 = kFirstNamedBarrier,  // consumer 0 may issue its products (256 threads: both consumers)
+  kScheduler1,                       // consumer 1 may issue its matrix products
+};
+
+// Where a tile's rows and keys live, and which key blocks it visits.
+struct FwdTile {
+  int batch;
+  int head;
+  int kv_head;
+  int m_block;
+  int len_q;
+  int len_k;
+  int q_token;  // varlen: the first token of the sequence in the packed tensors; 0 otherwise
+  int k_token;
+  int m0;             // first row of the tile in its sequence
+  int rows_in_block;  // rows of the tile inside the sequence (<= 0: the tile is past its end)
+  int n_begin;        // visible key blocks [n_begin, n_end), walked from the last
+  int n_end;
+
+  // Tile `linear` of the problem: m-blocks vary fastest, heaviest (last) first, so that under a
+  // causal mask the long rows start early, and the CTAs running at once share K and V in L2.
+  template <int kBlockM, int kBlockN>
+  __device__ __forceinline__ static FwdTile locate(const FwdProblem& p, int linear) {
+    FwdTile t;
+    const int num_m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    t.m_block = num_m_blocks - 1 - linear % num_m_blocks;
+    const int batch_head = linear / num_m_blocks;
+    t.head = batch_head % p.heads_q;
+    t.batch = batch_head / p.heads_q;
+    t.kv_head = t.head / (p.heads_q / p.heads_kv);
+    t.len_q = p.seqlen_q;
+    t.len_k = p.seqlen_k;
+    t.q_token = 0;
+    t.k_token = 0;
+    if (p.cu_seqlens_q != nullptr) {
+      t.q_token = p.cu_seqlens_q[t.batch];
+      t.k_token = p.cu_seqlens_k[t.batch];
+      t.len_q = p.cu_seqlens_q[t.batch + 1] - t.q_token;
+      t.len_k = p.seqused_k != nullptr ? p.seqused_k[t.batch] : p.cu_seqlens_k[t.batch + 1] - t.k_token;
+    }
+    t.m0 = t.m_block * kBlockM;
+    t.rows_in_block = min(kBlockM, t.len_q - t.m0);
+    t.n_begin = 0;
+    t.n_end = 0;
+    if (t.rows_in_block > 0) {
+      const sm80::KeyWindow window{t.len_q, t.len_k, p.window_left, p.window_right};
+      const int key_lo = window.key_begin(t.m0);
+      const int key_hi = window.key_end(t.m0 + t.rows_in_block - 1);
+      t.n_begin = key_lo / kBlockN;
+      t.n_end = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN : t.n_begin;
+    }
+    return t;
+  }
+
+  __device__ __forceinline__ bool has_keys() const { return n_end > n_begin; }
+};
+
+// Copies rows [row, row + box rows) of the (head, batch) slice of a tensor, all column blocks, into
+// the tile at `dst`, completing on `bar`.
+template <typename Tile>
+__device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap& map, uint32_t bar,
+                                              bool varlen, int row, int head, int batch) {
+#pragma unroll
+  for (int cb = 0; cb < Tile::kColumnBlocks; ++cb) {
+    const uint32_t block_dst = dst + cb * Tile::kColumnBlockBytes;
+    if (varlen) {
+      tma_load_3d(block_dst, map, bar, cb * kSwizzleAtomElements, row, head);
+    } else {
+      tma_load_4d(block_dst, map, bar, cb * kSwizzleAtomElements, row, head, batch);
+    }
+  }
+}
+
+template <typename Traits>
+__device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t smem,
+                                              typename Traits::Barriers& bars, int num_tiles) {
+  using QTile = typename Traits::QTile;
+  using KvTile = typename Traits::KvTile;
+  constexpr int kBlockN = Traits::kBlockN;
+  const FwdProblem& p = params.problem;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const bool varlen = p.cu_seqlens_q != nullptr;
+
+  if (lane == 0) {
+    tma_prefetch_map(params.q_map);
+    tma_prefetch_map(params.k_map);
+    tma_prefetch_map(params.v_map);
+  }
+  RingCursor<Traits::kStages> cursor;
+  uint32_t tail_phase = 0;
+  uint32_t q_loads = 0;
+  for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
+    const FwdTile tile = FwdTile::locate<Traits::kBlockM, kBlockN>(p, linear);
+    if (!tile.has_keys()) continue;
+    const int batch = varlen ? 0 : tile.batch;
+    mbarrier_wait(smem_u32(&bars.q_empty), (q_loads & 1u) ^ 1u);
+    ++q_loads;
+    if (lane == 0) {
+      const uint32_t q_full = smem_u32(&bars.q_full);
+      mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
+      tma_load_tile<QTile>(smem + Traits::kQOffset, params.q_map, q_full, varlen,
+                           tile.q_token + tile.m0, tile.head, batch);
+    }
+    for (int n_block = tile.n_end - 1; n_block >= tile.n_begin; --n_block) {
+      const int n0 = n_block * kBlockN;
+      const uint32_t k_dst = smem + Traits::kKOffset + cursor.stage * KvTile::kBytes;
+      const uint32_t v_dst = smem + Traits::kVOffset + cursor.stage * KvTile::kBytes;
+      const uint32_t k_full = smem_u32(&bars.k_full[cursor.stage]);
+      const uint32_t v_full = smem_u32(&bars.v_full[cursor.stage]);
+      mbarrier_wait(smem_u32(&bars.k_empty[cursor.stage]), cursor.phase ^ 1u);
+      if (lane == 0) {
+        mbarrier_arrive_expect_tx(k_full, KvTile::kBytes);
+        tma_load_tile<KvTile>(k_dst, params.k_map, k_full, varlen, tile.k_token + n0, tile.kv_head, batch);
+      }
+      mbarrier_wait(smem_u32(&bars.v_empty[cursor.stage]), cursor.phase ^ 1u);
+      const int valid_keys = tile.len_k - n0;
+      if (!varlen || valid_keys >= kBlockN) {
+        if (lane == 0) {
+          mbarrier_arrive_expect_tx(v_full, KvTile::kBytes);
+          tma_load_tile<KvTile>(v_dst, params.v_map, v_full, varlen, tile.k_token + n0, tile.kv_head, batch);
+        }
+      } else {
+        const uint32_t v_tail = smem_u32(&bars.v_tail);
+        if (lane == 0) {
+          mbarrier_arrive_expect_tx(v_tail, KvTile::kBytes);
+          tma_load_tile<KvTile>(v_dst, params.v_map, v_tail, varlen, tile.k_token + n0, tile.kv_head, batch);
+        }
+        mbarrier_wait(v_tail, tail_phase);
+        tail_phase ^= 1u;
+        // Whole 128-byte rows of every column block: the swizzle only permutes chunks within a row.
+        const int zero_rows = kBlockN - valid_keys;
+        for (int i = lane; i < KvTile::kColumnBlocks * zero_rows * 8; i += 32) {
+          const int cb = i / (zero_rows * 8);
+          const int rest = i % (zero_rows * 8);
+          const uint32_t addr =
+              v_dst + cb * KvTile::kColumnBlockBytes + (valid_keys + rest / 8) * 128 + (rest % 8) * 16;
+          asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+        }
+        fence_proxy_async_shared();
+        __syncwarp();
+        if (lane == 0) mbarrier_arrive(v_full);
+      }
+      cursor.advance();
+    }
+  }
+}
+
+// The ping-pong turn of consumer `consumer`: wait for it before issuing matrix products, pass it
+// to the other consumer after.
+struct ConsumerTurn {
+  uint32_t mine;
+  uint32_t other;
+
+  __device__ __forceinline__ explicit ConsumerTurn(int consumer)
+      : mine(static_cast<uint32_t>(FwdBarrier::kScheduler0) + consumer),
+        other(static_cast<uint32_t>(FwdBarrier::kScheduler0) + (1 - consumer)) {}
+  __device__ __forceinline__ void wait() const { named_barrier_sync(mine, 2 * kWarpgroupThreads); }
+  __device__ __forceinline__ void pass() const { named_barrier_arrive(other, 2 * kWarpgroupThreads); }
+};
+
+// S = Q K^T for this warpgroup's 64 rows, issued (not waited for).
+template <typename Traits>
+__device__ __forceinline__ void issue_qk(float* acc_s, uint32_t sQ_rows, uint32_t sK) {
+  using QTile = typename Traits::QTile;
+  using KvTile = typename Traits::KvTile;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+    const uint64_t q_desc = k_major_descriptor(sQ_rows + (kk / 4) * QTile::kColumnBlockBytes + (kk % 4) * 32);
+    const uint64_t k_desc = k_major_descriptor(sK + (kk / 4) * KvTile::kColumnBlockBytes + (kk % 4) * 32);
+    Wgmma<Traits::kBlockN>::template ss<typename Traits::Element, 0>(acc_s, q_desc, k_desc, kk > 0 ? 1u : 0u);
+  }
+  wgmma_commit();
+}
+
+// O += P V, P from registers, issued (not waited for).
+template <typename Traits>
+__device__ __forceinline__ void issue_pv(float* acc_o, const uint32_t (&p_frag)[Traits::kBlockN / 16][4],
+                                         uint32_t sV) {
+  using KvTile = typename Traits::KvTile;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+    const uint64_t v_desc = mn_major_descriptor(sV + kk * 16 * 128, KvTile::kColumnBlockBytes);
+    Wgmma<Traits::kHeadDim>::template rs<typename Traits::Element, 1>(acc_o, p_frag[kk], v_desc, 1u);
+  }
+  wgmma_commit();
+}
+
+// The probabilities of two adjacent 8-key groups, packed to 16 bits, are one k-step of the A operand.
+template <typename Traits>
+__device__ __forceinline__ void pack_probabilities(const float (&s)[1][Traits::kNTiles][4],
+                                                   uint32_t (&p_frag)[Traits::kBlockN / 16][4]) {
+  using Element = typename Traits::Element;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
+    p_frag[kk][0] = sm80::pack2<Element>(s[0][2 * kk][0], s[0][2 * kk][1]);
+    p_frag[kk][1] = sm80::pack2<Element>(s[0][2 * kk][2], s[0][2 * kk][3]);
+    p_frag[kk][2] = sm80::pack2<Element>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    p_frag[kk][3] = sm80::pack2<Element>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
+}
+
+// kPipelined: the schedule of the header (one block of software pipelining + ping-pong). Otherwise
+// each block runs S, softmax, O += P V back to back (the first version; kept to measure the
+// schedule against, selected by FLASHKIT_SM90_SCHEDULE=serial).
+template <typename Traits, bool kPipelined>
+__device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint32_t smem,
+                                                   typename Traits::Barriers& bars, int num_tiles,
+                                                   int consumer) {
+  using Element = typename Traits::Element;
+  using KvTile = typename Traits::KvTile;
+  using Cursor = RingCursor<Traits::kStages>;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kNTiles = Traits::kNTiles;
+  constexpr int kDTiles = Traits::kDTiles;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const FwdProblem& p = params.problem;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int warp = (static_cast<int>(threadIdx.x) / 32) % 4;  // within the warpgroup
+  const int row0 = consumer * 64;  // this warpgroup's first row in a tile
+  const int warp_row0 = row0 + warp * 16;
+  const uint32_t sQ_rows = smem + Traits::kQOffset + row0 * 128;
+  auto k_tile = [&](const Cursor& c) { return smem + Traits::kKOffset + c.stage * KvTile::kBytes; };
+  auto v_tile = [&](const Cursor& c) { return smem + Traits::kVOffset + c.stage * KvTile::kBytes; };
+  // One arrival per consumer warp frees a stage's K (or V), or the Q tile, for the producer.
+  auto release = [&](uint64_t& empty) {
+    __syncwarp();
+    if (lane == 0) mbarrier_arrive(smem_u32(&empty));
+  };
+  const ConsumerTurn turn(consumer);
+  Cursor ring;  // the next K/V stage to consume, continued across tiles
+  uint32_t q_loads = 0;
+
+  for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
+    const FwdTile tile = FwdTile::locate<kBlockM, kBlockN>(p, linear);
+    if (tile.rows_in_block <= 0) continue;  // varlen: the sequence is shorter than max_seqlen_q
+    const int m0 = tile.m0;
+    const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
+    const float alibi_slope =
+        p.alibi_slopes != nullptr ? p.alibi_slopes[tile.batch * p.alibi_batch_stride + tile.head] : 0.0f;
+    const bool transform = p.softcap > 0.0f || alibi_slope != 0.0f;
+    const int diagonal = window.diagonal_offset();
+    // Scores are exponentiated as exp2(x * log2_scale - ...). Without softcap or ALiBi, x is the raw
+    // dot product and the softmax scale folds into log2_scale; with them, x is already scaled.
+    const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
+
+    float acc_o[1][kDTiles][4];
+    sm80::zero_accumulators(acc_o);
+    sm80::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
+    softmax.init();
+    // Scores of the block at key n0 -> probabilities (in place); returns whether O must be
+    // rescaled (factors in `rescale`).
+    auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], int n0, float (&rescale)[2]) {
+      if (transform) {
+        sm80::transform_scores<Traits>(acc_s, p, m0 + warp_row0, n0, alibi_slope, diagonal);
+      }
+      if (!window.block_unmasked(m0, m0 + tile.rows_in_block, n0, n0 + kBlockN)) {
+        sm80::mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
+      }
+      const bool any = softmax.advance_max(acc_s, log2_scale, rescale);
+      softmax.exponentiate(acc_s, log2_scale);
+      return any;
+    };
+
+    if (tile.has_keys()) {
+      mbarrier_wait(smem_u32(&bars.q_full), q_loads & 1u);
+      ++q_loads;
+      float acc_s[1][kNTiles][4];
+      uint32_t p_frag[kBlockN / 16][4];
+      float rescale[2];
+      if constexpr (!kPipelined) {
+        for (int n_block = tile.n_end - 1; n_block >= tile.n_begin; --n_block) {
+          mbarrier_wait(smem_u32(&bars.k_full[ring.stage]), ring.phase);
+          wgmma_fence();
+          issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(ring));
+          wgmma_wait<0>();
+          wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
+          release(bars.k_empty[ring.stage]);
+          if (softmax_block(acc_s, n_block * kBlockN, rescale)) softmax.rescale_output(acc_o, rescale);
+          pack_probabilities<Traits>(acc_s, p_frag);
+          mbarrier_wait(smem_u32(&bars.v_full[ring.stage]), ring.phase);
+          wgmma_fence();
+          issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(ring));
+          wgmma_wait<0>();
+          wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+          release(bars.v_empty[ring.stage]);
+          ring.advance();
+        }
+        release(bars.q_empty);
+      } else {
+        if (consumer == 1) turn.pass();  // consumer 0 takes the tile's first turn
+        Cursor cursor = ring;  // the block whose scores are being computed
+        Cursor previous;       // the block whose P V is pending
+        int n_block = tile.n_end - 1;
+
+        mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+        turn.wait();
+        wgmma_fence();
+        issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
+        turn.pass();
+        wgmma_wait<0>();
+        wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
+        release(bars.k_empty[cursor.stage]);
+        softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
+        pack_probabilities<Traits>(acc_s, p_frag);
+
+        for (--n_block; n_block >= tile.n_begin; --n_block) {
+          previous = cursor;
+          cursor.advance();
+          mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+          mbarrier_wait(smem_u32(&bars.v_full[previous.stage]), previous.phase);
+          turn.wait();
+          wgmma_fence();
+          issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
+          issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(previous));
+          turn.pass();
+          wgmma_wait<1>();  // S of this block (issued first) has landed; P V may still run
+          wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
+          release(bars.k_empty[cursor.stage]);
+          const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
+          wgmma_wait<0>();
+          wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+          release(bars.v_empty[previous.stage]);
+          if (any_rescale) softmax.rescale_output(acc_o, rescale);
+          pack_probabilities<Traits>(acc_s, p_frag);
+        }
+        release(bars.q_empty);  // every S of the tile has completed
+
+        mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
+        turn.wait();
+        wgmma_fence();
+        issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(cursor));
+        if (consumer == 0) turn.pass();  // consumer 1 waits for this last turn; consumer 0 does not
+        wgmma_wait<0>();
+        wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+        release(bars.v_empty[cursor.stage]);
+        cursor.advance();
+        ring = cursor;
+      }
+    }
+
+    // Epilogue: normalize, store this lane's pairs of columns of its two rows.
+    float lse[2];
+    softmax.finalize(acc_o, log2_scale, lse);
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int head_chunks = p.head_dim / 8;  // the columns past head_dim are padding
+    Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride +
+                   tile.head * p.out_head_stride;
+    const int64_t q_row0 = static_cast<int64_t>(tile.q_token) + m0;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + g + half * 8;
+      if (row < tile.rows_in_block) {
+        Element* out_row = out + (q_row0 + row) * p.out_row_stride + 2 * t;
+#pragma unroll
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          if (dt < head_chunks) {
+            *reinterpret_cast<uint32_t*>(out_row + 8 * dt) =
+                sm80::pack2<Element>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+          }
+        }
+        if (t == 0) {
+          p.lse[tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride + m0 + row] = lse[half];
+        }
+      }
+    }
+  }
+}
+
+template <typename Traits, bool kPipelined>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    fwd_kernel(const __grid_constant__ FwdParams params, int num_tiles) {
+  using Barriers = typename Traits::Barriers;
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t smem = (raw + 1023u) & ~1023u;
+  Barriers& bars = *reinterpret_cast<Barriers*>(smem_raw + (smem - raw) + Traits::kBarrierOffset);
+
+  if (threadIdx.x == 0) {
+    mbarrier_init(smem_u32(&bars.q_full), 1);
+    mbarrier_init(smem_u32(&bars.q_empty), Traits::kConsumerWarps);
+    mbarrier_init(smem_u32(&bars.v_tail), 1);
+#pragma unroll
+    for (int s = 0; s < Traits::kStages; ++s) {
+      mbarrier_init(smem_u32(&bars.k_full[s]), 1);
+      mbarrier_init(smem_u32(&bars.v_full[s]), 1);
+      mbarrier_init(smem_u32(&bars.k_empty[s]), Traits::kConsumerWarps);
+      mbarrier_init(smem_u32(&bars.v_empty[s]), Traits::kConsumerWarps);
+    }
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+
+  const int warpgroup = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
+  if (warpgroup == 0) {
+    warpgroup_release_registers<Traits::kProducerRegisters>();
+    if (threadIdx.x / 32 == 0) producer_warp<Traits>(params, smem, bars, num_tiles);
+  } else {
+    warpgroup_claim_registers<Traits::kConsumerRegisters>();
+    consumer_warpgroup<Traits, kPipelined>(params, smem, bars, num_tiles, warpgroup - 1);
+  }
+}
+
+}  // namespace flashkit::sm90

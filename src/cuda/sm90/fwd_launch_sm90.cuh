@@ -1,0 +1,108 @@
+// src/cuda/sm90/fwd_launch_sm90.cuh
+// \brief Host side of the sm90 forward kernel: tensor maps, grid, shared memory, launch. Included
+// only by the generated per-(dtype, family) instance files.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+#include "cuda/cuda_check.h"
+#include "cuda/sm90/fwd_kernel_sm90.cuh"
+#include "cuda/sm90/fwd_sm90.h"
+#include "cuda/sm90/fwd_tile_config_sm90.h"
+#include "cuda/sm90/tensor_map.h"
+#include "flashkit/error.h"
+
+namespace flashkit::sm90 {
+
+template <DType kDType> struct ElementOf;
+template <> struct ElementOf<DType::kBFloat16> { using type = __nv_bfloat16; };
+template <> struct ElementOf<DType::kFloat16> { using type = __half; };
+
+// The tensor map of q, k or v: [D, seqlen, heads, batch] (fixed) or [D, total, heads] (varlen),
+// tiled in 64 x box_rows boxes. The driver wants every extent >= 1 and every stride a positive
+// multiple of 16 bytes: a tensor with no rows (no keys at all: nothing is ever loaded, and its
+// strides may be 0) gets a map of one row, and a dim of extent 1, whose stride is never used and may
+// be anything, gets the span of the dims inside it when its own stride does not qualify.
+inline CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64_t rows,
+                                    int heads, int64_t row_stride, int64_t head_stride,
+                                    int64_t batch_stride, int box_rows, const char* what) {
+  StridedTensor16 t;
+  t.base = base;
+  t.rank = p.is_varlen() ? 3 : 4;
+  const bool empty = rows <= 0;
+  const int64_t extents[4] = {p.head_dim, empty ? 1 : rows, empty ? 1 : heads, empty ? 1 : p.batch};
+  const int64_t strides[3] = {row_stride, head_stride, batch_stride};
+  int64_t span = 2 * p.head_dim;  // bytes covered by the dims inside the current one
+  for (int i = 0; i < 4; ++i) t.extents[i] = static_cast<uint64_t>(extents[i]);
+  for (int i = 0; i < t.rank - 1; ++i) {
+    const int64_t bytes = 2 * strides[i];
+    const bool usable = bytes > 0 && bytes % 16 == 0;
+    const int64_t rounded = (span + 15) / 16 * 16;
+    t.byte_strides[i] = static_cast<uint64_t>(usable || extents[i + 1] != 1 ? bytes : rounded);
+    span = static_cast<int64_t>(t.byte_strides[i]) * extents[i + 1];
+  }
+  return encode_tensor_map(t, p.dtype == DType::kBFloat16, box_rows, what);
+}
+
+template <DType kDType, int kHeadDimFamily>
+void run_fwd(const FwdProblem& problem, void* stream) {
+  constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
+  static_assert(kTile.block_m == 128, "no sm90 tile configuration for this head-dim family");
+  using Traits = FwdKernelTraits<typename ElementOf<kDType>::type, kHeadDimFamily, kTile.block_n,
+                                 kTile.stages>;
+
+  const int64_t num_m_blocks = (problem.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t num_blocks = num_m_blocks * problem.batch * problem.heads_q;
+  if (num_blocks == 0) return;
+  if (num_blocks > INT32_MAX) {
+    throw Error("mha_fwd: batch * heads_q * ceil(seqlen_q / " + std::to_string(Traits::kBlockM) +
+                ") = " + std::to_string(num_blocks) + " exceeds the 2^31 - 1 CTAs one launch can run");
+  }
+
+  const bool varlen = problem.is_varlen();
+  FwdParams params;
+  params.problem = problem;
+  params.q_map = input_tensor_map(problem, problem.q, varlen ? problem.total_q : problem.seqlen_q,
+                                  problem.heads_q, problem.q_row_stride, problem.q_head_stride,
+                                  problem.q_batch_stride, Traits::kBlockM, "q");
+  params.k_map = input_tensor_map(problem, problem.k, varlen ? problem.total_k : problem.seqlen_k,
+                                  problem.heads_kv, problem.k_row_stride, problem.k_head_stride,
+                                  problem.k_batch_stride, Traits::kBlockN, "k");
+  params.v_map = input_tensor_map(problem, problem.v, varlen ? problem.total_k : problem.seqlen_k,
+                                  problem.heads_kv, problem.v_row_stride, problem.v_head_stride,
+                                  problem.v_batch_stride, Traits::kBlockN, "v");
+
+  // Two switches for measuring the design against its variants (bench/NOTES.md):
+  // FLASHKIT_SM90_SCHEDULE=serial runs the unpipelined consumer schedule; FLASHKIT_SM90_GRID=
+  // persistent launches one CTA per SM walking tiles in a static round robin instead of one CTA per
+  // tile. The default is one CTA per tile: the hardware hands tiles to SMs as they free up, which
+  // under a causal mask balanced the work far better than the static round robin (H100, 2026-11-23:
+  // causal up to 25% slower persistent) until a dynamic tile scheduler exists.
+  const char* schedule = std::getenv("FLASHKIT_SM90_SCHEDULE");
+  const bool serial = schedule != nullptr && std::string(schedule) == "serial";
+  const char* grid = std::getenv("FLASHKIT_SM90_GRID");
+  int64_t ctas = num_blocks;
+  if (grid != nullptr && std::string(grid) == "persistent") {
+    int device = 0;
+    int sm_count = 0;
+    cuda::check(cudaGetDevice(&device), "cudaGetDevice");
+    cuda::check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
+                "cudaDeviceGetAttribute(multiprocessor count)");
+    ctas = std::min<int64_t>(num_blocks, sm_count);
+  }
+
+  auto kernel = serial ? fwd_kernel<Traits, false> : fwd_kernel<Traits, true>;
+  cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   Traits::kSmemBytes),
+              "cudaFuncSetAttribute(sm90 fwd_kernel, max dynamic shared memory)");
+  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes,
+           static_cast<cudaStream_t>(stream)>>>(params, static_cast<int>(num_blocks));
+  cuda::check_last_launch("sm90 fwd_kernel");
+}
+
+}  // namespace flashkit::sm90

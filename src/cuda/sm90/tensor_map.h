@@ -1,0 +1,32 @@
+// src/cuda/sm90/tensor_map.h
+// \brief Host side of the bulk tensor copy engine: the CUtensorMap of a strided tensor of 16-bit
+// elements, tiled in boxes of 64 elements (128 bytes: the 128-byte swizzle atom) by `box_rows` rows.
+//
+// cuTensorMapEncodeTiled is a driver API function; it is fetched through the runtime's driver
+// entry point, so flashkit does not link libcuda.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+namespace flashkit::sm90 {
+
+// The elements of the 128-byte swizzle atom's row, and so of one box's inner extent.
+constexpr int kSwizzleAtomElements = 64;
+
+// A tensor of `rank` (2..5) dims, innermost first: extents in elements, the byte strides of dims
+// 1..rank-1 (dim 0 is contiguous). Its boxes are kSwizzleAtomElements x box_rows x 1 x ...
+struct StridedTensor16 {
+  const void* base = nullptr;
+  int rank = 0;
+  uint64_t extents[5] = {};
+  uint64_t byte_strides[4] = {};  // byte_strides[i] is the stride of dim i + 1
+};
+
+// Encodes the map with 128-byte swizzle and zero fill out of bounds. `bf16` picks the element
+// type. Throws flashkit::Error naming `what` when the driver refuses it (alignment, strides).
+CUtensorMap encode_tensor_map(const StridedTensor16& tensor, bool bf16, int box_rows,
+                              const char* what);
+
+}  // namespace flashkit::sm90
