@@ -183,7 +183,7 @@ def main():
             records.append(dict(r, run=i))
             rows_by_op[r["op"]][shape_key(r)][labels[(i, r["impl"])]] = r
 
-    what = args.what or "+".join(sorted(rows_by_op))
+    what = args.what or "-".join(sorted(rows_by_op))
     day = (header["date"] or datetime.date.today().isoformat())[:10]
     gpus = [h.get("gpu") for _, h, _ in runs if h.get("gpu")]
     out_dir = pathlib.Path(args.out_dir)

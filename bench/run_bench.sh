@@ -4,7 +4,7 @@
 # With a GPU: runs BUILD_DIR/bench/flashkit_bench, then bench/peers.py (PyTorch SDPA backends and
 # FlexAttention) on the same grid when python3 has CUDA-enabled PyTorch, then bench/report.py, which
 # writes <results>/<gpu>-<yyyy-mm-dd>-<ops>.json and .md (printed at the end; <ops> e.g.
-# bwd+fwd+fwd_bwd). Without a GPU: runs
+# bwd-fwd-fwd_bwd). Without a GPU: runs
 # flashkit_bench, which times the CPU backend on a small problem and says so; nothing is written.
 #
 # Grid flags (--dtype, --hdim, --seqlen, --causal) go to both tools, from the arguments and from

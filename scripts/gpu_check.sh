@@ -32,7 +32,7 @@
 #   gpu_tests.json                    GoogleTest's report of the GPU tests
 #   flashkit.json, peers.json         the raw results of each benchmark
 #   <gpu>-<yyyy-mm-dd>-<ops>.json, .md  the merged results and table (to commit under
-#                                     bench/results; <ops> e.g. bwd+fwd+fwd_bwd)
+#                                     bench/results; <ops> e.g. bwd-fwd-fwd_bwd)
 # The summary prints last: the table, then each step's result, test counts and the build time.
 set -uo pipefail
 
