@@ -45,6 +45,7 @@
 #include "flashkit/flashkit.h"
 #include "gpu_bwd_test_util.h"
 #include "gpu_case_builders.h"
+#include "gpu_case_grids.h"
 #include "gpu_test_util.h"
 
 namespace flashkit::test {
@@ -78,221 +79,24 @@ std::vector<BwdCase> as_bwd_cases(const std::vector<FwdCase>& cases) {
 
 const std::vector<int> kBwdHeadDims = {40, 64, 72, 96, 128, 192, 256};
 
-// dtype x head dim x mask, 6 query heads on 2 kv heads, batch 2: 2 x 7 x 8 = 112 cases.
+// 2 x 7 x 8 = 112 cases.
 std::vector<BwdCase> dtype_head_dim_mask_cases() {
-  const std::pair<int, int> lengths[] = {{113, 239}, {239, 113}, {203, 203}};
-  std::vector<FwdCase> cases;
-  Rng rng(0xB7E4D);
-  for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
-    for (size_t di = 0; di < kBwdHeadDims.size(); ++di) {
-      for (size_t mi = 0; mi < kAllMasks.size(); ++mi) {
-        const auto [sq, sk] = lengths[(di + mi) % 3];
-        FwdCase c = fixed_case(dtype, kBwdHeadDims[di], 6, 2, 2, sq, sk);
-        apply_mask(c, kAllMasks[mi], rng);
-        c.name = default_name(c, mask_name(kAllMasks[mi]));
-        cases.push_back(c);
-      }
-    }
-  }
-  return as_bwd_cases(finish(cases, 0x11000));
+  return as_bwd_cases(finish(dtype_head_dim_mask_grid(kBwdHeadDims, 0xB7E4D), 0x11000));
 }
 
-// mask x {fixed, varlen} x heads {6/6, 6/2, 6/1} x 2 draws: 96 cases. Pairs with s_q * s_k >=
-// 200k run batch 1 (fixed) or 2 (varlen) to keep the fp64 oracle cheap.
+// mask x {fixed, varlen} x heads {6/6, 6/2, 6/1} x 2 draws: 96 cases.
 std::vector<BwdCase> shape_cases() {
-  const std::vector<std::pair<int, int>> lengths = {
-      {1, 1},     {1, 17},    {17, 1},   {3, 97},     {17, 113},   {113, 17},  {127, 203},
-      {239, 113}, {113, 239}, {1, 1023}, {239, 1023}, {1023, 239}, {799, 339}, {1024, 1025}};
-  const std::vector<float> scales = {0.0f, 0.0f, 0.05f, 0.2f};
-  std::vector<FwdCase> cases;
-  Rng rng(0xB5A4E);
-  for (MaskKind mask : kAllMasks) {
-    for (bool varlen : {false, true}) {
-      for (const auto& [hq, hkv] : std::vector<std::pair<int, int>>{{6, 6}, {6, 2}, {6, 1}}) {
-        for (int draw = 0; draw < 2; ++draw) {
-          const DType dtype = rng.chance(0.5) ? DType::kBFloat16 : DType::kFloat16;
-          const int d = rng.pick(kBwdHeadDims);
-          const auto [sq, sk] = rng.pick(lengths);
-          const bool large = int64_t{sq} * sk >= 200000;
-          FwdCase c = fixed_case(dtype, d, hq, hkv, large ? 1 : 2, sq, sk);
-          if (varlen) fill_varlen(c, large ? 2 : 4, sq, sk, rng);
-          c.softmax_scale = rng.pick(scales);
-          apply_mask(c, mask, rng);
-          c.name = default_name(c, mask_name(mask));
-          cases.push_back(c);
-        }
-      }
-    }
-  }
-  return as_bwd_cases(finish(cases, 0x12000));
+  return as_bwd_cases(
+      finish(shape_grid(kBwdHeadDims, {{6, 6}, {6, 2}, {6, 1}}, 2, 0xB5A4E), 0x12000));
 }
 
-// 2048 and 4224 tokens, few heads.
-std::vector<BwdCase> long_cases() {
-  std::vector<FwdCase> cases;
-  auto add = [&](FwdCase c, const std::string& mask) {
-    c.name = default_name(c, mask);
-    cases.push_back(c);
-  };
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 128, 4, 1, 1, 2048, 2048);
-    c.causal = true;
-    add(c, "causal");
-  }
-  add(fixed_case(DType::kFloat16, 64, 2, 2, 1, 4224, 4224), "none");
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 64, 2, 1, 1, 4224, 4224);
-    c.window_left = 1000;
-    c.window_right = 37;
-    add(c, "local");
-  }
-  {
-    FwdCase c = fixed_case(DType::kFloat16, 96, 2, 1, 1, 1025, 4224);
-    c.alibi = AlibiKind::kPerHead;
-    add(c, "alibi");
-  }
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 256, 2, 2, 1, 2048, 1023);
-    c.causal = true;
-    c.softcap = 30.0f;
-    c.q_scale = 10.0f;
-    add(c, "causalSoftcap");
-  }
-  {
-    FwdCase c = varlen_case(DType::kBFloat16, 128, 4, 2, {2048, 17, 1023, 0}, {4224, 2048, 0, 1});
-    c.tail_q = 3;
-    c.tail_k = 5;
-    c.causal = true;
-    add(c, "causal");
-  }
-  {
-    FwdCase c = varlen_case(DType::kFloat16, 64, 2, 1, {4224, 1}, {4224, 4224});
-    c.used_k = {3000, 4224};
-    c.causal = true;
-    c.alibi = AlibiKind::kPerBatchHead;
-    add(c, "causalAlibi");
-  }
-  return as_bwd_cases(finish(cases, 0x13000));
-}
+std::vector<BwdCase> long_cases() { return as_bwd_cases(finish(long_grid(), 0x13000)); }
 
 std::vector<BwdCase> varlen_edge_cases() {
-  std::vector<FwdCase> cases;
-  Rng rng(0xBED6E);
-  auto add_masks = [&](const FwdCase& base, const std::string& what,
-                       std::initializer_list<MaskKind> masks) {
-    int i = 0;
-    for (MaskKind m : masks) {
-      FwdCase c = base;
-      c.dtype = (i++ % 2 == 0) ? DType::kBFloat16 : DType::kFloat16;
-      apply_mask(c, m, rng);
-      c.name = what + "_" + short_dtype_name(c.dtype) + "_d" + std::to_string(c.head_dim) + "_" +
-               mask_name(m);
-      cases.push_back(c);
-    }
-  };
-  {
-    // Zero-length query sequences (first, last), a zero-length key sequence under queries, tails.
-    FwdCase c =
-        varlen_case(DType::kBFloat16, 64, 6, 2, {0, 17, 1, 113, 5, 0}, {13, 0, 239, 64, 1, 0});
-    c.tail_q = 5;
-    c.tail_k = 7;
-    add_masks(c, "zeroLengths",
-              {MaskKind::kNone, MaskKind::kCausal, MaskKind::kLocal, MaskKind::kAlibiBatch,
-               MaskKind::kSoftcap, MaskKind::kCausalAlibi, MaskKind::kCausalSoftcap});
-  }
-  {
-    // Decoding shapes: max_seqlen_q == 1, key lengths from 0 to 1023.
-    FwdCase c = varlen_case(DType::kBFloat16, 128, 8, 2, {1, 1, 0, 1, 1, 1, 0, 1},
-                            {1023, 0, 17, 1, 239, 500, 3, 64});
-    c.tail_q = 2;
-    add_masks(c, "decode", {MaskKind::kNone, MaskKind::kCausal, MaskKind::kAlibi});
-  }
-  {
-    // seqused_k below the stored key lengths (0 and 1 included): the unused keys get zero dk, dv.
-    FwdCase c = varlen_case(DType::kBFloat16, 96, 6, 1, {17, 17, 3, 113}, {239, 113, 17, 64});
-    c.used_k = {100, 0, 17, 1};
-    c.tail_k = 4;
-    add_masks(c, "sequsedK",
-              {MaskKind::kNone, MaskKind::kCausal, MaskKind::kLocal, MaskKind::kSoftcap,
-               MaskKind::kAlibiBatch});
-  }
-  {
-    // max_seqlen_q larger than every length.
-    FwdCase c = varlen_case(DType::kBFloat16, 72, 4, 4, {17, 1, 30}, {40, 40, 5});
-    c.extra_max_seqlen_q = 5;
-    add_masks(c, "looseMaxSeqlenQ", {MaskKind::kCausal, MaskKind::kNone});
-  }
-  {
-    // Every query sequence empty but one: most keys get zero gradients.
-    FwdCase c = varlen_case(DType::kBFloat16, 40, 6, 2, {0, 0, 0, 9, 0}, {5, 17, 0, 33, 2});
-    add_masks(c, "oneNonEmpty", {MaskKind::kNone, MaskKind::kCausal});
-  }
-  return as_bwd_cases(finish(cases, 0x14000));
+  return as_bwd_cases(finish(varlen_edge_grid(0xBED6E), 0x14000));
 }
 
-// Query rows without keys (dq exactly 0) and keys without rows (dk, dv exactly 0).
-std::vector<BwdCase> empty_row_cases() {
-  std::vector<FwdCase> cases;
-  auto add = [&](FwdCase c, const std::string& what) {
-    c.name = what + "_" + short_dtype_name(c.dtype) + "_d" + std::to_string(c.head_dim);
-    cases.push_back(c);
-  };
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 64, 6, 2, 2, 239, 17);  // rows 0..221 see nothing
-    c.causal = true;
-    add(c, "causalSqGtSk");
-  }
-  {
-    FwdCase c = fixed_case(DType::kFloat16, 128, 6, 6, 2, 113, 17);  // rows 0..95 see nothing
-    c.window_left = 0;
-    c.window_right = 0;
-    add(c, "window0x0SqGtSk");
-  }
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 64, 6, 2, 2, 17, 239);  // keys 0..221 seen by none
-    c.window_left = 0;
-    c.window_right = 0;
-    add(c, "window0x0SqLtSk");
-  }
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 96, 8, 2, 1, 300, 40);
-    c.window_left = 5;
-    c.window_right = 2;
-    add(c, "window5x2");
-  }
-  {
-    FwdCase c = fixed_case(DType::kFloat16, 64, 4, 2, 2, 113, 113);  // one key per row
-    c.window_left = 0;
-    c.window_right = 0;
-    add(c, "diagonalOnly");
-  }
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 128, 6, 2, 2, 239, 113);
-    c.causal = true;
-    c.alibi = AlibiKind::kPerBatchHead;
-    add(c, "causalAlibiSqGtSk");
-  }
-  {
-    FwdCase c = fixed_case(DType::kFloat16, 256, 2, 1, 3, 64, 1);  // only the last row sees a key
-    c.causal = true;
-    c.softcap = 50.0f;
-    c.q_scale = 16.0f;
-    add(c, "causalSoftcapOneKey");
-  }
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 40, 6, 2, 1, 17, 1023);
-    c.window_left = 3;
-    c.window_right = 0;
-    add(c, "narrowWindow");
-  }
-  {
-    FwdCase c = varlen_case(DType::kBFloat16, 64, 6, 2, {50, 17, 8}, {10, 17, 64});
-    c.used_k = {3, 0, 64};
-    c.causal = true;
-    add(c, "varlenCausalUsedK");
-  }
-  return as_bwd_cases(finish(cases, 0x15000));
-}
+std::vector<BwdCase> empty_row_cases() { return as_bwd_cases(finish(empty_row_grid(), 0x15000)); }
 
 // seqlen_k == 0: every dq row is zero. seqlen_q == 0: every dk / dv row is zero.
 std::vector<BwdCase> no_key_no_query_cases() {
