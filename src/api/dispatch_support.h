@@ -45,10 +45,13 @@ inline std::string list_with(const char* built, const std::string& item) {
 
 #ifdef FLASHKIT_WITH_CUDA
 
-// The CMake flags of a build that has the kernel for (`dtype`, head-dim `family`): the family added
-// to FLASHKIT_HEAD_DIMS unless some dtype has it (`family_built`), the dtype added to
-// FLASHKIT_DTYPES unless some family has it (`dtype_built`).
-inline std::string rebuild_flags(bool family_built, bool dtype_built, int family, DType dtype) {
+// The error for a call whose `kernel` ("forward", "backward", "decode") this build left out, with
+// the CMake flags of a build that has it: the head-dim family added to FLASHKIT_HEAD_DIMS unless
+// some dtype has that family (`family_built`), the dtype added to FLASHKIT_DTYPES unless some
+// family has that dtype (`dtype_built`).
+[[noreturn]] inline void throw_kernel_not_built(const char* fn, const char* kernel, DType dtype,
+                                                int head_dim, int family, bool family_built,
+                                                bool dtype_built) {
   std::string flags;
   if (!family_built) {
     flags += "-DFLASHKIT_HEAD_DIMS=\"" +
@@ -59,7 +62,11 @@ inline std::string rebuild_flags(bool family_built, bool dtype_built, int family
     flags +=
         "-DFLASHKIT_DTYPES=\"" + list_with(FLASHKIT_BUILT_DTYPES, build_dtype_name(dtype)) + "\"";
   }
-  return flags;
+  throw Error(std::string(fn) + ": this build of flashkit does not include the CUDA " + kernel +
+              " kernel for " + build_dtype_name(dtype) + " head dim " + std::to_string(head_dim) +
+              " (family " + std::to_string(family) + "); rebuild with " + flags +
+              " (built: head dims " + FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " +
+              FLASHKIT_BUILT_DTYPES + ")");
 }
 
 // The sm80 kernels need compute capability 8.0 or newer; `device` must be current.

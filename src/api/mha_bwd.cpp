@@ -62,12 +62,8 @@ RunBwd sm80_bwd_or_throw(const char* fn, const FwdProblem& problem) {
   for (int other : sm80::kFwdHeadDimFamilies) {
     dtype_built |= find_sm80_bwd(problem.dtype, other) != nullptr;
   }
-  throw Error(
-      std::string(fn) + ": this build of flashkit does not include the CUDA backward kernel for " +
-      build_dtype_name(problem.dtype) + " head dim " + std::to_string(problem.head_dim) +
-      " (family " + std::to_string(family) + "); rebuild with " +
-      api::rebuild_flags(family_built, dtype_built, family, problem.dtype) + " (built: head dims " +
-      FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " + FLASHKIT_BUILT_DTYPES + ")");
+  api::throw_kernel_not_built(fn, "backward", problem.dtype, problem.head_dim, family,
+                              family_built, dtype_built);
 }
 
 void run_on_cuda(const char* fn, const char* size_query, const BwdProblem& problem, int device,

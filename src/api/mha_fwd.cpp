@@ -36,7 +36,6 @@ namespace {
 
 using api::build_dtype_name;
 using api::debug_enabled;
-using api::list_with;
 
 #ifdef FLASHKIT_WITH_CUDA
 
@@ -112,32 +111,15 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
   const int family = sm80::fwd_head_dim_family(problem.head_dim);
   const RunFwd run_sm80 = find_sm80_fwd(problem.dtype, family);
   if (run_sm80 == nullptr && requested != FwdPath::kSm90) {
-    std::string rebuild;
-    if (!family_built_for_some_dtype(family)) {
-      rebuild += "-DFLASHKIT_HEAD_DIMS=\"" +
-                 list_with(FLASHKIT_BUILT_HEAD_DIMS, std::to_string(family)) + "\"";
-    }
-    if (!dtype_built_for_some_family(problem.dtype)) {
-      if (!rebuild.empty()) rebuild += " ";
-      rebuild += "-DFLASHKIT_DTYPES=\"" +
-                 list_with(FLASHKIT_BUILT_DTYPES, build_dtype_name(problem.dtype)) + "\"";
-    }
-    throw Error(std::string(fn) +
-                ": this build of flashkit does not include the CUDA forward kernel for " +
-                build_dtype_name(problem.dtype) + " head dim " + std::to_string(problem.head_dim) +
-                " (family " + std::to_string(family) + "); rebuild with " + rebuild +
-                " (built: head dims " + FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " +
-                FLASHKIT_BUILT_DTYPES + ")");
+    api::throw_kernel_not_built(fn, "forward", problem.dtype, problem.head_dim, family,
+                                family_built_for_some_dtype(family),
+                                dtype_built_for_some_family(problem.dtype));
   }
   if (!api::has_query_rows(problem)) return;
 
   const api::CurrentDeviceGuard device_guard(device);
+  api::check_sm80_or_newer(fn, device);
   const int arch = cuda::current_device_arch();
-  if (arch < 80) {
-    throw Error(std::string(fn) + ": cuda:" + std::to_string(device) + " has compute capability " +
-                std::to_string(arch / 10) + "." + std::to_string(arch % 10) +
-                "; the flashkit CUDA kernels need 8.0 or newer (Ampere, Ada, Hopper)");
-  }
   if (requested == FwdPath::kSm90 && arch != 90) {
     throw Error(std::string(fn) + ": FLASHKIT_FWD_PATH=sm90 but cuda:" + std::to_string(device) +
                 " has compute capability " + std::to_string(arch / 10) + "." +

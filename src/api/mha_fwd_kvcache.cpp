@@ -37,7 +37,6 @@ constexpr const char* kFn = "mha_fwd_kvcache";
 
 using api::build_dtype_name;
 using api::debug_enabled;
-using api::list_with;
 
 #ifdef FLASHKIT_WITH_CUDA
 
@@ -55,15 +54,16 @@ RunDecode require_sm80_decode(const KvcacheProblem& problem) {
   const int family = sm80::decode_head_dim_family(problem.head_dim);
   const RunDecode run = find_sm80_decode(problem.dtype, family);
   if (run == nullptr) {
-    throw Error(std::string(kFn) + ": this build of flashkit does not include the CUDA decode " +
-                "kernel for " + build_dtype_name(problem.dtype) + " head dim " +
-                std::to_string(problem.head_dim) + " (decode family " + std::to_string(family) +
-                "); rebuild with -DFLASHKIT_HEAD_DIMS=\"" +
-                list_with(FLASHKIT_BUILT_HEAD_DIMS, std::to_string(family)) +
-                "\" -DFLASHKIT_DTYPES=\"" +
-                list_with(FLASHKIT_BUILT_DTYPES, build_dtype_name(problem.dtype)) +
-                "\" (built: head dims " + FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " +
-                FLASHKIT_BUILT_DTYPES + ")");
+    bool family_built = false;
+    bool dtype_built = false;
+    for (DType dtype : {DType::kBFloat16, DType::kFloat16}) {
+      family_built |= find_sm80_decode(dtype, family) != nullptr;
+    }
+    for (int other : sm80::kDecodeHeadDimFamilies) {
+      dtype_built |= find_sm80_decode(problem.dtype, other) != nullptr;
+    }
+    api::throw_kernel_not_built(kFn, "decode", problem.dtype, problem.head_dim, family,
+                                family_built, dtype_built);
   }
   return run;
 }
