@@ -14,8 +14,16 @@
 //              S = Q K[n]^T                  (mma.sync, fp32 accumulators in registers)
 //              softcap / ALiBi / mask         (masking only on blocks the mask cuts)
 //              online softmax: S -> P         (lazy rescaling of O, see online_softmax.cuh)
+//              dropout (p > 0 only)           (after the row sums: the normaliser and the LSE are
+//                                             those of the undropped P; dropped P -> 0)
 //              O += P V[n]                   (P straight from registers as the A operand)
-//   epilogue   O / rowsum -> 16-bit, staged through the Q tile for 16-byte stores; LSE per row
+//   epilogue   O / rowsum (x 1 / (1 - p)) -> 16-bit, staged through the Q tile for 16-byte
+//              stores; LSE per row
+//
+// Dropout draws its mask from Philox (common/philox.h), addressed so that one call per lane covers
+// the lane's 16 elements of a 16-row x 32-key block; it sits behind one uniform branch, so the
+// p = 0 path runs the same instructions as without it. return_softmax is not part of this kernel:
+// fwd_attn_probs.cuh writes the probabilities afterwards from the LSE this kernel wrote.
 //
 // Everything that is per launch (scale, softcap, ALiBi, window, strides, varlen offsets) comes from
 // the FwdProblem at run time; only the element type and the tile shape are template parameters, so
@@ -28,6 +36,7 @@
 #include <cstdint>
 
 #include "common/fwd_problem.h"
+#include "common/philox.h"
 #include "cuda/common/attention_mask.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/common/online_softmax.cuh"
@@ -242,6 +251,39 @@ __device__ __forceinline__ void mask_scores(float (&s)[Traits::kMTiles][Traits::
   }
 }
 
+// Drops the probabilities of one block that the dropout mask drops (sets them to 0; the 1 / (1 - p)
+// scale of the kept ones is applied once, to O, in the epilogue). Rows first_row + mt * 16 + ...,
+// keys first_key + ...; first_row is a multiple of 16 and first_key of 32, so lane `lane` of the
+// warp is exactly the Philox slot of its elements and one call serves its 16 elements of each
+// 16 x 32 block.
+template <typename Traits>
+__device__ __forceinline__ void apply_dropout(float (&p)[Traits::kMTiles][Traits::kNTiles][4],
+                                              const DropoutMask& mask, uint32_t batch_head,
+                                              int first_row, int first_key) {
+  static_assert(Traits::kNTiles % 4 == 0, "a Philox call covers four 8-key tiles");
+  const uint32_t lane = threadIdx.x % 32;
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+    const uint32_t row16 = static_cast<uint32_t>(first_row + mt * 16) / 16;
+#pragma unroll
+    for (int group = 0; group < Traits::kNTiles / 4; ++group) {
+      const PhiloxBlock bits =
+          mask.block(batch_head, row16, lane, static_cast<uint32_t>(first_key) / 32 + group);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+#pragma unroll
+        for (int tile = 0; tile < 4; ++tile) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            float& x = p[mt][4 * group + tile][2 * half + e];
+            if (!mask.keeps(bits, half * 8 + tile * 2 + e)) x = 0.0f;
+          }
+        }
+      }
+    }
+  }
+}
+
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     fwd_kernel(const __grid_constant__ FwdProblem p) {
@@ -361,6 +403,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
       }
       softmax.update(acc_s, acc_o, log2_scale);
+      if (p.dropout_p > 0.0f) {
+        apply_dropout<Traits>(acc_s, p.dropout_mask(),
+                              static_cast<uint32_t>(loc.batch * p.heads_q + loc.head),
+                              m0 + warp_row0, n0);
+      }
 
       // O += P V: the probabilities of two adjacent 8-key tiles form one A fragment.
 #pragma unroll
@@ -384,7 +431,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 
   float lse[2 * kMTiles];
-  softmax.finalize(acc_o, log2_scale, lse);
+  softmax.finalize(acc_o, log2_scale, lse, p.dropout_p > 0.0f ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
 
   // Epilogue. The warp stages its own rows of O in its own rows of the Q tile (no other warp reads
   // them), then writes 16-byte chunks, skipping rows past the sequence and columns past head_dim.
