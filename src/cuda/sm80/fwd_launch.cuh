@@ -1,14 +1,17 @@
 // src/cuda/sm80/fwd_launch.cuh
 // \brief Host side of the sm80 forward kernel: tile choice for a family, grid, shared memory,
-// launch. Included only by the generated per-(dtype, family) instance files.
+// launch (and, when the caller asked for return_softmax, the attn_probs kernel after it). Included
+// only by the generated per-(dtype, family) instance files.
 #pragma once
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <string>
 
 #include "cuda/cuda_check.h"
+#include "cuda/sm80/fwd_attn_probs.cuh"
 #include "cuda/sm80/fwd_kernel.cuh"
 #include "cuda/sm80/fwd_sm80.h"
 #include "cuda/sm80/fwd_tile_config.h"
@@ -43,6 +46,15 @@ void run_fwd(const FwdProblem& problem, void* stream) {
   kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes,
            static_cast<cudaStream_t>(stream)>>>(problem);
   cuda::check_last_launch("sm80 fwd_kernel");
+
+  if (problem.attn_probs != nullptr) {
+    // Reads the lse just written, on the same stream.
+    const int64_t rows = int64_t{problem.attn_probs_rows} * problem.heads_q * problem.batch;
+    const auto grid = static_cast<unsigned>(std::min<int64_t>(rows, INT32_MAX));
+    fwd_attn_probs_kernel<typename ElementOf<kDType>::type, kHeadDimFamily>
+        <<<grid, kAttnProbsThreads, 0, static_cast<cudaStream_t>(stream)>>>(problem);
+    cuda::check_last_launch("sm80 fwd_attn_probs_kernel");
+  }
 }
 
 }  // namespace flashkit::sm80
