@@ -94,7 +94,12 @@ __global__ void __launch_bounds__(kAttnProbsThreads)
       float dot = 0.0f;
       for (int c = 0; c < p.head_dim; ++c) dot += q_row[c] * static_cast<float>(k[c]);
       float score = dot * p.softmax_scale;
-      if (p.softcap > 0.0f) score = p.softcap * tanhf(score / p.softcap);
+      if (p.softcap > 0.0f) {
+        // tanh as 1 - 2 / (exp(2y) + 1), as the forward computes it: tanhf under --use_fast_math
+        // is tanh.approx (~5e-4 relative), which the cap would magnify past the dtype's rounding.
+        const float two_over_softcap = 2.0f * p.softmax_scale / p.softcap;
+        score = p.softcap * (1.0f - __fdividef(2.0f, __expf(dot * two_over_softcap) + 1.0f));
+      }
       if (slope != 0.0f) score += alibi_bias(slope, i, j, window.diagonal_offset());
       const float prob = expf(score - lse);
       const bool kept = p.dropout_p <= 0.0f || mask.keep(batch_head, i, j);
