@@ -50,6 +50,19 @@ struct PhiloxBlock {
   uint32_t word[4];
 };
 
+// The 64-bit product of two 32-bit words. On the device, mul.wide.u32 becomes one IMAD.WIDE.U32;
+// the plain 64-bit multiply compiles to that plus an add of a zero high-word term per product
+// (nvcc 13), a sixth of the RNG's instructions.
+FLASHKIT_HOST_DEVICE uint64_t mul_wide_u32(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  uint64_t product;
+  asm("mul.wide.u32 %0, %1, %2;" : "=l"(product) : "r"(a), "r"(b));
+  return product;
+#else
+  return static_cast<uint64_t>(a) * b;
+#endif
+}
+
 // Philox4x32 with 10 rounds on counter (c0, c1, c2, c3) and key (k0, k1), as in Random123.
 FLASHKIT_HOST_DEVICE PhiloxBlock philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
                                               uint32_t k0, uint32_t k1) {
@@ -61,8 +74,8 @@ FLASHKIT_HOST_DEVICE PhiloxBlock philox4x32_10(uint32_t c0, uint32_t c1, uint32_
 #pragma unroll
 #endif
   for (int round = 0; round < 10; ++round) {
-    const uint64_t product0 = static_cast<uint64_t>(kMultiplier0) * c0;
-    const uint64_t product1 = static_cast<uint64_t>(kMultiplier1) * c2;
+    const uint64_t product0 = mul_wide_u32(kMultiplier0, c0);
+    const uint64_t product1 = mul_wide_u32(kMultiplier1, c2);
     const uint32_t hi0 = static_cast<uint32_t>(product0 >> 32);
     const uint32_t hi1 = static_cast<uint32_t>(product1 >> 32);
     c0 = hi1 ^ c1 ^ k0;
