@@ -14,20 +14,24 @@
 //              S = Q K[n]^T                  (mma.sync, fp32 accumulators in registers)
 //              softcap / ALiBi / mask         (masking only on blocks the mask cuts)
 //              online softmax: S -> P         (lazy rescaling of O, see online_softmax.cuh)
-//              dropout (p > 0 only)           (after the row sums: the normaliser and the LSE are
+//              dropout (kDropout only)        (after the row sums: the normaliser and the LSE are
 //                                             those of the undropped P; dropped P -> 0)
 //              O += P V[n]                   (P straight from registers as the A operand)
 //   epilogue   O / rowsum (x 1 / (1 - p)) -> 16-bit, staged through the Q tile for 16-byte
 //              stores; LSE per row
 //
 // Dropout draws its mask from Philox (common/philox.h), addressed so that one call per lane covers
-// the lane's 16 elements of a 16-row x 32-key block; it sits behind one uniform branch, so the
-// p = 0 path runs the same instructions as without it. return_softmax is not part of this kernel:
+// the lane's 16 elements of a 16-row x 32-key block (~370 integer instructions per lane and key
+// block at d128, next to ~1950 in the loop). It is a template flag, not a runtime branch: the
+// kernels run at the 255-register cap, and the dropout block's live values made the register
+// allocator spill inside the main loop of the p = 0 path (d96: 5 spill loads per key block; d256:
+// 16 bytes where there were none), so the p = 0 instance is compiled exactly as without dropout
+// and the dropout instance is its own. return_softmax is not part of this kernel either:
 // fwd_attn_probs.cuh writes the probabilities afterwards from the LSE this kernel wrote.
 //
 // Everything that is per launch (scale, softcap, ALiBi, window, strides, varlen offsets) comes from
-// the FwdProblem at run time; only the element type and the tile shape are template parameters, so
-// there is one kernel per (dtype, head-dim family).
+// the FwdProblem at run time; the element type, the tile shape and kDropout are template
+// parameters, so there are two kernels per (dtype, head-dim family).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -284,7 +288,7 @@ __device__ __forceinline__ void apply_dropout(float (&p)[Traits::kMTiles][Traits
   }
 }
 
-template <typename Traits>
+template <typename Traits, bool kDropout>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     fwd_kernel(const __grid_constant__ FwdProblem p) {
   using Element = typename Traits::Element;
@@ -403,7 +407,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
       }
       softmax.update(acc_s, acc_o, log2_scale);
-      if (p.dropout_p > 0.0f) {
+      if constexpr (kDropout) {
         apply_dropout<Traits>(acc_s, p.dropout_mask(),
                               static_cast<uint32_t>(loc.batch * p.heads_q + loc.head),
                               m0 + warp_row0, n0);
@@ -431,7 +435,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 
   float lse[2 * kMTiles];
-  softmax.finalize(acc_o, log2_scale, lse, p.dropout_p > 0.0f ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
+  softmax.finalize(acc_o, log2_scale, lse, kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
 
   // Epilogue. The warp stages its own rows of O in its own rows of the Q tile (no other warp reads
   // them), then writes 16-byte chunks, skipping rows past the sequence and columns past head_dim.

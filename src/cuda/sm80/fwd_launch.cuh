@@ -39,7 +39,8 @@ void run_fwd(const FwdProblem& problem, void* stream) {
                 ") = " + std::to_string(num_blocks) + " exceeds the 2^31 - 1 CTAs one launch can run");
   }
 
-  auto kernel = fwd_kernel<Traits>;
+  // Two instances: with dropout, and without it (the p = 0 path, untouched by dropout's code).
+  auto kernel = problem.dropout_p > 0.0f ? fwd_kernel<Traits, true> : fwd_kernel<Traits, false>;
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    Traits::kSmemBytes),
               "cudaFuncSetAttribute(fwd_kernel, max dynamic shared memory)");
