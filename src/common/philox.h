@@ -5,21 +5,23 @@
 // Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", SC 2011) maps a
 // 128-bit counter and a 64-bit key to 128 random bits with ten rounds of two 32x32->64-bit
 // multiplies and a few XORs. It is stateless: any thread can draw the bits of any element directly,
-// which is what lets a kernel tile, the backward pass and the reference agree without storing a mask.
+// which is what lets a kernel tile, the backward pass and the reference agree without storing a
+// mask.
 //
 // Addressing. The key is the caller's 64-bit seed. One Philox call yields 16 bytes, and each byte
 // decides one element of the attention matrix (keep iff byte < keep_threshold, see below). The 16
 // elements of one call are exactly what one lane of a warp holds of a 16-row x 32-key block of an
 // mma.sync m16n8 accumulator: rows r and r + 8, keys 2c, 2c + 1 of four 8-key tiles. For element
 // (bh = batch * heads_q + head, query row i, key j) of a sequence:
-//   counter = ( offset + j / 32   as 64 bits in words 0 (low) and 1 (high),
-//               (i / 16) * 32 + slot,   slot = (i % 8) * 4 + (j % 8) / 2   (the lane of the fragment),
-//               bh )
-//   byte    = ((i % 16) / 8) * 8 + ((j % 32) / 8) * 2 + j % 2   (word byte / 4, bits 8 * (byte % 4))
-// so a forward or backward lane makes one call per 16 x 32 block and uses all 16 bytes, and a row or
-// key range needs no alignment beyond that of the tile. Row and key indices are those within the
-// sequence (varlen: relative to the sequence's first token), so a sequence's mask does not depend on
-// how the batch was packed.
+//   counter word 0, 1  offset + j / 32, as a 64-bit number (word 0 the low half)
+//   counter word 2     (i / 16) * 32 + slot, slot = (i % 8) * 4 + (j % 8) / 2 (the fragment lane)
+//   counter word 3     bh
+//   byte               ((i % 16) / 8) * 8 + ((j % 32) / 8) * 2 + j % 2
+//                      (of word byte / 4, bits 8 * (byte % 4) and up)
+// so a lane holding S = Q K^T in that layout makes one call per 16 x 32 block and uses all 16
+// bytes (a kernel holding S^T, keys as rows, does not: its lane needs four calls per 16 bytes, or a
+// transposing exchange). Row and key indices are those within the sequence (varlen: relative to the
+// sequence's first token), so a sequence's mask does not depend on how the batch was packed.
 //
 // Offset. A call's counters use the low 64-bit words offset .. offset + ceil(seqlen_k / 32) - 1; a
 // caller that wants independent masks for two calls with the same seed advances the offset by at
@@ -27,9 +29,9 @@
 // generator's Philox offset per call). Calls whose offsets differ by less see masks shifted by
 // 32-key groups, which are different masks but not independent ones.
 //
-// Resolution: 8 bits per decision. 16 decisions per call keep the RNG at roughly five integer
-// instructions per element, next to the ~4 the softmax spends; 32-bit uniforms would cost four
-// calls per 16 elements. The price is that the keep probability is a multiple of 1/256:
+// Resolution: 8 bits per decision. 16 decisions per call keep the mask at about six integer
+// instructions per element in the sm80 forward (SASS: ~370 per lane for 64 elements, 4 calls, at
+// d128); 32-bit uniforms would cost four calls per 16 elements. The price is that the keep probability is a multiple of 1/256:
 // keep_threshold = round(256 * (1 - p)) and an element is kept iff its byte < keep_threshold, so
 // the realised keep rate is within 1/512 of 1 - p (p = 0.1 keeps 230/256 = 0.8984), and p < 1/512
 // drops nothing. Kept values are scaled by 1 / (1 - p), as in FlashAttention.
@@ -65,7 +67,7 @@ FLASHKIT_HOST_DEVICE uint64_t mul_wide_u32(uint32_t a, uint32_t b) {
 
 // Philox4x32 with 10 rounds on counter (c0, c1, c2, c3) and key (k0, k1), as in Random123.
 FLASHKIT_HOST_DEVICE PhiloxBlock philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2, uint32_t c3,
-                                              uint32_t k0, uint32_t k1) {
+                                               uint32_t k0, uint32_t k1) {
   constexpr uint32_t kMultiplier0 = 0xD2511F53u;
   constexpr uint32_t kMultiplier1 = 0xCD9E8D57u;
   constexpr uint32_t kWeyl0 = 0x9E3779B9u;  // golden ratio

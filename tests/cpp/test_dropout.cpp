@@ -114,8 +114,8 @@ TEST(DropoutMask, RowHelperMatchesTheElementwiseDefinition) {
   const DropoutMask mask{42, 1000, dropout_keep_threshold(0.3f)};
   std::vector<uint8_t> keep;
   for (int64_t i : {0, 1, 7, 8, 15, 16, 17, 1023, 4097}) {
-    for (auto [first, end] : {std::pair<int64_t, int64_t>{0, 1}, {0, 32}, {3, 97}, {31, 33},
-                              {64, 64}, {100, 513}}) {
+    for (auto [first, end] :
+         {std::pair<int64_t, int64_t>{0, 1}, {0, 32}, {3, 97}, {31, 33}, {64, 64}, {100, 513}}) {
       cpu::dropout_keep_row(mask, 9, i, first, end, keep);
       ASSERT_EQ(static_cast<int64_t>(keep.size()), end - first);
       for (int64_t j = first; j < end; ++j) {
@@ -261,13 +261,15 @@ TEST(ReferenceDropout, MatchesANaiveComputationWithTheRegeneratedMask) {
       for (int h = 0; h < s.heads_q; ++h) {
         const int g = h / (s.heads_q / s.heads_kv);
         for (int i = 0; i < s.seqlen_q; ++i) {
-          const int end = causal ? std::min(s.seqlen_k, i + s.seqlen_k - s.seqlen_q + 1) : s.seqlen_k;
+          const int end =
+              causal ? std::min(s.seqlen_k, i + s.seqlen_k - s.seqlen_q + 1) : s.seqlen_k;
           std::vector<double> scores(end);
           double max_score = -std::numeric_limits<double>::infinity();
           for (int j = 0; j < end; ++j) {
             double dot = 0;
             for (int e = 0; e < d; ++e) {
-              dot += static_cast<double>(bits_to_float(s.dtype, c.in.q[c.q_index(b * s.seqlen_q + i, h, e)])) *
+              dot += static_cast<double>(
+                         bits_to_float(s.dtype, c.in.q[c.q_index(b * s.seqlen_q + i, h, e)])) *
                      bits_to_float(s.dtype, c.in.k[c.k_index(b * s.seqlen_k + j, g, e)]);
             }
             scores[j] = dot * p.softmax_scale;
@@ -283,15 +285,18 @@ TEST(ReferenceDropout, MatchesANaiveComputationWithTheRegeneratedMask) {
               out += scores[j] / sum / (1.0 - p.dropout_p) *
                      bits_to_float(s.dtype, c.in.v[c.k_index(b * s.seqlen_k + j, g, e)]);
             }
-            const float got = ref.out[((static_cast<size_t>(b) * s.heads_q + h) * s.seqlen_q + i) * d + e];
-            ASSERT_NEAR(got, out, 1e-6 * (1.0 + std::fabs(out))) << b << " " << h << " " << i << " " << e;
+            const float got =
+                ref.out[((static_cast<size_t>(b) * s.heads_q + h) * s.seqlen_q + i) * d + e];
+            ASSERT_NEAR(got, out, 1e-6 * (1.0 + std::fabs(out)))
+                << b << " " << h << " " << i << " " << e;
           }
           for (int j = 0; j < end; ++j) {
             dropped += !mask.keep(static_cast<uint32_t>(b * s.heads_q + h), i, j);
             ++visible;
           }
           const double lse = max_score + std::log(sum);
-          ASSERT_NEAR(ref.lse[(static_cast<size_t>(b) * s.heads_q + h) * s.seqlen_q + i], lse, 1e-5);
+          ASSERT_NEAR(ref.lse[(static_cast<size_t>(b) * s.heads_q + h) * s.seqlen_q + i], lse,
+                      1e-5);
         }
       }
     }
@@ -377,7 +382,8 @@ TEST(CpuBackendDropout, AttnProbsCarryTheProbabilitiesAndTheMask) {
       const cpu::Sequence seq{s.len_q(b), s.len_k(b), s.len_k(b), 0, 0};
       for (int h = 0; h < s.heads_q; ++h) {
         for (int64_t i = 0; i < rows; ++i) {
-          const cpu::KeyRange range = i < seq.len_q ? cpu::allowed_keys(p, seq, i) : cpu::KeyRange{0, 0};
+          const cpu::KeyRange range =
+              i < seq.len_q ? cpu::allowed_keys(p, seq, i) : cpu::KeyRange{0, 0};
           double row_sum = 0;
           for (int64_t j = 0; j < cols; ++j) {
             const size_t n = ((static_cast<size_t>(b) * s.heads_q + h) * rows + i) * cols + j;
@@ -388,7 +394,8 @@ TEST(CpuBackendDropout, AttnProbsCarryTheProbabilitiesAndTheMask) {
             const bool kept = mask.keep(static_cast<uint32_t>(b * s.heads_q + h),
                                         static_cast<uint32_t>(i), static_cast<uint32_t>(j));
             const float value = bits_to_float(s.dtype, probs[n]);
-            ASSERT_EQ(std::signbit(value), !kept) << "b " << b << " h " << h << " i " << i << " j " << j;
+            ASSERT_EQ(std::signbit(value), !kept)
+                << "b " << b << " h " << h << " i " << i << " j " << j;
             ASSERT_EQ(probs[n] & 0x7fff, plain_probs[n]) << "magnitude of " << n;
             ASSERT_FALSE(std::signbit(bits_to_float(s.dtype, plain_probs[n])));
             (kept ? positive : negative) += 1;

@@ -89,7 +89,8 @@ DropoutRun run_on_gpu(const FwdCase& c, const HostInputs& in, bool with_probs,
       c.batch, c.heads_q, rounded_128(c.max_len_q()), rounded_128(c.max_len_k())};
   auto attach = [&](flashkit::FwdCommon& f) {
     f.dropout = c.dropout;
-    if (with_probs) f.attn_probs = flashkit::make_view(probs.get(), c.dtype, probs_shape, dev.device());
+    if (with_probs)
+      f.attn_probs = flashkit::make_view(probs.get(), c.dtype, probs_shape, dev.device());
   };
   if (c.varlen) {
     flashkit::MhaVarlenFwdParams params = dev.varlen_params();
@@ -106,8 +107,8 @@ DropoutRun run_on_gpu(const FwdCase& c, const HostInputs& in, bool with_probs,
   run.out_gaps_written = dev.out_gaps_written();
   if (with_probs) {
     run.probs.resize(static_cast<size_t>(probs_elems(c)));
-    FK_CUDA_CHECK(cudaMemcpy(run.probs.data(), probs.get(), run.probs.size() * 2,
-                             cudaMemcpyDeviceToHost));
+    FK_CUDA_CHECK(
+        cudaMemcpy(run.probs.data(), probs.get(), run.probs.size() * 2, cudaMemcpyDeviceToHost));
   }
   return run;
 }
@@ -161,7 +162,8 @@ void expect_probs_match(const FwdCase& c, const HostInputs& in, const std::vecto
                                                   ? flashkit::cpu::allowed_keys(p, sequences[b], i)
                                                   : flashkit::cpu::KeyRange{0, 0};
         for (int64_t j = 0; j < cols; ++j) {
-          const size_t n = static_cast<size_t>(((int64_t{b} * c.heads_q + h) * rows + i) * cols + j);
+          const size_t n =
+              static_cast<size_t>(((int64_t{b} * c.heads_q + h) * rows + i) * cols + j);
           if (j < range.first || j >= range.end) {
             if (gpu[n] != 0 || cpu[n] != 0) note(bad_zero, n, "not +0 outside the visible keys");
             continue;
@@ -352,7 +354,8 @@ TEST(DropoutBackward, CudaBackwardRejectsDropoutWithAClearError) {
   s.name = "bwd";
   BackwardCase c(s);
   MhaBwdParams p = c.bwd_params();
-  for (TensorView* view : {&p.dout, &p.q, &p.k, &p.v, &p.out, &p.softmax_lse, &p.dq, &p.dk, &p.dv}) {
+  for (TensorView* view :
+       {&p.dout, &p.q, &p.k, &p.v, &p.out, &p.softmax_lse, &p.dq, &p.dk, &p.dv}) {
     view->device = Device{DeviceKind::kCuda, 0};
   }
   p.dropout = {0.1f, 1, 2};

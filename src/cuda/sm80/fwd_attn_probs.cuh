@@ -77,11 +77,10 @@ __global__ void __launch_bounds__(kAttnProbsThreads)
     }
     __syncthreads();
 
-    const float lse = row_valid ? p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i]
-                                : 0.0f;
-    const float slope = p.alibi_slopes != nullptr
-                            ? p.alibi_slopes[batch * p.alibi_batch_stride + head]
-                            : 0.0f;
+    const float lse =
+        row_valid ? p.lse[batch * p.lse_batch_stride + head * p.lse_head_stride + i] : 0.0f;
+    const float slope =
+        p.alibi_slopes != nullptr ? p.alibi_slopes[batch * p.alibi_batch_stride + head] : 0.0f;
     const auto* k_head = static_cast<const Element*>(p.k) + batch * p.k_batch_stride +
                          k_token * p.k_row_stride + kv_head * p.k_head_stride;
     const uint32_t batch_head = static_cast<uint32_t>(batch * p.heads_q + head);

@@ -40,8 +40,8 @@
 #include <cstdint>
 
 #include "common/fwd_problem.h"
-#include "common/philox.h"
 #include "cuda/common/attention_mask.cuh"
+#include "cuda/common/dropout_mask.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/common/online_softmax.cuh"
 #include "cuda/common/swizzled_tile.cuh"
@@ -255,39 +255,6 @@ __device__ __forceinline__ void mask_scores(float (&s)[Traits::kMTiles][Traits::
   }
 }
 
-// Drops the probabilities of one block that the dropout mask drops (sets them to 0; the 1 / (1 - p)
-// scale of the kept ones is applied once, to O, in the epilogue). Rows first_row + mt * 16 + ...,
-// keys first_key + ...; first_row is a multiple of 16 and first_key of 32, so lane `lane` of the
-// warp is exactly the Philox slot of its elements and one call serves its 16 elements of each
-// 16 x 32 block.
-template <typename Traits>
-__device__ __forceinline__ void apply_dropout(float (&p)[Traits::kMTiles][Traits::kNTiles][4],
-                                              const DropoutMask& mask, uint32_t batch_head,
-                                              int first_row, int first_key) {
-  static_assert(Traits::kNTiles % 4 == 0, "a Philox call covers four 8-key tiles");
-  const uint32_t lane = threadIdx.x % 32;
-#pragma unroll
-  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
-    const uint32_t row16 = static_cast<uint32_t>(first_row + mt * 16) / 16;
-#pragma unroll
-    for (int group = 0; group < Traits::kNTiles / 4; ++group) {
-      const PhiloxBlock bits =
-          mask.block(batch_head, row16, lane, static_cast<uint32_t>(first_key) / 32 + group);
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-#pragma unroll
-        for (int tile = 0; tile < 4; ++tile) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            float& x = p[mt][4 * group + tile][2 * half + e];
-            if (!mask.keeps(bits, half * 8 + tile * 2 + e)) x = 0.0f;
-          }
-        }
-      }
-    }
-  }
-}
-
 template <typename Traits, bool kDropout>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     fwd_kernel(const __grid_constant__ FwdProblem p) {
@@ -408,9 +375,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
       softmax.update(acc_s, acc_o, log2_scale);
       if constexpr (kDropout) {
-        apply_dropout<Traits>(acc_s, p.dropout_mask(),
-                              static_cast<uint32_t>(loc.batch * p.heads_q + loc.head),
-                              m0 + warp_row0, n0);
+        apply_dropout(acc_s, p.dropout_mask(),
+                      static_cast<uint32_t>(loc.batch * p.heads_q + loc.head), m0 + warp_row0, n0);
       }
 
       // O += P V: the probabilities of two adjacent 8-key tiles form one A fragment.
