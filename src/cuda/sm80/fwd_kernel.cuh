@@ -30,7 +30,7 @@
 // fwd_attn_probs.cuh writes the probabilities afterwards from the LSE this kernel wrote.
 //
 // Everything that is per launch (scale, softcap, ALiBi, window, strides, varlen offsets) comes from
-// the FwdProblem at run time; the element type, the tile shape and kDropout are template
+// the FwdProblem at run time; the element type, the tile shape and Traits::kDropout are template
 // parameters, so there are two kernels per (dtype, head-dim family).
 #pragma once
 
@@ -49,7 +49,7 @@
 namespace flashkit::sm80 {
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_,
-          bool kQInRegisters_, int kMinBlocksPerSm_>
+          bool kQInRegisters_, int kMinBlocksPerSm_, bool kDropout_>
 struct FwdKernelTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -66,6 +66,7 @@ struct FwdKernelTraits {
   static constexpr int kQkSteps = kHeadDim / 16;  // k-steps of Q.K^T
   static constexpr int kPvSteps = kBlockN / 16;   // k-steps of P.V
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+  static constexpr bool kDropout = kDropout_;  // the instance that applies dropout (p > 0)
 
   using QTile = SwizzledTile<kBlockM, kHeadDim>;   // also stages O in the epilogue
   using KvTile = SwizzledTile<kBlockN, kHeadDim>;  // one K or V buffer
@@ -255,7 +256,7 @@ __device__ __forceinline__ void mask_scores(float (&s)[Traits::kMTiles][Traits::
   }
 }
 
-template <typename Traits, bool kDropout>
+template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     fwd_kernel(const __grid_constant__ FwdProblem p) {
   using Element = typename Traits::Element;
@@ -374,7 +375,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
       }
       softmax.update(acc_s, acc_o, log2_scale);
-      if constexpr (kDropout) {
+      if constexpr (Traits::kDropout) {
         apply_dropout(acc_s, p.dropout_mask(),
                       static_cast<uint32_t>(loc.batch * p.heads_q + loc.head), m0 + warp_row0, n0);
       }
@@ -401,7 +402,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 
   float lse[2 * kMTiles];
-  softmax.finalize(acc_o, log2_scale, lse, kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
+  softmax.finalize(acc_o, log2_scale, lse,
+                   Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
 
   // Epilogue. The warp stages its own rows of O in its own rows of the Q tile (no other warp reads
   // them), then writes 16-byte chunks, skipping rows past the sequence and columns past head_dim.

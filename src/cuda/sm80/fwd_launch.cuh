@@ -23,13 +23,20 @@ template <DType kDType> struct ElementOf;
 template <> struct ElementOf<DType::kBFloat16> { using type = __nv_bfloat16; };
 template <> struct ElementOf<DType::kFloat16> { using type = __half; };
 
+// The traits of a family's kernel, with (kDropout) or without dropout: the same tiles.
+template <DType kDType, int kHeadDimFamily, bool kDropout>
+using FwdTraitsOf =
+    FwdKernelTraits<typename ElementOf<kDType>::type, kHeadDimFamily,
+                    fwd_tile_config(kHeadDimFamily).block_m, fwd_tile_config(kHeadDimFamily).block_n,
+                    fwd_tile_config(kHeadDimFamily).warps,
+                    fwd_tile_config(kHeadDimFamily).q_in_registers,
+                    fwd_tile_config(kHeadDimFamily).min_blocks_per_sm, kDropout>;
+
 template <DType kDType, int kHeadDimFamily>
 void run_fwd(const FwdProblem& problem, void* stream) {
-  constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
-  static_assert(kTile.block_m > 0, "no tile configuration for this head-dim family");
-  using Traits = FwdKernelTraits<typename ElementOf<kDType>::type, kHeadDimFamily, kTile.block_m,
-                                 kTile.block_n, kTile.warps, kTile.q_in_registers,
-                                 kTile.min_blocks_per_sm>;
+  static_assert(fwd_tile_config(kHeadDimFamily).block_m > 0,
+                "no tile configuration for this head-dim family");
+  using Traits = FwdTraitsOf<kDType, kHeadDimFamily, false>;
 
   const int64_t num_m_blocks = (problem.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t num_blocks = num_m_blocks * problem.batch * problem.heads_q;
@@ -40,7 +47,8 @@ void run_fwd(const FwdProblem& problem, void* stream) {
   }
 
   // Two instances: with dropout, and without it (the p = 0 path, untouched by dropout's code).
-  auto kernel = problem.dropout_p > 0.0f ? fwd_kernel<Traits, true> : fwd_kernel<Traits, false>;
+  auto kernel = problem.dropout_p > 0.0f ? fwd_kernel<FwdTraitsOf<kDType, kHeadDimFamily, true>>
+                                         : fwd_kernel<Traits>;
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    Traits::kSmemBytes),
               "cudaFuncSetAttribute(fwd_kernel, max dynamic shared memory)");
