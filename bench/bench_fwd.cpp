@@ -21,6 +21,7 @@
 // and says so: those numbers are not GPU numbers.
 
 #include <algorithm>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -549,9 +550,12 @@ std::string driver_version() {
   if (std::getline(version_file, line)) {
     const size_t at = line.find("Kernel Module");
     if (at != std::string::npos) {
+      // "... Kernel Module  580.95.05 ..." or "... Kernel Module for x86_64  580.159.04 ...": the
+      // first word that starts with a digit.
       std::istringstream words(line.substr(at + 13));
-      words >> driver;
-      if (!driver.empty()) return driver;
+      while (words >> driver) {
+        if (std::isdigit(static_cast<unsigned char>(driver[0]))) return driver;
+      }
     }
   }
   int api = 0;

@@ -84,6 +84,10 @@ struct BwdCommon {
   TensorView dq;           // written: same shape and dtype as q
   TensorView dk;           // written: same shape and dtype as k (summed over each query-head group)
   TensorView dv;           // written: same shape and dtype as v
+                           // Every gradient row of every sequence is written: a query row that
+                           // sees no key gets dq = 0, a key that no query sees (keys past
+                           // seqused_k included) dk = dv = 0. Varlen tokens after the last
+                           // sequence are not written.
   TensorView alibi_slopes;
   float softmax_scale = 0.0f;
   float softcap = 0.0f;
@@ -108,7 +112,8 @@ struct MhaVarlenBwdParams : BwdCommon {
   TensorView cu_seqlens_k;
   TensorView seqused_k;
   int max_seqlen_q = 0;
-  int max_seqlen_k = 0;
+  int max_seqlen_k = 0;  // must also bound the stored key lengths (cu_seqlens_k), whose dk / dv
+                         // rows are all written, when seqused_k is shorter
 };
 
 }  // namespace flashkit

@@ -7,6 +7,7 @@
 #include "api/validate_bwd.h"
 
 #include <cstdint>
+#include <utility>
 
 #include "api/tensor_checks.h"
 #include "api/validate_fwd.h"
@@ -116,6 +117,23 @@ BwdProblem make_problem(const char* fn, const BwdCommon& p, const FwdProblem& fw
   return problem;
 }
 
+// The backward writes dk / dv for every key a sequence stores (zeros past seqused_k), and the
+// kernels size their grid by max_seqlen_k: it must bound the stored key lengths too, not only the
+// used ones the forward checks. Checked on the CPU, where the prefix sums are host memory (the
+// forward's checks have made them nondecreasing and in bounds); on CUDA the caller's promise.
+void check_stored_key_lengths(const char* fn, const MhaVarlenBwdParams& p, int batch) {
+  if (p.q.device.kind != DeviceKind::kCpu || !p.seqused_k.defined()) return;
+  const auto* cu_k = static_cast<const int*>(p.cu_seqlens_k.data);
+  for (int b = 0; b < batch; ++b) {
+    const int stored = cu_k[b + 1] - cu_k[b];
+    if (stored > p.max_seqlen_k) {
+      fail(fn, "sequence ", b, " stores ", stored, " keys (cu_seqlens_k) but max_seqlen_k is ",
+           p.max_seqlen_k, "; the backward writes dk and dv for every stored key, so max_seqlen_k ",
+           "must bound the lengths in cu_seqlens_k too");
+    }
+  }
+}
+
 }  // namespace
 
 BwdProblem validate_mha_bwd(const MhaBwdParams& p, const char* fn) {
@@ -136,6 +154,7 @@ BwdProblem validate_mha_varlen_bwd(const MhaVarlenBwdParams& p, const char* fn) 
   forward.max_seqlen_q = p.max_seqlen_q;
   forward.max_seqlen_k = p.max_seqlen_k;
   BwdProblem problem = make_problem(fn, p, validate_mha_varlen_fwd(forward, fn));
+  check_stored_key_lengths(fn, p, problem.fwd.batch);
   problem.total_q = p.q.sizes[0];
   problem.total_k = p.k.sizes[0];
   return problem;

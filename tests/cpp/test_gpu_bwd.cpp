@@ -19,8 +19,10 @@
 //   EmptyRows/*           masks that leave query rows without keys or keys without rows
 //   NoKeysNoQueries/*     seqlen_k == 0 (dq zero) and seqlen_q == 0 (dk, dv zero)
 //   GpuBwdTest.*          layout invariance (bitwise), 50 deterministic runs bitwise equal,
-//                         more than 65,535 (batch x heads), workspace and bad-input errors on
-//                         real device memory, a kernel left out of the build
+//                         offsets past 2^31 elements (q / dout / dq batches, k / dk rows, v / dv
+//                         heads), more than 65,535 (batch x heads), a created stream, workspace
+//                         and bad-input errors on real device memory, a kernel left out of the
+//                         build
 // About a quarter of the grid cases (names ending in _det) run in deterministic mode.
 //
 // A case whose (dtype, head dim) this build has no backward kernel for is skipped, not failed.
@@ -29,11 +31,13 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <iostream>
 #include <ostream>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -539,6 +543,86 @@ TEST_F(GpuBwdTest, DeterministicVarlenMqaAlibiSoftcap) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Element offsets past 2^31
+// ------------------------------------------------------------------------------------------------
+//
+// An offset such as row * row_stride computed in 32 bits lands in the wrong place past 2^31
+// elements. As in the forward tests, normal numbers of rows are spread with huge strides (buffers
+// of about 4.3 GB, two or three per test), only the rows of the views are copied, and the oracle
+// runs on compact host copies of the same values.
+
+constexpr int64_t k2Pow31 = int64_t{1} << 31;
+
+int64_t round_up8(int64_t x) { return (x + 7) / 8 * 8; }
+
+// Runs `layout` when the device has its bytes free with 1 GiB to spare; skips otherwise.
+void run_big_layout_case(const FwdCase& c, const BwdLayout& layout) {
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  size_t bytes = 0;
+  for (int64_t elems : layout.buffers) bytes += static_cast<size_t>(elems) * 2;
+  size_t free_bytes = 0, total_bytes = 0;
+  FK_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes));
+  if (free_bytes < bytes + (size_t{1} << 30)) {
+    GTEST_SKIP() << "needs " << (bytes >> 20) << " MiB of device memory, " << (free_bytes >> 20)
+                 << " MiB free";
+  }
+  BackwardCase host(c);
+  const BwdOracle oracle = run_bwd_oracle(host);
+  SCOPED_TRACE(layout.name);
+  try {
+    run_and_check(host, oracle, layout, false);
+  } catch (const OutOfMemory& e) {
+    GTEST_SKIP() << "out of device memory: " << e.what();
+  }
+}
+
+// k and dk rows spread so that their last rows start past 2^31 elements (GQA: dk goes through
+// the group sum), v and dv heads spread so that head 1 starts past 2^31.
+TEST_F(GpuBwdTest, OffsetsPast2Pow31InKeyRowsAndHeads) {
+  const int d = built_bwd_head_dim(128);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 4, 2, 1, 77, 1000);
+  c.name = "bigKV";
+  c.seed = 501;
+  BwdLayout l = contiguous_bwd_layout(c);
+  l.name = "k / dk row stride > 2^31 / seqlen_k, v / dv head stride > 2^31";
+  const int64_t k_row = round_up8((k2Pow31 + c.seqlen_k - 2) / (c.seqlen_k - 1));
+  const int64_t v_head = k2Pow31 + 64;
+  for (Placement* p : {&l.k, &l.dk}) {
+    p->row_stride = k_row;
+    p->head_stride = d;
+    p->batch_stride = c.seqlen_k * k_row;
+    l.buffers[p->buffer] = (c.seqlen_k - 1) * k_row + c.heads_kv * d;
+  }
+  for (Placement* p : {&l.v, &l.dv}) {
+    p->row_stride = d;
+    p->head_stride = v_head;
+    p->batch_stride = v_head + int64_t{c.seqlen_k} * d;
+    l.buffers[p->buffer] = (c.heads_kv - 1) * v_head + int64_t{c.seqlen_k} * d;
+  }
+  ASSERT_GT((c.seqlen_k - 1) * k_row, k2Pow31);
+  run_big_layout_case(c, l);
+}
+
+// q, dout and dq of a second batch that starts past 2^31 elements; causal, so the mask offsets
+// are exercised too.
+TEST_F(GpuBwdTest, OffsetsPast2Pow31InQueryBatches) {
+  const int d = built_bwd_head_dim(64);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 3, 1, 2, 113, 239);
+  c.causal = true;
+  c.name = "bigQ";
+  c.seed = 502;
+  BwdLayout l = contiguous_bwd_layout(c);
+  l.name = "q / dout / dq batch stride > 2^31";
+  const int64_t batch_stride = k2Pow31 + 8;
+  const int64_t rows = int64_t{c.seqlen_q} * c.heads_q * d;
+  for (Placement* p : {&l.q, &l.dout, &l.dq}) {
+    p->batch_stride = batch_stride;
+    l.buffers[p->buffer] = batch_stride + rows;
+  }
+  run_big_layout_case(c, l);
+}
+
+// ------------------------------------------------------------------------------------------------
 // Grid limits: more than 65,535 (batch x heads)
 // ------------------------------------------------------------------------------------------------
 
@@ -581,6 +665,55 @@ TEST_F(GpuBwdTest, GridVarlenBatch66000) {
   c.name = "varlenBatch66000";
   c.seed = 303;
   run_full_case(c, false);
+}
+
+// ------------------------------------------------------------------------------------------------
+// A created stream
+// ------------------------------------------------------------------------------------------------
+
+// Holds a stream for 50 ms from the host. (A host function may not call CUDA; sleeping is fine.)
+void CUDART_CB hold_stream(void*) { std::this_thread::sleep_for(std::chrono::milliseconds(50)); }
+
+// The poison, the backward and the download run on a created non-blocking stream held for 50 ms
+// by a host function; only that stream is synchronized. A launch on another stream (e.g. the
+// legacy default stream, which does not wait for non-blocking streams) would run at once, and the
+// poison queued behind the hold would then overwrite its gradients. A warm-up run comes first: the
+// first launch of a kernel loads its module (lazy loading waits for the whole device), and the
+// first size query allocates the workspace.
+void expect_stream_run(const FwdCase& c, bool deterministic) {
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  BackwardCase host(c);
+  const BwdOracle oracle = run_bwd_oracle(host);
+  Stream stream;
+  DeviceBwdProblem dev(host, contiguous_bwd_layout(c));
+  dev.upload(stream.get());
+  dev.poison_gradients(stream.get());
+  dev.launch(stream.get(), deterministic);
+  dev.download(stream.get());
+  FK_CUDA_CHECK(cudaLaunchHostFunc(stream.get(), hold_stream, nullptr));
+  dev.poison_gradients(stream.get());
+  dev.launch(stream.get(), deterministic);
+  report(check_gradients(host, oracle, dev.download(stream.get()), dev.gaps_written()));
+  FK_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
+TEST_F(GpuBwdTest, NonDefaultStreamFixed) {
+  const int d = built_bwd_head_dim(128);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 6, 2, 2, 1023, 1023);
+  c.causal = true;
+  c.name = "streamFixed";
+  c.seed = 601;
+  expect_stream_run(c, false);
+}
+
+TEST_F(GpuBwdTest, NonDefaultStreamVarlenDeterministic) {
+  const int d = built_bwd_head_dim(64);
+  FwdCase c = varlen_case(built_bwd_dtype(d), d, 4, 1, {100, 0, 239, 17}, {239, 5, 239, 0});
+  c.tail_q = 4;
+  c.alibi = AlibiKind::kPerHead;
+  c.name = "streamVarlen";
+  c.seed = 602;
+  expect_stream_run(c, true);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -7,9 +7,11 @@
 // Views labelled DeviceKind::kCuda here point at host memory: every call that gets one is rejected
 // by validation (or, in a build without CUDA, by dispatch) before any CUDA runtime call.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -366,6 +368,16 @@ TEST_F(MhaVarlenBwdValidation, CpuPrefixSumsAreChecked) {
   EXPECT_ERROR_MENTIONS(mha_varlen_bwd(p), "mha_varlen_bwd: seqused_k[1] is 3", "[0, 2]");
 }
 
+// With seqused_k, max_seqlen_k must bound the stored key lengths as well: their dk / dv rows are
+// all written.
+TEST_F(MhaVarlenBwdValidation, MaxSeqlenKMustBoundTheStoredKeyLengths) {
+  p.max_seqlen_k = 5;  // every used length (4, 2, 0) fits; sequence 2 stores 6 keys
+  EXPECT_ERROR_MENTIONS(mha_varlen_bwd(p),
+                        "mha_varlen_bwd: sequence 2 stores 6 keys (cu_seqlens_k) but max_seqlen_k "
+                        "is 5",
+                        "must bound the lengths in cu_seqlens_k");
+}
+
 TEST_F(MhaVarlenBwdValidation, PackedGradientsFollowThePackedTensors) {
   MhaVarlenBwdParams bad = p;
   bad.dq = make_view(c.dq.data(), DType::kFloat16, {7, 4, 16}, Device{});
@@ -395,6 +407,24 @@ TEST_F(MhaVarlenBwdValidation, CudaGradientsMustBe16ByteAligned) {
   p.cu_seqlens_q.device = p.cu_seqlens_k.device = p.seqused_k.device = kCuda0;
   p.dk.data = c.dk.data() + 2;
   EXPECT_ERROR_MENTIONS(mha_varlen_bwd(p), "mha_varlen_bwd: dk.data", "16-byte aligned");
+}
+
+// FLASHKIT_DEBUG=1 names the backend of a backward call. The switch is read once per process, so
+// the test reruns this binary (/proc/self/exe) with the variable set, for the one call below.
+TEST(BwdDebugSwitch, NamesTheBackend) {
+  char self[4096] = {0};
+  const ssize_t length = readlink("/proc/self/exe", self, sizeof(self) - 1);
+  ASSERT_GT(length, 0) << "cannot find this test binary";
+  const std::string command = std::string("FLASHKIT_DEBUG=1 '") + self +
+                              "' --gtest_filter=BwdDebugSwitch.OneCpuCall 2>&1 | "
+                              "grep -q 'flashkit: mha_bwd: cpu reference backend'";
+  EXPECT_EQ(std::system(command.c_str()), 0) << "no debug line on stderr with FLASHKIT_DEBUG=1";
+}
+
+// One valid CPU call; the child process of BwdDebugSwitch.NamesTheBackend runs only this.
+TEST(BwdDebugSwitch, OneCpuCall) {
+  BackwardCase c(fixed_case());
+  mha_bwd(c.bwd_params());
 }
 
 }  // namespace
