@@ -12,6 +12,7 @@
 #include <initializer_list>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "api/tensor_checks.h"
 #include "flashkit/error.h"
@@ -130,6 +131,16 @@ void check_attn_probs(const char* fn, const FwdCommon& p, int64_t batch, int64_t
               "of 128; varlen: max_seqlen_q and max_seqlen_k)");
   check_last_dim_contiguous(fn, "attn_probs", view);
   check_data_pointer(fn, "attn_probs", view);
+  // Written after the forward, from q, k and the lse: the common mistake of passing one of them
+  // (or out) again would overwrite an input.
+  const std::pair<const char*, const TensorView*> others[] = {
+      {"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}, {"softmax_lse", &p.softmax_lse}};
+  for (const auto& [name, other] : others) {
+    if (view.numel() > 0 && other->numel() > 0 && other->data == view.data) {
+      fail(fn, "attn_probs.data (", view.data, ") is also ", name,
+           ".data; attn_probs needs memory of its own");
+    }
+  }
   problem.attn_probs = view.data;
   problem.attn_probs_batch_stride = view.strides[0];
   problem.attn_probs_head_stride = view.strides[1];

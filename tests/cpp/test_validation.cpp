@@ -359,6 +359,9 @@ TEST_F(MhaFwdValidation, AttnProbsShapeDtypeAndLayout) {
   bad = p;
   bad.attn_probs.device = kCuda0;
   EXPECT_ERROR_MENTIONS(mha_fwd(bad), "attn_probs");
+  bad = p;
+  bad.attn_probs.data = p.out.data;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "attn_probs.data", "is also out.data");
 }
 
 TEST_F(MhaVarlenFwdValidation, AttnProbsAreSizedByTheRoundedMaxima) {
