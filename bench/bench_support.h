@@ -54,6 +54,7 @@ struct Case {
   int head_dim;
   bool causal;
   bool deterministic;  // the backward's deterministic mode (bwd, fwd_bwd)
+  float dropout = 0.0f;  // dropout.p of the forward (fwd only, see --dropout)
 
   int64_t tensor_elems() const { return int64_t(batch) * seqlen * heads * head_dim; }
   double flops() const {
@@ -120,6 +121,7 @@ inline flashkit::MhaFwdParams make_params(const Case& c, int rows_q, int rows_k,
   p.out = flashkit::make_view(out, c.dtype, {b, rows_q, h, d}, device);
   p.softmax_lse = flashkit::make_view(lse, DType::kFloat32, {b, h, rows_q}, device);
   p.mask.causal = c.causal;
+  p.dropout = {c.dropout, 0x5eed, 0};
   return p;
 }
 

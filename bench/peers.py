@@ -70,7 +70,11 @@ def parse_args():
     p.add_argument("--impls", default=",".join(IMPLS),
                    help="comma-separated subset of " + ",".join(IMPLS))
     p.add_argument("--json", help="write the results (docs/DESIGN.md format) to this path")
+    p.add_argument("--dropout", type=float, default=0.0,
+                   help="dropout_p of the SDPA backends (flex has none); records get \"dropout\"")
     args = p.parse_args()
+    if not 0.0 <= args.dropout < 1.0:
+        p.error(f"--dropout takes a probability in [0, 1), not {args.dropout}")
 
     dtypes = args.dtype or ("bf16" if args.quick else "bf16,fp16")
     hdims = args.hdim or ("64,128" if args.quick else "64,128,256")
@@ -97,7 +101,7 @@ def parse_args():
 def make_grid(args):
     """The cases in flashkit_bench's order: op, dtype, head dim, causal, seqlen."""
     return [dict(op=op, dtype=dt, batch=max(1, TOTAL_TOKENS // s), heads=max(1, MODEL_DIM // d),
-                 seqlen=s, head_dim=d, causal=causal)
+                 seqlen=s, head_dim=d, causal=causal, dropout=args.dropout)
             for op in args.op_list for dt in args.dtypes for d in args.hdims
             for causal in args.causals for s in args.seqlens]
 
@@ -221,7 +225,8 @@ def impl_runner(torch, impl):
 
         def run_sdpa(c, sets, bench):
             def attend(q, k, v):
-                return F.scaled_dot_product_attention(q, k, v, is_causal=c["causal"])
+                return F.scaled_dot_product_attention(q, k, v, is_causal=c["causal"],
+                                                      dropout_p=c["dropout"])
             with sdpa_kernel([backend]):
                 call, _ = timed_op(torch, attend, c, sets)
                 return bench.time_ms(call, len(sets))
@@ -240,6 +245,8 @@ def impl_runner(torch, impl):
         return q_idx >= kv_idx
 
     def run_flex(c, sets, bench):
+        if c["dropout"] > 0:
+            raise NotImplementedError("flex_attention has no dropout")
         s = c["seqlen"]
         mask = create_block_mask(causal_mask, None, None, s, s, device="cuda") if c["causal"] \
             else None
@@ -261,6 +268,8 @@ def run_case(torch, bench, impl, runner, c):
                   heads_kv=c["heads"], seqlen_q=c["seqlen"], seqlen_k=c["seqlen"],
                   head_dim=c["head_dim"], causal=c["causal"], window=[-1, -1], ms=None,
                   tflops=None, tbps=None)
+    if c["dropout"] > 0:
+        record["dropout"] = c["dropout"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:

@@ -23,9 +23,13 @@ struct MaskSpec {
   int window_right = -1;
 };
 
-// Dropout on the attention probabilities, with a counter-based RNG (Philox) keyed by (seed, offset) so
-// that the backward pass can regenerate the same mask. Not yet implemented by any backend: a
-// dropout_p > 0 is rejected with a clear error until the dropout issue lands.
+// Dropout on the attention probabilities, with a counter-based RNG (Philox4x32-10) keyed by (seed,
+// offset) so that the backward pass regenerates the same mask from the same three values. p is in
+// [0, 1): each probability is kept with probability 1 - p (realised as a multiple of 1/256, within
+// 1/512 of it) and kept ones are scaled by 1 / (1 - p); softmax_lse stays that of the undropped
+// scores. A call draws from the Philox counters offset .. offset + ceil(seqlen_k / 32) - 1 (varlen:
+// max_seqlen_k): advance the offset by at least that much between calls that should draw
+// independent masks. src/common/philox.h defines the mask exactly.
 struct DropoutSpec {
   float p = 0.0f;
   uint64_t seed = 0;
@@ -47,6 +51,11 @@ struct FwdCommon {
   float softcap = 0.0f;        // > 0: score = softcap * tanh(score / softcap), after scaling
   MaskSpec mask{};
   DropoutSpec dropout{};
+  // Optional (return_softmax, for tests): [batch, heads_q, round128(seqlen_q), round128(seqlen_k)]
+  // (varlen: the max_seqlen_* rounded) in q's dtype, last dim contiguous; written. Element
+  // (b, h, i, j) is the undropped probability of query row i and key j of sequence b, negated
+  // (sign bit set) where dropout dropped it; masked pairs and the rounding padding are +0.
+  TensorView attn_probs;
 };
 
 // mha_fwd: every sequence of the batch has the same lengths.

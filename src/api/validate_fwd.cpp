@@ -12,6 +12,7 @@
 #include <initializer_list>
 #include <sstream>
 #include <string>
+#include <utility>
 
 #include "api/tensor_checks.h"
 #include "flashkit/error.h"
@@ -105,13 +106,47 @@ void check_scalars(const char* fn, const FwdCommon& p) {
     fail(fn, "mask.window_right is ", p.mask.window_right,
          "; it must be >= 0, or -1 for unbounded");
   }
+  // p = 1 would drop everything and scale by 1 / 0; FlashAttention rejects it too.
   if (!(p.dropout.p >= 0.0f && p.dropout.p < 1.0f)) {
     fail(fn, "dropout.p is ", p.dropout.p, "; it must be in [0, 1)");
   }
-  if (p.dropout.p > 0.0f) {
-    fail(fn, "dropout.p is ", p.dropout.p,
-         "; dropout is not supported yet in this build (the dropout issue adds it); pass 0");
+}
+
+// The optional return_softmax output: [batch, heads_q, seqlen_q, seqlen_k], each length rounded up
+// to kAttnProbsRounding as FlashAttention sizes it, in q's dtype on q's device.
+constexpr int64_t kAttnProbsRounding = 128;
+
+void check_attn_probs(const char* fn, const FwdCommon& p, int64_t batch, int64_t heads_q,
+                      int64_t seqlen_q, int64_t seqlen_k, FwdProblem& problem) {
+  if (!p.attn_probs.defined()) return;
+  const TensorView& view = p.attn_probs;
+  check_same_dtype_as_q(fn, "attn_probs", view, p.q);
+  check_same_device_as_q(fn, "attn_probs", view, p.q);
+  check_rank(fn, "attn_probs", view, 4, "[batch, heads_q, seqlen_q_rounded, seqlen_k_rounded]");
+  const auto round_up = [](int64_t n) {
+    return (n + kAttnProbsRounding - 1) / kAttnProbsRounding * kAttnProbsRounding;
+  };
+  check_shape(fn, "attn_probs", view, {batch, heads_q, round_up(seqlen_q), round_up(seqlen_k)},
+              "([batch, heads_q, seqlen_q, seqlen_k] with both lengths rounded up to a multiple "
+              "of 128; varlen: max_seqlen_q and max_seqlen_k)");
+  check_last_dim_contiguous(fn, "attn_probs", view);
+  check_data_pointer(fn, "attn_probs", view);
+  // Written after the forward, from q, k and the lse: the common mistake of passing one of them
+  // (or out) again would overwrite an input.
+  const std::pair<const char*, const TensorView*> others[] = {
+      {"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}, {"softmax_lse", &p.softmax_lse}};
+  for (const auto& [name, other] : others) {
+    if (view.numel() > 0 && other->numel() > 0 && other->data == view.data) {
+      fail(fn, "attn_probs.data (", view.data, ") is also ", name,
+           ".data; attn_probs needs memory of its own");
+    }
   }
+  problem.attn_probs = view.data;
+  problem.attn_probs_batch_stride = view.strides[0];
+  problem.attn_probs_head_stride = view.strides[1];
+  problem.attn_probs_row_stride = view.strides[2];
+  problem.attn_probs_rows = to_int(fn, "attn_probs.size(2)", view.sizes[2]);
+  problem.attn_probs_cols = to_int(fn, "attn_probs.size(3)", view.sizes[3]);
 }
 
 // The fields both entry points fill the same way. `seqlen_q` / `seqlen_k` are the lengths (fixed)
@@ -288,6 +323,7 @@ FwdProblem validate_mha_fwd(const MhaFwdParams& p, const char* fn) {
   problem.seqlen_k = to_int(fn, "seqlen_k (k.size(1))", seqlen_k);
   fill_tensors(p, alibi_batch_stride, problem);
   fill_options(p, problem.seqlen_q, problem.seqlen_k, problem);
+  check_attn_probs(fn, p, batch, heads_q, seqlen_q, seqlen_k, problem);
   return problem;
 }
 
@@ -331,6 +367,7 @@ FwdProblem validate_mha_varlen_fwd(const MhaVarlenFwdParams& p, const char* fn) 
   problem.total_q = total_q;
   problem.total_k = total_k;
   fill_options(p, problem.seqlen_q, problem.seqlen_k, problem);
+  check_attn_probs(fn, p, batch, heads_q, p.max_seqlen_q, p.max_seqlen_k, problem);
   return problem;
 }
 

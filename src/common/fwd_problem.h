@@ -8,6 +8,7 @@
 
 #include <cstdint>
 
+#include "common/philox.h"
 #include "flashkit/tensor.h"
 
 namespace flashkit {
@@ -54,11 +55,24 @@ struct FwdProblem {
   int window_right = -1;
   bool causal = false;         // kept for heuristics; the window already encodes it
 
+  // Dropout on the probabilities (0: off), with the Philox mask of common/philox.h.
   float dropout_p = 0.0f;
   uint64_t dropout_seed = 0;
   uint64_t dropout_offset = 0;
 
+  // return_softmax (tests): null, or [batch, heads_q, attn_probs_rows, attn_probs_cols] in dtype,
+  // last dim contiguous, the rounded seqlen_q x seqlen_k. Element (b, h, i, j) of a visible pair is
+  // the undropped probability exp(s_ij - lse_i), negated (sign bit set, also for a zero) when
+  // dropout drops it; every other element is +0.
+  void* attn_probs = nullptr;
+  int64_t attn_probs_batch_stride = 0, attn_probs_head_stride = 0, attn_probs_row_stride = 0;
+  int attn_probs_rows = 0;
+  int attn_probs_cols = 0;
+
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  FLASHKIT_HOST_DEVICE DropoutMask dropout_mask() const {
+    return {dropout_seed, dropout_offset, dropout_keep_threshold(dropout_p)};
+  }
 };
 
 }  // namespace flashkit

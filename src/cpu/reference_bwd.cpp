@@ -8,12 +8,14 @@
 //   c_ij  = softcap * tanh(a_ij / softcap)        (c = a without softcap)
 //   s_ij  = c_ij - slope(b, h) * |i + len_k - len_q - j|
 //   P_ij  = exp(s_ij - lse_i)                      recomputed from the saved lse, as the kernels do
-//   dP_ij = dout_i . v_j
+//   m_ij  = keep_ij / (1 - p)                      dropout's factor (1 without dropout); keep_ij is
+//                                                  the forward's Philox mask, regenerated
+//   dP_ij = m_ij dout_i . v_j                      gradient w.r.t. the undropped P_ij
 //   D_i   = dout_i . out_i                         (= sum_j P_ij dP_ij)
 //   dS_ij = P_ij (dP_ij - D_i)                     gradient of the loss w.r.t. s_ij
 //   dX_ij = dS_ij * softmax_scale * (1 - tanh^2(a_ij / softcap))   (no softcap: * softmax_scale)
-//   dq_i  = sum_j dX_ij k_j,   dk_j = sum_{h in g's group, i} dX_ij q_i,   dv_j = sum_{h, i} P_ij
-//   dout_i
+//   dq_i  = sum_j dX_ij k_j,   dk_j = sum_{h in g's group, i} dX_ij q_i,
+//   dv_j  = sum_{h, i} m_ij P_ij dout_i
 // ALiBi's bias does not depend on q or k, so it changes P but adds no term. Pairs outside the mask
 // contribute nothing: a row that sees no key has dq_i = 0, a key no row sees dk_j = dv_j = 0, and
 // neither ever reads its lse (-inf for such a row), so no NaN can arise.
@@ -76,6 +78,19 @@ struct Scores {
   Acc softcap;
   Acc slope;
   int64_t shift;  // len_k - len_q: the bottom-right alignment
+  bool dropout;
+  DropoutMask mask;
+  uint32_t bh;     // b * heads_q + h: the mask's head index
+  Acc keep_scale;  // 1 / (1 - p)
+
+  // m_ij of keys [first, end) of row i, in `factors` (all 1 without dropout).
+  void dropout_factors(int64_t i, int64_t first, int64_t end, std::vector<uint8_t>& keep,
+                       std::vector<Acc>& factors) const {
+    factors.assign(static_cast<size_t>(std::max<int64_t>(0, end - first)), Acc(1));
+    if (!dropout) return;
+    dropout_keep_row(mask, bh, i, first, end, keep);
+    for (size_t n = 0; n < factors.size(); ++n) factors[n] = keep[n] ? keep_scale : Acc(0);
+  }
 
   // `x` is the raw dot product q_i . k_j; returns s_ij, and dX/dS in `ds_dx`.
   Acc score(Acc x, int64_t i, int64_t j, Acc& ds_dx) const {
@@ -110,8 +125,15 @@ struct Context {
   Scores<Acc> scores(int b, int h, const Sequence& s) const {
     const Acc slope =
         p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.alibi_batch_stride + h] : Acc(0);
-    return {math, static_cast<Acc>(p.softmax_scale), static_cast<Acc>(p.softcap), slope,
-            static_cast<int64_t>(s.len_k) - s.len_q};
+    return {math,
+            static_cast<Acc>(p.softmax_scale),
+            static_cast<Acc>(p.softcap),
+            slope,
+            static_cast<int64_t>(s.len_k) - s.len_q,
+            p.dropout_p > 0.0f,
+            p.dropout_mask(),
+            static_cast<uint32_t>(b * p.heads_q + h),
+            static_cast<Acc>(1.0 / (1.0 - static_cast<double>(p.dropout_p)))};
   }
   int64_t q_offset(int b, int h, const Sequence& s, int64_t i) const {
     return b * p.q_batch_stride + (s.q_token + i) * p.q_row_stride + h * p.q_head_stride;
@@ -132,7 +154,9 @@ struct Context {
 template <typename Acc>
 struct Buffers {
   std::vector<Acc> q, dout, out, k, v;  // [rows or keys, head_dim]
+  std::vector<Acc> factors;             // one row's dropout factors m_ij
   std::vector<Acc> acc_a, acc_b;        // gradient rows being accumulated
+  std::vector<uint8_t> keep;            // one row's dropout decisions
 };
 
 // Query rows [row_begin, row_end) of (b, h), or keys [row_begin, row_end) of (b, kv head h).
@@ -191,28 +215,30 @@ void run_statistics(Context<Acc>& ctx, const Task& task, Buffers<Acc>& buf) {
     Acc sum = 0;
     for (Acc score : row_scores) sum += std::exp(score - max_score);
     const Acc lse = max_score + std::log(sum);
+    scores.dropout_factors(i, range.first, range.end, buf.keep, buf.factors);
     Acc d_row = 0;
     for (int64_t j = range.first; j < range.end; ++j) {
       const Acc prob = ctx.math.round(std::exp(row_scores[j - range.first] - lse));
-      d_row += prob * ctx.math.round(dot(&buf.dout[r * d], &buf.v[j * d], d));
+      d_row += prob * ctx.math.round(buf.factors[j - range.first] *
+                                     dot(&buf.dout[r * d], &buf.v[j * d], d));
     }
     ctx.lse[ctx.stat_index(b, h, i)] = lse;
     ctx.d_rows[ctx.stat_index(b, h, i)] = d_row;
   }
 }
 
-// P_ij and dX_ij (the gradient w.r.t. the raw dot q_i . k_j) of one allowed pair; q_row and
-// dout_row belong to row i, k_row and v_row to key j.
+// P_ij and dX_ij (the gradient w.r.t. the raw dot q_i . k_j) of one allowed pair whose dropout
+// factor is m_ij = `factor`; q_row and dout_row belong to row i, k_row and v_row to key j.
 template <typename Acc>
 void pair_gradient(const Context<Acc>& ctx, const Scores<Acc>& scores, int b, int h, int64_t i,
                    int64_t j, const Acc* q_row, const Acc* dout_row, const Acc* k_row,
-                   const Acc* v_row, Acc& prob, Acc& dx) {
+                   const Acc* v_row, Acc factor, Acc& prob, Acc& dx) {
   const int d = ctx.p.head_dim;
   const Arithmetic<Acc>& math = ctx.math;
   Acc ds_dx;
   const Acc score = scores.score(dot(q_row, k_row, d), i, j, ds_dx);
   prob = math.round(std::exp(score - ctx.lse[ctx.stat_index(b, h, i)]));
-  const Acc dp = math.round(dot(dout_row, v_row, d));
+  const Acc dp = math.round(factor * dot(dout_row, v_row, d));
   dx = math.round(math.round(prob * (dp - ctx.d_rows[ctx.stat_index(b, h, i)])) * ds_dx);
 }
 
@@ -234,10 +260,11 @@ void run_dq(const Context<Acc>& ctx, const Output& output, const Task& task, Buf
     const int64_t i = task.row_begin + r;
     dq.assign(d, Acc(0));
     const KeyRange range = allowed_keys(p, s, i);
+    scores.dropout_factors(i, range.first, range.end, buf.keep, buf.factors);
     for (int64_t j = range.first; j < range.end; ++j) {
       Acc prob, dx;
       pair_gradient(ctx, scores, b, h, i, j, &buf.q[r * d], &buf.dout[r * d], &buf.k[j * d],
-                    &buf.v[j * d], prob, dx);
+                    &buf.v[j * d], buf.factors[j - range.first], prob, dx);
       const Acc* k_row = &buf.k[j * d];
       for (int c = 0; c < d; ++c) dq[c] += dx * k_row[c];
     }
@@ -269,14 +296,17 @@ void run_dk_dv(const Context<Acc>& ctx, const Output& output, const Task& task, 
       if (first >= end) continue;
       load_rows(p.dtype, p.q, ctx.q_offset(b, h, s, i), 0, 1, d, buf.q);
       load_rows(p.dtype, ctx.problem.dout, ctx.dout_offset(b, h, s, i), 0, 1, d, buf.dout);
+      scores.dropout_factors(i, first, end, buf.keep, buf.factors);
       for (int64_t j = first; j < end; ++j) {
         const int64_t r = j - key_begin;
+        const Acc factor = buf.factors[j - first];
         Acc prob, dx;
         pair_gradient(ctx, scores, b, h, i, j, buf.q.data(), buf.dout.data(), &buf.k[r * d],
-                      &buf.v[r * d], prob, dx);
+                      &buf.v[r * d], factor, prob, dx);
+        const Acc dropped_prob = ctx.math.round(factor * prob);
         for (int c = 0; c < d; ++c) {
           dk[r * d + c] += dx * buf.q[c];
-          dv[r * d + c] += prob * buf.dout[c];
+          dv[r * d + c] += dropped_prob * buf.dout[c];
         }
       }
     }
@@ -352,9 +382,9 @@ void check_problem(const BwdProblem& problem) {
     throw Error("reference_bwd: heads_q = " + std::to_string(p.heads_q) +
                 " is not a multiple of heads_kv = " + std::to_string(p.heads_kv));
   }
-  if (p.dropout_p > 0.0f) {
+  if (!(p.dropout_p >= 0.0f && p.dropout_p < 1.0f)) {
     throw Error("reference_bwd: dropout_p is " + std::to_string(p.dropout_p) +
-                "; dropout is not implemented yet (the dropout issue adds it)");
+                "; it must be in [0, 1)");
   }
 }
 

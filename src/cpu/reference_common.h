@@ -17,6 +17,7 @@
 
 #include "common/fwd_problem.h"
 #include "common/half_float.h"
+#include "common/philox.h"
 #include "flashkit/error.h"
 
 namespace flashkit::cpu {
@@ -72,6 +73,28 @@ inline KeyRange allowed_keys(const FwdProblem& p, const Sequence& s, int64_t i) 
   const int64_t end =
       p.window_right >= 0 ? std::min<int64_t>(s.len_k, diagonal + p.window_right + 1) : s.len_k;
   return {first, end};
+}
+
+// The dropout decisions of keys [first, end) of query row i of (batch * heads_q + head) `bh`:
+// keep[j - first] is 1 for a kept key. Four Philox calls per 32 keys (one per fragment slot of
+// the row, each giving the row's 8 bytes of its 16), instead of one per key.
+inline void dropout_keep_row(const DropoutMask& mask, uint32_t bh, int64_t i, int64_t first,
+                             int64_t end, std::vector<uint8_t>& keep) {
+  keep.assign(static_cast<size_t>(std::max<int64_t>(0, end - first)), 0);
+  const auto row = static_cast<uint32_t>(i);
+  const int half = static_cast<int>((row % 16) / 8);
+  for (int64_t group = first / 32; group * 32 < end; ++group) {
+    for (uint32_t pair = 0; pair < 4; ++pair) {
+      const PhiloxBlock bits =
+          mask.block(bh, row / 16, (row % 8) * 4 + pair, static_cast<uint32_t>(group));
+      for (int tile = 0; tile < 4; ++tile) {
+        for (int e = 0; e < 2; ++e) {
+          const int64_t j = group * 32 + tile * 8 + pair * 2 + e;
+          if (j >= first && j < end) keep[j - first] = mask.keeps(bits, half * 8 + tile * 2 + e);
+        }
+      }
+    }
+  }
 }
 
 // The 16-bit element at `index` of `base`, as a float (exact).

@@ -12,9 +12,10 @@
 // out_i = sum_j softmax(s)_j v_j and lse_i = log(sum_j exp(s_j)) (natural log). A row with no key
 // gets out_i = 0 and lse_i = -inf, never NaN.
 //
-// Dropout is not part of the reference yet: validation rejects dropout_p > 0, and so does this file
-// for a hand-built problem. When the dropout issue lands, the reference will regenerate the
-// kernel's Philox mask from (seed, offset) and scale the kept probabilities by 1 / (1 - p).
+// Dropout (p > 0): out_i = sum_j softmax(s)_j keep_ij / (1 - p) v_j with keep_ij the Philox mask of
+// common/philox.h, addressed by (b * heads_q + h, i, j) within the sequence; lse_i stays that of
+// the undropped scores. The CPU backend also writes attn_probs (return_softmax) when asked: the
+// undropped probabilities, negated where dropped, +0 elsewhere.
 //
 // Work is split into tasks of up to kRowsPerTask query rows of one (batch, query head), so that
 // even a single head spreads over every core. A task converts its kv head's keys (transposed) and
@@ -40,6 +41,11 @@ namespace {
 constexpr int kRowBlock = 4;  // the two products in attend_rows are unrolled for 4 rows
 constexpr int kRowsPerTask = 128;
 
+// Element offset of row i of (b, h) in attn_probs.
+int64_t attn_probs_index(const FwdProblem& p, int b, int h, int64_t i) {
+  return b * p.attn_probs_batch_stride + h * p.attn_probs_head_stride + i * p.attn_probs_row_stride;
+}
+
 // Per-thread buffers, grown on demand and reused across tasks.
 template <typename Acc>
 struct Workspace {
@@ -48,6 +54,7 @@ struct Workspace {
   std::vector<Acc> q_block;         // [kRowBlock, head_dim]
   std::vector<Acc> scores;          // [kRowBlock, block keys]; then the probabilities
   std::vector<Acc> out_block;       // [kRowBlock, head_dim]
+  std::vector<uint8_t> keep;        // one row's dropout decisions
 };
 
 // Where results go: called once per query row with the finished output row (nullptr for a row that
@@ -63,6 +70,12 @@ class StridedOutput {  // problem.out in problem.dtype, problem.lse, both with t
       out[c] = double_to_half_bits(p_.dtype, row != nullptr ? static_cast<double>(row[c]) : 0.0);
     }
     p_.lse[b * p_.lse_batch_stride + h * p_.lse_head_stride + i] = static_cast<float>(lse);
+  }
+  bool wants_probs() const { return p_.attn_probs != nullptr; }
+  // Probability `prob` of (row i, key j) of (b, h), negated when dropped.
+  void write_prob(int b, int h, int i, int64_t j, double prob, bool kept) const {
+    static_cast<uint16_t*>(p_.attn_probs)[attn_probs_index(p_, b, h, i) + j] =
+        double_to_half_bits(p_.dtype, kept ? prob : -prob);
   }
 
  private:
@@ -81,6 +94,8 @@ class ContiguousFp32Output {  // [batch, heads_q, seqlen_q, head_dim] and [batch
     }
     lse_[row_index] = static_cast<float>(lse);
   }
+  bool wants_probs() const { return false; }
+  void write_prob(int, int, int, int64_t, double, bool) const {}
 
  private:
   const FwdProblem& p_;
@@ -121,6 +136,10 @@ void attend_rows(const FwdProblem& p, const Arithmetic<Acc>& math, const Output&
 
   const double slope =
       p.alibi_slopes != nullptr ? p.alibi_slopes[b * p.alibi_batch_stride + h] : 0.0;
+  const bool dropout = p.dropout_p > 0.0f;
+  const DropoutMask mask = p.dropout_mask();
+  const uint32_t bh = static_cast<uint32_t>(b * p.heads_q + h);
+  const Acc keep_scale = static_cast<Acc>(1.0 / (1.0 - static_cast<double>(p.dropout_p)));
   for (int row0 = task.row_begin; row0 < task.row_end; row0 += kRowBlock) {
     const int rows = std::min(kRowBlock, task.row_end - row0);
 
@@ -204,6 +223,20 @@ void attend_rows(const FwdProblem& p, const Arithmetic<Acc>& math, const Output&
           probs[j - block_first] = math.round(probs[j - block_first] / sum);
         }
       }
+      if (dropout || output.wants_probs()) {
+        // After the sum: the normaliser and the lse are those of the undropped probabilities.
+        const int i = row0 + r;
+        if (dropout) dropout_keep_row(mask, bh, i, range.first, range.end, ws.keep);
+        for (int64_t j = range.first; j < range.end; ++j) {
+          Acc& prob = probs[j - block_first];
+          const bool kept = !dropout || ws.keep[j - range.first] != 0;
+          if (output.wants_probs()) {
+            const Acc normalized = math.round_to_input ? prob : prob / sum;
+            output.write_prob(b, h, i, j, static_cast<double>(normalized), kept);
+          }
+          if (dropout) prob = kept ? math.round(prob * keep_scale) : Acc(0);
+        }
+      }
     }
 
     // O = P V, one key row of V at a time.
@@ -247,9 +280,23 @@ void check_problem(const FwdProblem& p) {
     throw Error("reference_fwd: heads_q = " + std::to_string(p.heads_q) +
                 " is not a multiple of heads_kv = " + std::to_string(p.heads_kv));
   }
-  if (p.dropout_p > 0.0f) {
+  if (!(p.dropout_p >= 0.0f && p.dropout_p < 1.0f)) {
     throw Error("reference_fwd: dropout_p is " + std::to_string(p.dropout_p) +
-                "; dropout is not implemented yet (the dropout issue adds it)");
+                "; it must be in [0, 1)");
+  }
+}
+
+// Zeroes every element of attn_probs (padding rows and columns, masked pairs); the tasks then write
+// the visible pairs.
+void clear_attn_probs(const FwdProblem& p) {
+  if (p.attn_probs == nullptr) return;
+  for (int b = 0; b < p.batch; ++b) {
+    for (int h = 0; h < p.heads_q; ++h) {
+      for (int i = 0; i < p.attn_probs_rows; ++i) {
+        uint16_t* row = static_cast<uint16_t*>(p.attn_probs) + attn_probs_index(p, b, h, i);
+        std::fill(row, row + p.attn_probs_cols, uint16_t{0});
+      }
+    }
   }
 }
 
@@ -269,6 +316,7 @@ void run_reference(const FwdProblem& p, const Arithmetic<Acc>& math, const Outpu
       }
     }
   }
+  if (output.wants_probs()) clear_attn_probs(p);
   run_tasks<Workspace<Acc>>(static_cast<int>(task_list.size()), work,
                             [&](Workspace<Acc>& ws, int n) {
                               const Task& task = task_list[n];

@@ -159,6 +159,7 @@ struct FwdCase {
   float softmax_scale = 0.0f;  // 0: the default 1/sqrt(head_dim)
   float q_scale = 1.0f;        // multiplies the random queries: softcap needs large scores
   uint64_t seed = 1;
+  DropoutSpec dropout{};       // p = 0: off
 
   int max_len_q() const {
     return varlen ? *std::max_element(lens_q.begin(), lens_q.end()) + extra_max_seqlen_q : seqlen_q;
@@ -229,6 +230,10 @@ inline std::string FwdCase::describe() const {
   os << " softmax_scale="
      << (softmax_scale == 0.0f ? std::string("default") : std::to_string(softmax_scale));
   if (q_scale != 1.0f) os << " q_scale=" << q_scale;
+  if (dropout.p > 0.0f) {
+    os << " dropout=(p " << dropout.p << ", seed " << dropout.seed << ", offset " << dropout.offset
+       << ")";
+  }
   os << " seed=" << seed;
   return os.str();
 }
@@ -347,6 +352,7 @@ class AttentionCase {
     f.softmax_scale = c.softmax_scale;
     f.softcap = c.softcap;
     f.mask = MaskSpec{c.causal, c.window_left, c.window_right};
+    f.dropout = c.dropout;
     return f;
   }
 
@@ -414,6 +420,9 @@ class AttentionCase {
     p.causal = c.causal;
     p.window_left = c.window_left;
     p.window_right = c.causal ? 0 : c.window_right;
+    p.dropout_p = c.dropout.p;
+    p.dropout_seed = c.dropout.seed;
+    p.dropout_offset = c.dropout.offset;
     return p;
   }
 
@@ -456,6 +465,7 @@ class BackwardCase : public AttentionCase {
     b.softmax_scale = f.softmax_scale;
     b.softcap = f.softcap;
     b.mask = f.mask;
+    b.dropout = f.dropout;
     b.dout = like(f.q, dout.data());
     b.dq = like(f.q, dq.data());
     b.dk = like(f.k, dk.data());

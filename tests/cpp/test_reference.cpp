@@ -654,11 +654,13 @@ TEST(Layout, NonContiguousStridesGiveTheSameResult) {
 
 // ---- what the reference refuses ----
 
-TEST(Reference, RejectsDropoutUntilItIsImplemented) {
+TEST(Reference, RejectsDropoutOutsideZeroOne) {
   AttentionCase c(tiny_case(3, 3));
   FwdProblem p = c.problem();
-  p.dropout_p = 0.1f;
-  EXPECT_THROW(cpu::reference_fwd(p), Error);
+  for (float prob : {1.0f, -0.25f}) {
+    p.dropout_p = prob;
+    EXPECT_THROW(cpu::reference_fwd(p), Error);
+  }
 }
 
 }  // namespace

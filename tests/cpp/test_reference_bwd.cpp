@@ -239,6 +239,26 @@ std::vector<FdCase> finite_difference_cases() {
     s.alibi = AlibiKind::kPerBatchHead;
     cases.push_back({"varlen: softcap + ALiBi [batch, heads]", s});
   }
+  // Dropout: the forward regenerates the same Philox mask at every perturbed input, so the finite
+  // differences see the mask fixed, as the backward's gradient does.
+  {
+    FwdCase s = tiny(2, 2, 18, 37, 12);  // past one 16-row x 32-key Philox block
+    s.dropout = {0.3f, 0x1234abcdULL, 7};
+    cases.push_back({"dropout 0.3", s});
+  }
+  {
+    FwdCase s = tiny(4, 2, 6, 9, 13);
+    s.dropout = {0.5f, 99, 0};
+    s.causal = true;
+    s.alibi = AlibiKind::kPerHead;
+    cases.push_back({"dropout 0.5 + causal + ALiBi, GQA", s});
+  }
+  {
+    FwdCase s = tiny_varlen({3, 0, 5}, {4, 2, 6}, 14);
+    s.dropout = {0.2f, 5, 1u << 20};
+    s.softcap = 1.5f;
+    cases.push_back({"varlen dropout 0.2 + softcap", s});
+  }
   return cases;
 }
 
@@ -526,11 +546,13 @@ TEST(ReferenceBwdPublicApi, NonContiguousGradientsGiveTheSameResult) {
 
 // ---- what the reference refuses ----
 
-TEST(ReferenceBwd, RejectsDropoutUntilItIsImplemented) {
+TEST(ReferenceBwd, RejectsDropoutOutsideZeroOne) {
   BackwardCase c(tiny(2, 2, 3, 3, 80));
   BwdProblem p = c.bwd_problem();
-  p.fwd.dropout_p = 0.1f;
-  EXPECT_THROW(cpu::reference_bwd(p), Error);
+  for (float prob : {1.0f, -0.25f}) {
+    p.fwd.dropout_p = prob;
+    EXPECT_THROW(cpu::reference_bwd(p), Error);
+  }
 }
 
 }  // namespace

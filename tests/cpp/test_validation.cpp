@@ -321,10 +321,57 @@ TEST_F(MhaFwdValidation, DropoutProbabilityMustBeInZeroOne) {
   }
 }
 
-TEST_F(MhaFwdValidation, DropoutIsNotSupportedYet) {
-  p.dropout.p = 0.1f;
-  EXPECT_ERROR_MENTIONS(mha_fwd(p), "dropout.p is 0.1",
-                        "not supported yet in this build (the dropout issue adds it)");
+TEST_F(MhaFwdValidation, DropoutInZeroOneIsAccepted) {
+  p.dropout = {0.1f, 12345, 678};
+  EXPECT_NO_THROW(mha_fwd(p));
+  const FwdProblem problem = api::validate_mha_fwd(p, "mha_fwd");
+  EXPECT_EQ(problem.dropout_p, 0.1f);
+  EXPECT_EQ(problem.dropout_seed, 12345u);
+  EXPECT_EQ(problem.dropout_offset, 678u);
+}
+
+// attn_probs (return_softmax): [batch, heads_q, round128(seqlen_q), round128(seqlen_k)] of q's
+// dtype and device, last dim contiguous.
+TEST_F(MhaFwdValidation, AttnProbsShapeDtypeAndLayout) {
+  std::vector<uint16_t> probs(2 * 4 * 128 * 128);
+  const Device cpu{};
+  p.attn_probs = make_view(probs.data(), DType::kFloat16, {2, 4, 128, 128}, cpu);
+  EXPECT_NO_THROW(mha_fwd(p));
+  const FwdProblem problem = api::validate_mha_fwd(p, "mha_fwd");
+  EXPECT_EQ(problem.attn_probs, probs.data());
+  EXPECT_EQ(problem.attn_probs_rows, 128);
+  EXPECT_EQ(problem.attn_probs_cols, 128);
+  EXPECT_EQ(problem.attn_probs_row_stride, 128);
+
+  MhaFwdParams bad = p;
+  bad.attn_probs = make_view(probs.data(), DType::kFloat16, {2, 4, 5, 7}, cpu);
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "attn_probs has shape [2, 4, 5, 7]", "[2, 4, 128, 128]",
+                        "rounded up to a multiple of 128");
+  bad = p;
+  bad.attn_probs.dtype = DType::kBFloat16;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "attn_probs");
+  bad = p;
+  bad.attn_probs = make_view(probs.data(), DType::kFloat16, {2, 4, 128 * 128}, cpu);
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "attn_probs");
+  bad = p;
+  bad.attn_probs.strides[3] = 2;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "attn_probs");
+  bad = p;
+  bad.attn_probs.device = kCuda0;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "attn_probs");
+  bad = p;
+  bad.attn_probs.data = p.out.data;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "attn_probs.data", "is also out.data");
+}
+
+TEST_F(MhaVarlenFwdValidation, AttnProbsAreSizedByTheRoundedMaxima) {
+  std::vector<uint16_t> probs(3 * 4 * 128 * 128);
+  const Device cpu{};
+  p.attn_probs = make_view(probs.data(), DType::kFloat16, {3, 4, 128, 128}, cpu);
+  EXPECT_NO_THROW(mha_varlen_fwd(p));
+  MhaVarlenFwdParams bad = p;
+  bad.attn_probs = make_view(probs.data(), DType::kFloat16, {3, 4, 128, 256}, cpu);
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "attn_probs has shape [3, 4, 128, 256]");
 }
 
 // ---- defaults ----

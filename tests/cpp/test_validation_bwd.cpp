@@ -194,9 +194,11 @@ TEST_F(MhaBwdValidation, GradientsMustNotShareMemoryWithInputsOrEachOther) {
   for (uint16_t bits : c.dq) ASSERT_EQ(bits, nan_bits(DType::kFloat16)) << "written before failing";
 }
 
-TEST_F(MhaBwdValidation, DropoutIsNotSupportedYet) {
-  p.dropout.p = 0.1f;
-  EXPECT_ERROR_MENTIONS(mha_bwd(p), "mha_bwd: dropout.p is 0.1", "not supported yet");
+TEST_F(MhaBwdValidation, DropoutRunsOnTheCpuBackend) {
+  p.dropout = {0.1f, 3, 4};
+  EXPECT_NO_THROW(mha_bwd(p));
+  p.dropout.p = 1.0f;
+  EXPECT_ERROR_MENTIONS(mha_bwd(p), "mha_bwd: dropout.p is 1", "must be in [0, 1)");
 }
 
 // ---- the problem ----

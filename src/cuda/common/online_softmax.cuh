@@ -126,10 +126,11 @@ struct OnlineSoftmax {
     }
   }
 
-  // Normalizes the output rows and returns each row's natural-log log-sum-exp in `lse`
-  // (-inf and a zero row where no key was visible).
+  // Normalizes the output rows (and multiplies them by out_scale: dropout's 1 / (1 - p)) and
+  // returns each row's natural-log log-sum-exp in `lse` (-inf and a zero row where no key was
+  // visible).
   __device__ __forceinline__ void finalize(float (&out)[kMTiles][kDTiles][4], float log2_scale,
-                                           float (&lse)[kRows]) {
+                                           float (&lse)[kRows], float out_scale = 1.0f) {
     constexpr float kLn2 = 0.69314718055994530942f;
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
@@ -138,7 +139,7 @@ struct OnlineSoftmax {
         const int r = 2 * mt + half;
         const float sum = quad_sum(row_sum[r]);
         const bool empty = !(sum > 0.0f);
-        const float inv = empty ? 0.0f : 1.0f / sum;
+        const float inv = empty ? 0.0f : (1.0f / sum) * out_scale;
         lse[r] = empty ? -INFINITY : (row_max[r] * log2_scale + __log2f(sum)) * kLn2;
 #pragma unroll
         for (int dt = 0; dt < kDTiles; ++dt) {

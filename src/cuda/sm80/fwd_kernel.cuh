@@ -14,12 +14,24 @@
 //              S = Q K[n]^T                  (mma.sync, fp32 accumulators in registers)
 //              softcap / ALiBi / mask         (masking only on blocks the mask cuts)
 //              online softmax: S -> P         (lazy rescaling of O, see online_softmax.cuh)
+//              dropout (kDropout only)        (after the row sums: the normaliser and the LSE are
+//                                             those of the undropped P; dropped P -> 0)
 //              O += P V[n]                   (P straight from registers as the A operand)
-//   epilogue   O / rowsum -> 16-bit, staged through the Q tile for 16-byte stores; LSE per row
+//   epilogue   O / rowsum (x 1 / (1 - p)) -> 16-bit, staged through the Q tile for 16-byte
+//              stores; LSE per row
+//
+// Dropout draws its mask from Philox (common/philox.h), addressed so that one call per lane covers
+// the lane's 16 elements of a 16-row x 32-key block (~370 integer instructions per lane and key
+// block at d128, next to ~1950 in the loop). It is a template flag, not a runtime branch: the
+// kernels run at the 255-register cap, and the dropout block's live values made the register
+// allocator spill inside the main loop of the p = 0 path (d96: 5 spill loads per key block; d256:
+// 16 bytes where there were none), so the p = 0 instance is compiled exactly as without dropout
+// and the dropout instance is its own. return_softmax is not part of this kernel either:
+// fwd_attn_probs.cuh writes the probabilities afterwards from the LSE this kernel wrote.
 //
 // Everything that is per launch (scale, softcap, ALiBi, window, strides, varlen offsets) comes from
-// the FwdProblem at run time; only the element type and the tile shape are template parameters, so
-// there is one kernel per (dtype, head-dim family).
+// the FwdProblem at run time; the element type, the tile shape and Traits::kDropout are template
+// parameters, so there are two kernels per (dtype, head-dim family).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -29,6 +41,7 @@
 
 #include "common/fwd_problem.h"
 #include "cuda/common/attention_mask.cuh"
+#include "cuda/common/dropout_mask.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/common/online_softmax.cuh"
 #include "cuda/common/score_mods.cuh"
@@ -37,7 +50,7 @@
 namespace flashkit::sm80 {
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_,
-          bool kQInRegisters_, int kMinBlocksPerSm_>
+          bool kQInRegisters_, int kMinBlocksPerSm_, bool kDropout_>
 struct FwdKernelTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -54,6 +67,7 @@ struct FwdKernelTraits {
   static constexpr int kQkSteps = kHeadDim / 16;  // k-steps of Q.K^T
   static constexpr int kPvSteps = kBlockN / 16;   // k-steps of P.V
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
+  static constexpr bool kDropout = kDropout_;  // the instance that applies dropout (p > 0)
 
   using QTile = SwizzledTile<kBlockM, kHeadDim>;   // also stages O in the epilogue
   using KvTile = SwizzledTile<kBlockN, kHeadDim>;  // one K or V buffer
@@ -295,6 +309,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
       }
       softmax.update(acc_s, acc_o, log2_scale);
+      if constexpr (Traits::kDropout) {
+        apply_dropout(acc_s, p.dropout_mask(),
+                      static_cast<uint32_t>(loc.batch * p.heads_q + loc.head), m0 + warp_row0, n0);
+      }
 
       // O += P V: the probabilities of two adjacent 8-key tiles form one A fragment.
 #pragma unroll
@@ -318,7 +336,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   }
 
   float lse[2 * kMTiles];
-  softmax.finalize(acc_o, log2_scale, lse);
+  softmax.finalize(acc_o, log2_scale, lse,
+                   Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
 
   // Epilogue. The warp stages its own rows of O in its own rows of the Q tile (no other warp reads
   // them), then writes 16-byte chunks, skipping rows past the sequence and columns past head_dim.
