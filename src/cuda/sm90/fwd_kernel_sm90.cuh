@@ -2,7 +2,8 @@
 // \brief The warp-specialized forward kernel on wgmma + TMA (sm_90a, Hopper).
 //
 // A CTA walks tiles of kBlockM = 128 query rows of one (batch, head): tile blockIdx.x, then every
-// gridDim.x-th after it. By default the grid has one CTA per tile (each CTA runs one tile);
+// gridDim.x-th after it, in the order of TileOrder (heaviest first within groups of (batch, head)
+// pairs). By default the grid has one CTA per tile (each CTA runs one tile);
 // FLASHKIT_SM90_GRID=persistent launches one CTA per SM instead (fwd_launch_sm90.cuh says why that is
 // not the default yet). Its three warpgroups:
 //
@@ -65,6 +66,40 @@ struct FwdParams {
   CUtensorMap q_map;
   CUtensorMap k_map;
   CUtensorMap v_map;
+  int tile_groups;  // TileOrder's number of (batch, head) groups, 1 .. batch * heads_q
+};
+
+// The order in which tiles are handed out (the hardware starts CTAs roughly in blockIdx order, so
+// this is the order in which SMs pick tiles up). The batch * heads_q (batch, head) pairs are split
+// into `groups` groups of consecutive pairs whose sizes differ by at most one (the larger first);
+// the groups run one after the other, and inside a group the m-blocks run from the last (under a
+// causal mask the heaviest) to the first, the group's pairs varying fastest. So every group ends on
+// its lightest tiles and the last wave of the launch is made of light tiles (longest-first
+// balancing), while the CTAs running at once belong to a few pairs and share their K and V in L2.
+// One pair per group (groups = batch * heads_q) is the order of one (batch, head) after another.
+struct TileOrder {
+  int m_block;
+  int batch_head;
+
+  __device__ __forceinline__ static TileOrder locate(int linear, int num_m_blocks, int batch_heads,
+                                                     int groups) {
+    const int small = batch_heads / groups;  // pairs in a small group; the first `large` have one more
+    const int large = batch_heads % groups;
+    const int large_tiles = large * (small + 1) * num_m_blocks;
+    int size = small + 1;
+    int first_pair = 0;
+    if (linear >= large_tiles) {
+      linear -= large_tiles;
+      size = small;
+      first_pair = large * (small + 1);
+    }
+    const int group = linear / (size * num_m_blocks);
+    const int within = linear - group * size * num_m_blocks;
+    TileOrder o;
+    o.m_block = num_m_blocks - 1 - within / size;
+    o.batch_head = first_pair + group * size + within % size;
+    return o;
+  }
 };
 
 template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_>
@@ -138,16 +173,16 @@ struct FwdTile {
   int n_begin;        // visible key blocks [n_begin, n_end), walked from the last
   int n_end;
 
-  // Tile `linear` of the problem: m-blocks vary fastest, heaviest (last) first, so that under a
-  // causal mask the long rows start early, and the CTAs running at once share K and V in L2.
+  // Tile `linear` of the problem, in TileOrder.
   template <int kBlockM, int kBlockN>
-  __device__ __forceinline__ static FwdTile locate(const FwdProblem& p, int linear) {
+  __device__ __forceinline__ static FwdTile locate(const FwdParams& params, int linear) {
+    const FwdProblem& p = params.problem;
     FwdTile t;
     const int num_m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-    t.m_block = num_m_blocks - 1 - linear % num_m_blocks;
-    const int batch_head = linear / num_m_blocks;
-    t.head = batch_head % p.heads_q;
-    t.batch = batch_head / p.heads_q;
+    const TileOrder order = TileOrder::locate(linear, num_m_blocks, p.batch * p.heads_q, params.tile_groups);
+    t.m_block = order.m_block;
+    t.head = order.batch_head % p.heads_q;
+    t.batch = order.batch_head / p.heads_q;
     t.kv_head = t.head / (p.heads_q / p.heads_kv);
     t.len_q = p.seqlen_q;
     t.len_k = p.seqlen_k;
@@ -211,7 +246,7 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
   uint32_t tail_phase = 0;
   uint32_t q_loads = 0;
   for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
-    const FwdTile tile = FwdTile::locate<Traits::kBlockM, kBlockN>(p, linear);
+    const FwdTile tile = FwdTile::locate<Traits::kBlockM, kBlockN>(params, linear);
     if (!tile.has_keys()) continue;
     const int batch = varlen ? 0 : tile.batch;
     mbarrier_wait(smem_u32(&bars.q_empty), (q_loads & 1u) ^ 1u);
@@ -354,7 +389,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   uint32_t q_loads = 0;
 
   for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
-    const FwdTile tile = FwdTile::locate<kBlockM, kBlockN>(p, linear);
+    const FwdTile tile = FwdTile::locate<kBlockM, kBlockN>(params, linear);
     if (tile.rows_in_block <= 0) continue;  // varlen: the sequence is shorter than max_seqlen_q
     const int m0 = tile.m0;
     const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};

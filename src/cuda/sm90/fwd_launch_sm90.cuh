@@ -83,6 +83,23 @@ void run_fwd(const FwdProblem& problem, void* stream) {
   // tile. The default is one CTA per tile: the hardware hands tiles to SMs as they free up, which
   // under a causal mask balanced the work far better than the static round robin (H100, 2026-11-23:
   // causal up to 25% slower persistent) until a dynamic tile scheduler exists.
+  // Tile order (TileOrder in fwd_kernel_sm90.cuh). Under a causal or sliding-window mask the tiles
+  // of one (batch, head) pair cost different numbers of key blocks; with the pairs one after another
+  // (1 pair per group) the heavy tiles of the last pairs started late and set the end. Groups of
+  // about kPairsPerGroup pairs hand the heaviest tiles out first and end every group on light ones:
+  // H200, bf16, 2026-11-23, causal +1% (d64 2k) to +11% (d256 2k) over the old order in the same
+  // run (bench/NOTES.md). Without a window every tile costs the same and the grouping only spreads
+  // the CTAs in flight over more pairs (-2% to -4% at d128/d256 8k in that run), so one pair per
+  // group stays. FLASHKIT_SM90_TILE_GROUP=<pairs per group> overrides both (measurement switch).
+  constexpr int kPairsPerGroup = 8;
+  const int64_t batch_heads = static_cast<int64_t>(problem.batch) * problem.heads_q;
+  const bool uneven_tiles = problem.window_left >= 0 || problem.window_right >= 0;
+  const char* group_env = std::getenv("FLASHKIT_SM90_TILE_GROUP");
+  const int64_t pairs_per_group = group_env != nullptr ? std::max(1, std::atoi(group_env))
+                                  : uneven_tiles      ? kPairsPerGroup
+                                                      : 1;
+  params.tile_groups = static_cast<int>(std::max<int64_t>(1, batch_heads / pairs_per_group));
+
   const char* schedule = std::getenv("FLASHKIT_SM90_SCHEDULE");
   const bool serial = schedule != nullptr && std::string(schedule) == "serial";
   const char* grid = std::getenv("FLASHKIT_SM90_GRID");
