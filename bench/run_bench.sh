@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # bench/run_bench.sh BUILD_DIR [GRID FLAGS...]: what `make bench` runs.
 #
-# With a GPU: runs BUILD_DIR/bench/flashkit_bench, then bench/peers.py (PyTorch SDPA backends and
-# FlexAttention) on the same grid when python3 has CUDA-enabled PyTorch, then bench/report.py, which
-# writes <results>/<gpu>-<yyyy-mm-dd>-<ops>.json and .md (printed at the end; <ops> e.g.
-# bwd+fwd+fwd_bwd). Without a GPU: runs
+# With a GPU: runs BUILD_DIR/bench/flashkit_bench, then, when python3 has CUDA-enabled PyTorch,
+# `python -m flashkit.bench` (flashkit's Python front end, impl flashkit_py, beside PyTorch SDPA
+# backends and FlexAttention, through bench/peers.py's harness) if BUILD_DIR staged the extension,
+# else bench/peers.py alone, on the same grid; then bench/report.py, which writes
+# <results>/<gpu>-<yyyy-mm-dd>-<ops>.json and .md (printed at the end; <ops> e.g.
+# bwd+fwd+fwd_bwd), and with the front end the PNG plot beside them. Without a GPU: runs
 # flashkit_bench, which times the CPU backend on a small problem and says so; nothing is written.
 #
 # Grid flags (--dtype, --hdim, --seqlen, --causal) go to both tools, from the arguments and from
@@ -53,14 +55,21 @@ trap 'rm -rf "$raw"' EXIT
 status=0
 ops=${FLASHKIT_BENCH_OPS:-fwd,bwd,fwd_bwd}
 "$bench" "${grid[@]}" --op "$ops" --json "$raw/flashkit.json" || status=$?
+front_end=0
 if python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  python3 bench/peers.py "${grid[@]}" --ops "$ops" --json "$raw/peers.json" || status=$?
+  if compgen -G "$build_dir/python/flashkit/_C*.so" >/dev/null; then
+    front_end=1
+    PYTHONPATH="$build_dir/python${PYTHONPATH:+:$PYTHONPATH}" python3 -m flashkit.bench \
+      "${grid[@]}" --ops "$ops" --budget-s 0 --json "$raw/python.json" --no-report || status=$?
+  else
+    python3 bench/peers.py "${grid[@]}" --ops "$ops" --json "$raw/peers.json" || status=$?
+  fi
 else
   echo "run_bench.sh: python3 has no CUDA-enabled PyTorch: no peers in this run"
 fi
 
 inputs=()
-for name in flashkit peers; do
+for name in flashkit python peers; do
   if [ -s "$raw/$name.json" ]; then inputs+=("$raw/$name.json"); fi
 done
 if [ ${#inputs[@]} -eq 0 ]; then
@@ -71,5 +80,9 @@ written=$(python3 bench/report.py --out-dir "$results" "${inputs[@]}")
 echo
 cat "$(sed -n 2p <<<"$written")"
 echo
+if [ "$front_end" = 1 ]; then
+  PYTHONPATH="$build_dir/python${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 -m flashkit.bench --plot "$(sed -n 1p <<<"$written")" || status=$?
+fi
 echo "run_bench.sh: wrote $(tr '\n' ' ' <<<"$written")"
 exit "$status"
