@@ -213,7 +213,8 @@ def timed_op(torch, attend, c, sets):
 def impl_runner(torch, impl, flex_dynamic=False):
     """Returns run(case, input_sets, bench) -> (ms, out) for one implementation (out: the forward's
     output, or dq for the backward ops). flex_dynamic=None compiles flex with torch's automatic
-    dynamic shapes (a few kernels for the whole grid instead of one per shape)."""
+    dynamic shapes over batch and seqlen (heads and head dim stay static: a few kernels for the
+    whole grid instead of one per shape)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -246,6 +247,12 @@ def impl_runner(torch, impl, flex_dynamic=False):
         s = c["seqlen"]
         mask = create_block_mask(causal_mask, None, None, s, s, device="cuda") if c["causal"] \
             else None
+        if flex_dynamic is None:  # batch and seqlen symbolic from the first compile on
+            for t in (t for tensors in sets for t in tensors[:3]):
+                torch._dynamo.mark_static(t, 1)
+                torch._dynamo.mark_static(t, 3)
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 2)
         call, _ = timed_op(torch, lambda q, k, v: flex(q, k, v, block_mask=mask), c, sets)
         return bench.time_ms(call, len(sets))
     return run_flex
