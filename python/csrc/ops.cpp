@@ -14,8 +14,8 @@
 // What is an output: the forward returns (out, softmax_lse) because the backward needs both; the
 // backward returns (dq, dk, dv); fwd_kvcache returns (out, softmax_lse) and, given new keys and
 // values, writes them into k_cache / v_cache in place (its schema marks both caches mutable, so
-// that functionalization, torch.compile and opcheck know). Outputs are contiguous whatever the inputs' strides (the fake
-// implementations in python/flashkit/_ops.py promise the same). Nothing here synchronises or reads
+// that functionalization, torch.compile and opcheck know). Outputs are contiguous whatever the
+// inputs' strides (the fake implementations in python/flashkit/_ops.py promise the same). Nothing here synchronises or reads
 // device memory on the host, so the operators can be captured in CUDA graphs.
 //
 // dropout_p is passed through so that flashkit's own error rejects it until dropout lands (its seed
@@ -222,7 +222,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   check_rank(fn, "q", q, 4, "[batch, seqlen_q, heads_q, head_dim]");
   const c10::DeviceGuard device_guard(q.device());
   at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor softmax_lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  at::Tensor softmax_lse =
+      at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
   MhaFwdKvcacheParams p;
   p.q = to_view(fn, "q", q);
   p.k_cache = to_view(fn, "k_cache", k_cache);

@@ -116,7 +116,8 @@ def measure_overhead(batch: int, seqlen: int, heads: int, head_dim: int,
 def print_overhead(report: Dict[str, object]) -> None:
     print(f"eager per-call time, {report['problem']}")
     for key, value in report["results"].items():
-        print(f"  {key:32s} {value if isinstance(value, str) or value is None else f'{value:8.1f}'}")
+        shown = value if isinstance(value, str) or value is None else f"{value:8.1f}"
+        print(f"  {key:32s} {shown}")
 
 
 # --- the grid -------------------------------------------------------------------------------

@@ -232,8 +232,8 @@ def check_cache_after_append(case: Case, before: Inputs, after: Inputs, k_new_re
             else:
                 check_close(f"k_cache at {at}", k_got[at], k_new_ref[b, i], k_new_lowp[b, i])
             assert torch.equal(v_got[at], before.v[b, i].cpu()), f"v_cache at {at}"
-    assert torch.equal(k_got[~appended], k_expected[~appended]), "k_cache changed outside the append"
-    assert torch.equal(v_got[~appended], v_expected[~appended]), "v_cache changed outside the append"
+    for name, got, expected in (("k_cache", k_got, k_expected), ("v_cache", v_got, v_expected)):
+        assert torch.equal(got[~appended], expected[~appended]), f"{name} changed elsewhere"
 
 
 DTYPES = [torch.float16, torch.bfloat16]
@@ -480,8 +480,8 @@ def bad_cases():
                                 RuntimeError, r"cache_seqlens has dtype Long"),
         "batch_idx with pages": (paged, lambda i, d: dict(cache_batch_idx=torch.arange(
             3, dtype=i32, device=d)), RuntimeError, r"cache_batch_idx is given with a paged cache"),
-        "cache dtype": (paged, lambda i, d: dict(k_cache=i.k_cache.half(), v_cache=i.v_cache.half()),
-                        RuntimeError, r"k_cache\.dtype is float16"),
+        "cache dtype": (paged, lambda i, d: dict(k_cache=i.k_cache.half(),
+                                                 v_cache=i.v_cache.half()), RuntimeError, r"k_cache\.dtype is float16"),
         "window pair": (paged, lambda i, d: dict(window_size=(1, 2, 3)), ValueError,
                         r"window_size is \(1, 2, 3\)"),
     }
