@@ -9,11 +9,12 @@ Two measurements in one run, on the first CUDA GPU:
 2. The standard grid (bf16 and fp16; head dims 64, 128, 256; seqlen 512 ... 16k at 16k tokens per
    batch, 2048 model dim; causal and not) for the forward, the backward and both: flashkit's
    flash_attn_func (impl ``flashkit_py``) beside SDPA's flash, cuDNN and efficient backends and
-   FlexAttention, case by case with the same input sets. The harness (inputs, warm-up, CUDA-event
-   timing, FLOP counts, records) is bench/peers.py's, with shorter runs: warm-up 10 ms, median of
-   >= 10 calls and >= 30 ms; FlexAttention compiled with automatic dynamic shapes (a few kernels for
-   the whole grid; --flex-static compiles one per shape, as peers.py). Cases run in grid order until
-   --budget-s seconds have passed; the rest are recorded with a note. bench/report.py then writes
+   FlexAttention, every implementation on one case's input sets before the next case. The
+   harness (inputs, warm-up, CUDA-event timing, FLOP counts, records) is bench/peers.py's, with
+   shorter runs: warm-up 10 ms, median of >= 10 calls and >= 30 ms; FlexAttention compiled with
+   batch and seqlen dynamic (one kernel per dtype, head dim, mask and grad mode; --flex-static
+   compiles one per shape, as peers.py). Cases run in the order dtype, head dim, mask, seqlen, op
+   until --budget-s seconds have passed; the rest are recorded with a note. bench/report.py then writes
    the results JSON (docs/DESIGN.md format, the overhead numbers in its header) and the markdown
    table with the ratios flashkit_py / peer into --out-dir, and this module a PNG: TFLOP/s against
    seqlen, one panel per (op, dtype) row and (head dim, mask) column.
@@ -159,7 +160,8 @@ def flashkit_runner(peers):
 
 def run_grid(peers, args) -> List[dict]:
     """Records of the results format, case-major: every implementation on one case's input sets
-    before the next case, so that a budget cut leaves whole rows."""
+    before the next case, so that a budget cut leaves whole rows; the ops innermost, so that a cut
+    drops the last shapes (fp16, large head dims) of every op rather than a whole op."""
     bench = peers.Bench(torch, warmup_ms=WARMUP_MS, min_timed_ms=MIN_TIMED_MS, min_reps=MIN_REPS)
     runners = {}
     for impl in args.impl_list:
@@ -169,7 +171,9 @@ def run_grid(peers, args) -> List[dict]:
                                                flex_dynamic=False if args.flex_static else None))
         except Exception as error:  # e.g. a torch without flex_attention
             runners[impl] = peers.failing_runner(error)
-    grid = peers.make_grid(args)
+    grid = sorted(peers.make_grid(args), key=lambda c: (
+        args.dtypes.index(c["dtype"]), args.hdims.index(c["head_dim"]), c["causal"],
+        args.seqlens.index(c["seqlen"]), args.op_list.index(c["op"])))
     print(f"{len(grid)} cases x {len(runners)} implementations, budget {args.budget_s:g} s",
           flush=True)
     print(f"{'op':<7} {'dtype':<5} {'hdim':>4} {'seqlen':>6} {'causal':>6}  "
