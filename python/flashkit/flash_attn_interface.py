@@ -5,6 +5,9 @@ Layouts (the last dim contiguous; other strides free):
     fixed length:  q [batch, seqlen_q, heads_q, head_dim], k and v [batch, seqlen_k, heads_kv, head_dim]
     varlen:        q [total_q, heads_q, head_dim], k and v [total_k, heads_kv, head_dim], sequence b
                    being rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32 prefix sums from 0)
+    KV cache:      q as fixed length; k_cache and v_cache [batch_cache, seqlen_cache, heads_kv,
+                   head_dim] or paged [num_blocks, page_block_size, heads_kv, head_dim] with a
+                   block_table (flash_attn_with_kvcache states the append and rotary semantics)
 
 Semantics:
 
@@ -304,7 +307,7 @@ def flash_attn_varlen_func(
         q: [total_q, heads_q, head_dim]; k, v: [total_k, heads_kv, head_dim].
         cu_seqlens_q, cu_seqlens_k: int32 [batch + 1], prefix sums of the lengths, from 0.
         max_seqlen_q, max_seqlen_k: bounds on every query / key length.
-        block_table: paged KV is not supported yet (it comes with the KV-cache entry point).
+        block_table: paged KV is not supported here yet (flash_attn_with_kvcache takes it).
         The rest as flash_attn_func; masks apply per sequence.
 
     Returns:
@@ -313,7 +316,8 @@ def flash_attn_varlen_func(
     """
     if block_table is not None:
         raise NotImplementedError("flash_attn_varlen_func: block_table (paged KV) is not supported "
-                                  "by flashkit yet; pass block_table=None")
+                                  "by flashkit's varlen forward yet; pass block_table=None "
+                                  "(flash_attn_with_kvcache takes paged caches)")
     out, softmax_lse = _varlen_attention(
         "flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
