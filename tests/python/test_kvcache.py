@@ -255,6 +255,14 @@ def test_head_dims_and_groups(device, head_dim, heads):
              rotary_dim=32, opts=Options(causal=True), seed=head_dim + heads[0]), device)
 
 
+@pytest.mark.parametrize("seqlen_q", [1, 7, 16])
+@pytest.mark.parametrize("heads", [(8, 1), (16, 2), (32, 8)], ids=["mqa", "gqa8", "gqa4"])
+def test_seqlen_q_and_group_ratio(device, seqlen_q, heads):
+    run(Case(batch=2, heads=heads, seqlen_q=seqlen_q, seqlen_new=seqlen_q, capacity=96,
+             page_block_size=16, rotary="half", opts=Options(causal=True),
+             seed=seqlen_q * 100 + heads[0]), device)
+
+
 @pytest.mark.parametrize("rotary", ["interleaved", "half"])
 def test_partial_rotary_dim(device, rotary):
     run(Case(head_dim=128, rotary=rotary, rotary_dim=48, seqlen_q=4, seqlen_new=4,
