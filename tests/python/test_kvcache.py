@@ -361,11 +361,15 @@ def test_empty_sequence_gives_zeros_and_minus_inf(device):
 OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")
 
 
-@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
-def test_opcheck_fwd_kvcache(device, paged):
+@pytest.mark.parametrize("permuted", [False, True], ids=["contiguous", "permuted"])
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous_cache", "paged"])
+def test_opcheck_fwd_kvcache(device, paged, permuted):
     skip_unbuilt_kvcache(device, torch.bfloat16, 64)
     case = Case(page_block_size=16 if paged else 0, seqlen_q=2, seqlen_new=2, rotary="half")
     inputs = make_inputs(case, device)
+    if permuted:  # q, k, v in [batch, heads, seqlen, dim] memory viewed as [batch, seqlen, ...]
+        inputs.q, inputs.k, inputs.v = (t.transpose(1, 2).contiguous().transpose(1, 2)
+                                        for t in (inputs.q, inputs.k, inputs.v))
     kw = inputs.kwargs(case, device)
     args = (inputs.q, inputs.k_cache, inputs.v_cache, inputs.k, inputs.v, inputs.cos, inputs.sin,
             kw["cache_seqlens"], -1, None, None, inputs.block_table, None, 0.125, True, -1, -1,
@@ -455,6 +459,24 @@ def test_cuda_graph_decode_step():
     assert torch.equal(graph_inputs.v_cache, eager_inputs.v_cache)
 
 
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU_REASON)
+def test_non_default_stream():
+    skip_unbuilt_kvcache("cuda", torch.bfloat16, 64)
+    case = Case(page_block_size=16, seqlen_new=1, num_splits=3, lengths=(10, 40, 60))
+    expected_inputs, stream_inputs = make_inputs(case, "cuda"), make_inputs(case, "cuda")
+    expected = flash_attn_with_kvcache(expected_inputs.q, expected_inputs.k_cache,
+                                       expected_inputs.v_cache,
+                                       **expected_inputs.kwargs(case, "cuda"))
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        got = flash_attn_with_kvcache(stream_inputs.q, stream_inputs.k_cache,
+                                      stream_inputs.v_cache, **stream_inputs.kwargs(case, "cuda"))
+    torch.cuda.current_stream().wait_stream(stream)
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert torch.equal(stream_inputs.k_cache, expected_inputs.k_cache)
+
+
 # Bad inputs: each raises with a message naming the argument, and the next call still works.
 def bad_cases():
     i32 = torch.int32
@@ -492,6 +514,10 @@ def bad_cases():
                                                  v_cache=i.v_cache.half()), RuntimeError, r"k_cache\.dtype is float16"),
         "window pair": (paged, lambda i, d: dict(window_size=(1, 2, 3)), ValueError,
                         r"window_size is \(1, 2, 3\)"),
+        # Written in place, so never copied: a strided last dim is refused, not made contiguous.
+        "cache stride": (paged, lambda i, d: dict(k_cache=i.k_cache.repeat(1, 1, 1, 2)[..., ::2]),
+                         RuntimeError, r"k_cache\.stride\(-1\) is 2; the last dim must be "
+                                       r"contiguous"),
     }
 
 
