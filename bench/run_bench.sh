@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
 # bench/run_bench.sh BUILD_DIR [GRID FLAGS...]: what `make bench` runs.
 #
-# With a GPU: runs BUILD_DIR/bench/flashkit_bench, then, when python3 has CUDA-enabled PyTorch,
-# `python -m flashkit.bench` (flashkit's Python front end, impl flashkit_py, beside PyTorch SDPA
-# backends and FlexAttention, through bench/peers.py's harness) if BUILD_DIR staged the extension,
-# else bench/peers.py alone, on the same grid; then bench/report.py, which writes
-# <results>/<gpu>-<yyyy-mm-dd>-<ops>.json and .md (printed at the end; <ops> e.g.
-# bwd+fwd+fwd_bwd), and with the front end the PNG plot beside them. Without a GPU: runs
+# With a GPU: runs BUILD_DIR/bench/flashkit_bench, then bench/peers.py (PyTorch SDPA backends and
+# FlexAttention) on the same grid when python3 has CUDA-enabled PyTorch, then bench/report.py, which
+# writes <results>/<gpu>-<yyyy-mm-dd>-<ops>.json and .md (printed at the end; <ops> e.g.
+# bwd-fwd-fwd_bwd). Without a GPU: runs
 # flashkit_bench, which times the CPU backend on a small problem and says so; nothing is written.
 #
 # Grid flags (--dtype, --hdim, --seqlen, --causal) go to both tools, from the arguments and from
@@ -16,6 +14,10 @@
 #   FLASHKIT_RESULTS_DIR     where the merged results go (default bench/results)
 #   FLASHKIT_GIT_COMMIT      recorded in the results (default: git describe of this checkout)
 # Exits non-zero when a tool failed (flashkit_bench fails when any case failed its checks).
+#
+# When BUILD_DIR staged the PyTorch extension (BUILD_DIR/python/flashkit/_C*.so), `python -m
+# flashkit.bench` takes peers.py's place: the same peers through peers.py's harness, plus flashkit's
+# Python front end (impl flashkit_py), in one run; the PNG plot is then written beside the table.
 set -euo pipefail
 
 if [ $# -lt 1 ]; then

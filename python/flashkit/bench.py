@@ -276,7 +276,7 @@ def report(bench_dir: pathlib.Path, raw: pathlib.Path, out_dir: str) -> List[pat
     """bench/report.py on the raw results: the merged JSON and the markdown table."""
     written = subprocess.run(
         [sys.executable, str(bench_dir / "report.py"), "--out-dir", out_dir, "--base", IMPL,
-         "--what", "python-" + "+".join(sorted({r["op"] for r in
+         "--what", "python-" + "-".join(sorted({r["op"] for r in
                                                 json.loads(raw.read_text())["records"]})),
          str(raw)], check=True, capture_output=True, text=True).stdout.split()
     return [pathlib.Path(p) for p in written]

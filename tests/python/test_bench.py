@@ -77,7 +77,7 @@ def test_grid_report_and_plot(cpu_peers, tmp_path, monkeypatch):
     cpu_peers.write_json(str(raw), bench.header(cpu_peers, None, False), records)
     json_path, md_path = bench.report(bench.find_bench_dir(), raw, str(tmp_path))
     assert json_path.name == f"cpu-stand-in-{json.loads(raw.read_text())['date'][:10]}-" \
-                             "python-bwd+fwd+fwd_bwd.json"
+                             "python-bwd-fwd-fwd_bwd.json"
     table = md_path.read_text()
     for op in ("fwd", "bwd", "fwd_bwd"):
         assert f"## {op}: TFLOP/s" in table
