@@ -425,7 +425,9 @@ def flash_attn_with_kvcache(
         k_cache, v_cache: [batch_cache, seqlen_cache, heads_kv, head_dim] (contiguous cache), or
             [num_blocks, page_block_size, heads_kv, head_dim] with block_table (paged cache,
             page_block_size 1 to 256); dtype of q; last dim contiguous (they are written in place,
-            so they are never copied). heads_q a multiple of heads_kv.
+            so they are not copied, except for a head dim that is not a multiple of 8: that runs
+            on padded copies and the appended rows are copied back). heads_q a multiple of
+            heads_kv.
         k, v: optional [batch, seqlen_new, heads_kv, head_dim], appended to the cache (both or
             neither; they need cache_seqlens).
         rotary_cos, rotary_sin: optional [seqlen_ro, rotary_dim / 2], dtype of q; rotary_dim a
@@ -453,6 +455,7 @@ def flash_attn_with_kvcache(
     caller's promise (0 <= P <= L, L + N within the cache, pages in range and not shared by two
     sequences' appended rows); FLASHKIT_CHECK_KVCACHE=1 checks them on the host first (one
     synchronisation). CPU tensors are always checked. Not differentiable (inference only).
+    flashkit's error messages call k and v k_new and v_new, the C++ API's names.
     """
     fn = "flash_attn_with_kvcache"
     if q.dim() != 4:
