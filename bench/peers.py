@@ -138,10 +138,12 @@ def driver_version():
 class Bench:
     """Times callables on the current CUDA device with flashkit_bench's method."""
 
-    def __init__(self, torch):
+    def __init__(self, torch, warmup_ms=WARMUP_MS, min_timed_ms=MIN_TIMED_MS, min_reps=MIN_REPS):
         self.torch = torch
         props = torch.cuda.get_device_properties(0)
         self.l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
+        # Shorter runs (python -m flashkit.bench) trade a little precision for a grid in minutes.
+        self.warmup_ms, self.min_timed_ms, self.min_reps = warmup_ms, min_timed_ms, min_reps
 
     def input_sets(self, c):
         """Sets of (q, k, v): [b, h, s, d] views of [b, s, h, d] memory, enough to pass 2x L2.
@@ -179,11 +181,11 @@ class Bench:
             warm_ms += ms
             # From the last batch only: the first may include compilation.
             estimate = max(ms / batch, 1e-3)
-            if rnd >= 1 and warm_ms >= WARMUP_MS:
+            if rnd >= 1 and warm_ms >= self.warmup_ms:
                 break
-            batch = max(MIN_WARMUP_CALLS, math.ceil((WARMUP_MS - warm_ms) / estimate))
+            batch = max(MIN_WARMUP_CALLS, math.ceil((self.warmup_ms - warm_ms) / estimate))
             rnd += 1
-        reps = min(MAX_REPS, max(MIN_REPS, math.ceil(MIN_TIMED_MS / estimate)))
+        reps = min(MAX_REPS, max(self.min_reps, math.ceil(self.min_timed_ms / estimate)))
         events = [(event(), event()) for _ in range(reps)]
         out = None
         for i, (b, e) in enumerate(events):
@@ -212,9 +214,11 @@ def timed_op(torch, attend, c, sets):
     return bwd, saved
 
 
-def impl_runner(torch, impl):
+def impl_runner(torch, impl, flex_dynamic=False):
     """Returns run(case, input_sets, bench) -> (ms, out) for one implementation (out: the forward's
-    output, or dq for the backward ops)."""
+    output, or dq for the backward ops). flex_dynamic=None compiles flex with torch's automatic
+    dynamic shapes over batch and seqlen (heads and head dim stay static: a few kernels for the
+    whole grid instead of one per shape)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -239,7 +243,7 @@ def impl_runner(torch, impl):
                  "accumulated_cache_size_limit"):
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, 1024)
-    flex = torch.compile(flex_attention, dynamic=False)
+    flex = torch.compile(flex_attention, dynamic=flex_dynamic)
 
     def causal_mask(b, h, q_idx, kv_idx):
         return q_idx >= kv_idx
@@ -250,6 +254,12 @@ def impl_runner(torch, impl):
         s = c["seqlen"]
         mask = create_block_mask(causal_mask, None, None, s, s, device="cuda") if c["causal"] \
             else None
+        if flex_dynamic is None:  # batch and seqlen symbolic from the first compile on
+            for t in (t for tensors in sets for t in tensors[:3]):
+                torch._dynamo.mark_static(t, 1)
+                torch._dynamo.mark_static(t, 3)
+                torch._dynamo.maybe_mark_dynamic(t, 0)
+                torch._dynamo.maybe_mark_dynamic(t, 2)
         call, _ = timed_op(torch, lambda q, k, v: flex(q, k, v, block_mask=mask), c, sets)
         return bench.time_ms(call, len(sets))
     return run_flex
@@ -262,8 +272,8 @@ def failing_runner(error):
     return run
 
 
-def run_case(torch, bench, impl, runner, c):
-    """One record of the results format."""
+def run_case(torch, bench, impl, runner, c, sets=None):
+    """One record of the results format. sets: input sets of bench.input_sets(c) to reuse."""
     record = dict(op=c["op"], impl=impl, dtype=c["dtype"], batch=c["batch"], heads_q=c["heads"],
                   heads_kv=c["heads"], seqlen_q=c["seqlen"], seqlen_k=c["seqlen"],
                   head_dim=c["head_dim"], causal=c["causal"], window=[-1, -1], ms=None,
@@ -273,8 +283,7 @@ def run_case(torch, bench, impl, runner, c):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         try:
-            sets = bench.input_sets(c)
-            ms, out = runner(c, sets, bench)
+            ms, out = runner(c, sets or bench.input_sets(c), bench)
             record["ms"] = round(ms, 6)
             if not bool(torch.isfinite(out).all()):
                 record["note"] = "output has NaN/inf"

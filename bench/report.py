@@ -22,7 +22,7 @@ import re
 import sys
 
 HEADER_KEYS = ("gpu", "driver", "cuda", "torch", "date", "git_commit")
-IMPL_ORDER = ["flashkit", "flashkit_det", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
+IMPL_ORDER = ["flashkit", "flashkit_det", "flashkit_py", "sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
 SHAPE_KEYS = ("op", "dtype", "head_dim", "causal", "window", "seqlen_q", "seqlen_k", "batch",
               "heads_q", "heads_kv")
 

@@ -14,6 +14,10 @@
 #   FLASHKIT_RESULTS_DIR     where the merged results go (default bench/results)
 #   FLASHKIT_GIT_COMMIT      recorded in the results (default: git describe of this checkout)
 # Exits non-zero when a tool failed (flashkit_bench fails when any case failed its checks).
+#
+# When BUILD_DIR staged the PyTorch extension (BUILD_DIR/python/flashkit/_C*.so), `python -m
+# flashkit.bench` takes peers.py's place: the same peers through peers.py's harness, plus flashkit's
+# Python front end (impl flashkit_py), in one run; the PNG plot is then written beside the table.
 set -euo pipefail
 
 if [ $# -lt 1 ]; then
@@ -53,14 +57,21 @@ trap 'rm -rf "$raw"' EXIT
 status=0
 ops=${FLASHKIT_BENCH_OPS:-fwd,bwd,fwd_bwd}
 "$bench" "${grid[@]}" --op "$ops" --json "$raw/flashkit.json" || status=$?
+front_end=0
 if python3 -c 'import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
-  python3 bench/peers.py "${grid[@]}" --ops "$ops" --json "$raw/peers.json" || status=$?
+  if compgen -G "$build_dir/python/flashkit/_C*.so" >/dev/null; then
+    front_end=1
+    PYTHONPATH="$build_dir/python${PYTHONPATH:+:$PYTHONPATH}" python3 -m flashkit.bench \
+      "${grid[@]}" --ops "$ops" --budget-s 0 --json "$raw/python.json" --no-report || status=$?
+  else
+    python3 bench/peers.py "${grid[@]}" --ops "$ops" --json "$raw/peers.json" || status=$?
+  fi
 else
   echo "run_bench.sh: python3 has no CUDA-enabled PyTorch: no peers in this run"
 fi
 
 inputs=()
-for name in flashkit peers; do
+for name in flashkit python peers; do
   if [ -s "$raw/$name.json" ]; then inputs+=("$raw/$name.json"); fi
 done
 if [ ${#inputs[@]} -eq 0 ]; then
@@ -71,5 +82,9 @@ written=$(python3 bench/report.py --out-dir "$results" "${inputs[@]}")
 echo
 cat "$(sed -n 2p <<<"$written")"
 echo
+if [ "$front_end" = 1 ]; then
+  PYTHONPATH="$build_dir/python${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 -m flashkit.bench --plot "$(sed -n 1p <<<"$written")" || status=$?
+fi
 echo "run_bench.sh: wrote $(tr '\n' ' ' <<<"$written")"
 exit "$status"

@@ -36,11 +36,17 @@ PyObject* cuda_bwd_built(PyObject*, PyObject* args) {
   return ask_built("cuda_bwd_built", &flashkit::cuda_bwd_built, args);
 }
 
+PyObject* cuda_kvcache_built(PyObject*, PyObject* args) {
+  return ask_built("cuda_kvcache_built", &flashkit::cuda_kvcache_built, args);
+}
+
 PyMethodDef methods[] = {
     {"cuda_fwd_built", cuda_fwd_built, METH_VARARGS,
      "Whether this build has the CUDA forward kernel for (dtype name, head dim)."},
     {"cuda_bwd_built", cuda_bwd_built, METH_VARARGS,
      "Whether this build has the CUDA backward kernel for (dtype name, head dim)."},
+    {"cuda_kvcache_built", cuda_kvcache_built, METH_VARARGS,
+     "Whether this build has the CUDA decode (KV-cache) kernel for (dtype name, head dim)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,5 +1,6 @@
 // python/csrc/ops.cpp
-// \brief The flashkit operators of PyTorch: torch.ops.flashkit.{fwd, varlen_fwd, bwd, varlen_bwd}.
+// \brief The flashkit operators of PyTorch: torch.ops.flashkit.{fwd, varlen_fwd, bwd, varlen_bwd,
+// fwd_kvcache}.
 //
 // Each operator turns its tensors into flashkit views, allocates its outputs (and the backward's
 // workspace) from torch's caching allocator on the tensors' device, and calls the flashkit entry
@@ -11,8 +12,10 @@
 // views' device, so CPU tensors run the fp64 reference with the same semantics.
 //
 // What is an output: the forward returns (out, softmax_lse) because the backward needs both; the
-// backward returns (dq, dk, dv). Outputs are contiguous whatever the inputs' strides (the fake
-// implementations in python/flashkit/_ops.py promise the same). Nothing here synchronises or reads
+// backward returns (dq, dk, dv); fwd_kvcache returns (out, softmax_lse) and, given new keys and
+// values, writes them into k_cache / v_cache in place (its schema marks both caches mutable, so
+// that functionalization, torch.compile and opcheck know). Outputs are contiguous whatever the
+// inputs' strides (the fake implementations in python/flashkit/_ops.py promise the same). Nothing here synchronises or reads
 // device memory on the host, so the operators can be captured in CUDA graphs.
 //
 // dropout_p is passed through so that flashkit's own error rejects it until dropout lands (its seed
@@ -105,8 +108,9 @@ void fill_bwd_common(const char* fn, BwdCommon& p, const at::Tensor& dout, const
 
 // The workspace the size query asks for, from the caching allocator on q's device (its blocks are
 // 512-byte aligned, more than the 256 bytes flashkit needs). Kept alive by the caller until the
-// backward is enqueued; the caching allocator's stream semantics make reuse after that safe.
-at::Tensor allocate_workspace(BwdCommon& p, size_t bytes, const at::Tensor& q) {
+// call is enqueued; the caching allocator's stream semantics make reuse after that safe.
+template <typename Params>
+at::Tensor allocate_workspace(Params& p, size_t bytes, const at::Tensor& q) {
   at::Tensor workspace;
   if (bytes > 0) {
     workspace = at::empty({static_cast<int64_t>(bytes)}, q.options().dtype(at::kByte));
@@ -204,6 +208,49 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
   return {dq, dk, dv};
 }
 
+// Decoding against a KV cache. cache_seqlen is the one length of every sequence when cache_seqlens
+// is absent (-1: the whole cache); flashkit validates everything, including that the append fits.
+std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
+    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const OptionalTensor& k, const OptionalTensor& v, const OptionalTensor& rotary_cos,
+    const OptionalTensor& rotary_sin, const OptionalTensor& cache_seqlens, int64_t cache_seqlen,
+    const OptionalTensor& cache_batch_idx, const OptionalTensor& cache_leftpad,
+    const OptionalTensor& block_table, const OptionalTensor& alibi_slopes, double softmax_scale,
+    bool causal, int64_t window_left, int64_t window_right, double softcap,
+    bool rotary_interleaved, int64_t num_splits) {
+  constexpr const char* fn = "flashkit::fwd_kvcache";
+  check_rank(fn, "q", q, 4, "[batch, seqlen_q, heads_q, head_dim]");
+  const c10::DeviceGuard device_guard(q.device());
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor softmax_lse =
+      at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  MhaFwdKvcacheParams p;
+  p.q = to_view(fn, "q", q);
+  p.k_cache = to_view(fn, "k_cache", k_cache);
+  p.v_cache = to_view(fn, "v_cache", v_cache);
+  p.k_new = to_optional_view(fn, "k", k);
+  p.v_new = to_optional_view(fn, "v", v);
+  p.rotary_cos = to_optional_view(fn, "rotary_cos", rotary_cos);
+  p.rotary_sin = to_optional_view(fn, "rotary_sin", rotary_sin);
+  p.rotary_interleaved = rotary_interleaved;
+  p.cache_seqlens = to_optional_view(fn, "cache_seqlens", cache_seqlens);
+  p.cache_seqlen = to_int(cache_seqlen);
+  p.cache_batch_idx = to_optional_view(fn, "cache_batch_idx", cache_batch_idx);
+  p.cache_leftpad = to_optional_view(fn, "cache_leftpad", cache_leftpad);
+  p.block_table = to_optional_view(fn, "block_table", block_table);
+  p.out = to_view(fn, "out", out);
+  p.softmax_lse = to_view(fn, "softmax_lse", softmax_lse);
+  p.alibi_slopes = to_optional_view(fn, "alibi_slopes", alibi_slopes);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softcap = static_cast<float>(softcap);
+  p.mask = make_mask(causal, window_left, window_right);
+  p.num_splits = to_int(num_splits);
+  const size_t workspace_bytes = call_flashkit([&] { return mha_fwd_kvcache_workspace_size(p); });
+  const at::Tensor workspace = allocate_workspace(p, workspace_bytes, q);
+  call_flashkit([&] { mha_fwd_kvcache(p, current_stream(q.device())); });
+  return {out, softmax_lse};
+}
+
 }  // namespace
 }  // namespace flashkit::torch_glue
 
@@ -228,6 +275,13 @@ TORCH_LIBRARY(flashkit, m) {
       "SymInt max_seqlen_k, Tensor? alibi_slopes, float dropout_p, float softmax_scale, "
       "bool causal, int window_left, int window_right, float softcap, bool deterministic) "
       "-> (Tensor dq, Tensor dk, Tensor dv)");
+  m.def(
+      "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
+      "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_seqlens, SymInt cache_seqlen, "
+      "Tensor? cache_batch_idx, Tensor? cache_leftpad, Tensor? block_table, "
+      "Tensor? alibi_slopes, float softmax_scale, bool causal, int window_left, "
+      "int window_right, float softcap, bool rotary_interleaved, int num_splits) "
+      "-> (Tensor out, Tensor softmax_lse)");
 }
 
 TORCH_LIBRARY_IMPL(flashkit, CPU, m) {
@@ -235,6 +289,7 @@ TORCH_LIBRARY_IMPL(flashkit, CPU, m) {
   m.impl("varlen_fwd", &flashkit::torch_glue::varlen_fwd);
   m.impl("bwd", &flashkit::torch_glue::bwd);
   m.impl("varlen_bwd", &flashkit::torch_glue::varlen_bwd);
+  m.impl("fwd_kvcache", &flashkit::torch_glue::fwd_kvcache);
 }
 
 // Registered whether or not this build has CUDA kernels: without them flashkit itself refuses CUDA
@@ -244,4 +299,5 @@ TORCH_LIBRARY_IMPL(flashkit, CUDA, m) {
   m.impl("varlen_fwd", &flashkit::torch_glue::varlen_fwd);
   m.impl("bwd", &flashkit::torch_glue::bwd);
   m.impl("varlen_bwd", &flashkit::torch_glue::varlen_bwd);
+  m.impl("fwd_kvcache", &flashkit::torch_glue::fwd_kvcache);
 }

@@ -9,7 +9,7 @@ flashkit.modules for the nn.Module wrappers.
 
 import torch  # noqa: F401  (loads libtorch before flashkit._C)
 
-from flashkit._ops import cuda_bwd_built, cuda_fwd_built
+from flashkit._ops import cuda_bwd_built, cuda_fwd_built, cuda_kvcache_built
 from flashkit.flash_attn_interface import (
     flash_attn_func,
     flash_attn_kvpacked_func,
@@ -17,6 +17,7 @@ from flashkit.flash_attn_interface import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
 )
 
 __version__ = "0.1.0"
@@ -24,10 +25,12 @@ __version__ = "0.1.0"
 __all__ = [
     "cuda_bwd_built",
     "cuda_fwd_built",
+    "cuda_kvcache_built",
     "flash_attn_func",
     "flash_attn_kvpacked_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_varlen_func",
     "flash_attn_varlen_kvpacked_func",
     "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_with_kvcache",
 ]

@@ -10,6 +10,9 @@ the C++ operators allocate it.
                                          softmax_lse fp32 [batch, h_q, max_seqlen_q]
     bwd(dout, q, k, v, out, lse, ...) -> dq, dk, dv shaped like q, k, v
     varlen_bwd(...)                   -> dq, dk, dv shaped like q, k, v
+    fwd_kvcache(q, k_cache, v_cache, k, v, ...) -> out [b, s_q, h_q, d],
+                                         softmax_lse fp32 [b, h_q, s_q]; writes k and v into
+                                         k_cache and v_cache in place (schema: Tensor(a!))
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ fwd = torch.ops.flashkit.fwd.default
 varlen_fwd = torch.ops.flashkit.varlen_fwd.default
 bwd = torch.ops.flashkit.bwd.default
 varlen_bwd = torch.ops.flashkit.varlen_bwd.default
+fwd_kvcache = torch.ops.flashkit.fwd_kvcache.default
 
 
 @torch.library.register_fake("flashkit::fwd")
@@ -56,6 +60,18 @@ def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
+@torch.library.register_fake("flashkit::fwd_kvcache")
+def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens,
+                      cache_seqlen, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+                      softmax_scale, causal, window_left, window_right, softcap,
+                      rotary_interleaved, num_splits):
+    # The in-place append into k_cache / v_cache is declared by the schema; nothing to fake.
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = q.new_empty(q.shape)
+    softmax_lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    return out, softmax_lse
+
+
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -69,3 +85,8 @@ def cuda_fwd_built(dtype: torch.dtype, head_dim: int) -> bool:
 def cuda_bwd_built(dtype: torch.dtype, head_dim: int) -> bool:
     """As cuda_fwd_built, for the backward kernels."""
     return dtype in _DTYPE_NAMES and _C.cuda_bwd_built(_DTYPE_NAMES[dtype], head_dim)
+
+
+def cuda_kvcache_built(dtype: torch.dtype, head_dim: int) -> bool:
+    """As cuda_fwd_built, for the decode (KV-cache) kernels of flash_attn_with_kvcache."""
+    return dtype in _DTYPE_NAMES and _C.cuda_kvcache_built(_DTYPE_NAMES[dtype], head_dim)

@@ -5,6 +5,9 @@ Layouts (the last dim contiguous; other strides free):
     fixed length:  q [batch, seqlen_q, heads_q, head_dim], k and v [batch, seqlen_k, heads_kv, head_dim]
     varlen:        q [total_q, heads_q, head_dim], k and v [total_k, heads_kv, head_dim], sequence b
                    being rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] (int32 prefix sums from 0)
+    KV cache:      q as fixed length; k_cache and v_cache [batch_cache, seqlen_cache, heads_kv,
+                   head_dim] or paged [num_blocks, page_block_size, heads_kv, head_dim] with a
+                   block_table (flash_attn_with_kvcache states the append and rotary semantics)
 
 Semantics:
 
@@ -304,7 +307,7 @@ def flash_attn_varlen_func(
         q: [total_q, heads_q, head_dim]; k, v: [total_k, heads_kv, head_dim].
         cu_seqlens_q, cu_seqlens_k: int32 [batch + 1], prefix sums of the lengths, from 0.
         max_seqlen_q, max_seqlen_k: bounds on every query / key length.
-        block_table: paged KV is not supported yet (it comes with the KV-cache entry point).
+        block_table: paged KV is not supported here yet (flash_attn_with_kvcache takes it).
         The rest as flash_attn_func; masks apply per sequence.
 
     Returns:
@@ -313,7 +316,8 @@ def flash_attn_varlen_func(
     """
     if block_table is not None:
         raise NotImplementedError("flash_attn_varlen_func: block_table (paged KV) is not supported "
-                                  "by flashkit yet; pass block_table=None")
+                                  "by flashkit's varlen forward yet; pass block_table=None "
+                                  "(flash_attn_with_kvcache takes paged caches)")
     out, softmax_lse = _varlen_attention(
         "flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
         dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
@@ -375,3 +379,114 @@ def flash_attn_varlen_kvpacked_func(
     return flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                   dropout_p, softmax_scale, causal, window_size, softcap,
                                   alibi_slopes, deterministic, return_attn_probs)
+
+
+def _padded_cache(cache: torch.Tensor) -> torch.Tensor:
+    """A cache whose head dim is not a multiple of 8, copied into a padded one for the kernel."""
+    return F.pad(cache, [0, _HEAD_DIM_MULTIPLE - cache.shape[-1] % _HEAD_DIM_MULTIPLE])
+
+
+def flash_attn_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    k: Optional[torch.Tensor] = None,
+    v: Optional[torch.Tensor] = None,
+    rotary_cos: Optional[torch.Tensor] = None,
+    rotary_sin: Optional[torch.Tensor] = None,
+    cache_seqlens: Optional[Union[int, torch.Tensor]] = None,
+    cache_batch_idx: Optional[torch.Tensor] = None,
+    cache_leftpad: Optional[torch.Tensor] = None,
+    block_table: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: Tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    rotary_interleaved: bool = True,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    num_splits: int = 0,
+    return_softmax_lse: bool = False,
+) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+    """Attention of a few new query tokens against a KV cache, with an optional in-place append.
+
+    Per sequence b, with L = cache_seqlens[b], P = cache_leftpad[b] (0 without it) and N = the
+    number of new tokens (k.shape[1], 0 without k):
+
+    1. If k and v are given, k[b, i] and v[b, i] are written into the cache at index L + i, in
+       place (paged: page block_table[b, (L + i) // page_block_size], row (L + i) %
+       page_block_size). With rotary_cos / rotary_sin, k[b, i] is rotated to position L - P + i
+       before it is written.
+    2. Query b attends to the cache entries [P, L + N) as flash_attn_func would with seqlen_k =
+       L + N - P: bottom-right aligned causal / window masks, ALiBi, softcap. With rotary, query
+       token i is rotated to position L - P + i if causal or a window is set, else to L - P.
+
+    Args:
+        q: [batch, seqlen_q, heads_q, head_dim], float16 or bfloat16.
+        k_cache, v_cache: [batch_cache, seqlen_cache, heads_kv, head_dim] (contiguous cache), or
+            [num_blocks, page_block_size, heads_kv, head_dim] with block_table (paged cache,
+            page_block_size 1 to 256); dtype of q; last dim contiguous (they are written in place,
+            so they are not copied, except for a head dim that is not a multiple of 8: that runs
+            on padded copies and the appended rows are copied back). heads_q a multiple of
+            heads_kv.
+        k, v: optional [batch, seqlen_new, heads_kv, head_dim], appended to the cache (both or
+            neither; they need cache_seqlens).
+        rotary_cos, rotary_sin: optional [seqlen_ro, rotary_dim / 2], dtype of q; rotary_dim a
+            multiple of 16, at most head_dim; seqlen_ro at least the cache capacity. Only with k.
+        cache_seqlens: int32 [batch] or an int: the cached tokens of each sequence before the
+            append. None: the whole cache (seqlen_cache, or max_blocks_per_seq * page_block_size).
+        cache_batch_idx: optional int32 [batch]: the cache row of each sequence (contiguous caches
+            only); without it sequence b uses row b.
+        cache_leftpad: optional int32 [batch]: the first valid cache index of each sequence.
+        block_table: optional int32 [batch, max_blocks_per_seq]: the pages of each sequence.
+        softmax_scale: defaults to 1 / sqrt(head_dim).
+        causal, window_size, softcap, alibi_slopes: as in flash_attn_func.
+        rotary_interleaved: True rotates the pairs (2i, 2i + 1) (GPT-J), False the pairs
+            (i, i + rotary_dim / 2) (GPT-NeoX).
+        num_splits: split-KV parallelism: 0 lets flashkit choose from the GPU's SM count, 1 turns
+            splitting off, at most 128. The split partials live in a workspace from torch's
+            caching allocator on the current stream.
+        return_softmax_lse: also return softmax_lse, fp32 [batch, heads_q, seqlen_q] (natural log;
+            -inf for a query that sees no key, whose output row is zeros).
+
+    Returns:
+        out [batch, seqlen_q, heads_q, head_dim], or (out, softmax_lse).
+
+    On CUDA the contents of cache_seqlens, cache_leftpad, cache_batch_idx and block_table are the
+    caller's promise (0 <= P <= L, L + N within the cache, pages in range and not shared by two
+    sequences' appended rows); FLASHKIT_CHECK_KVCACHE=1 checks them on the host first (one
+    synchronisation). CPU tensors are always checked. Not differentiable (inference only).
+    flashkit's error messages call k and v k_new and v_new, the C++ API's names.
+    """
+    fn = "flash_attn_with_kvcache"
+    if q.dim() != 4:
+        raise RuntimeError(f"{fn}: q has shape {list(q.shape)}; expected 4 dims "
+                           "[batch, seqlen_q, heads_q, head_dim]")
+    _check_head_dim(fn, q)
+    window = _window(fn, window_size)
+    if (k is None) != (v is None):
+        raise ValueError(f"{fn}: {'k' if v is None else 'v'} is given without "
+                         f"{'v' if v is None else 'k'}; pass both new keys and values or neither")
+    head_dim = q.shape[-1]
+    if softmax_scale is None:
+        softmax_scale = head_dim ** -0.5
+    cache_seqlen = -1
+    if isinstance(cache_seqlens, int):
+        cache_seqlen, cache_seqlens = cache_seqlens, None
+    pad = head_dim % _HEAD_DIM_MULTIPLE != 0
+    # A head dim that is not a multiple of 8 runs on zero-padded copies, as in flash_attn; the
+    # appended rows are copied back into the caller's caches afterwards.
+    k_cache_run = _padded_cache(k_cache) if pad else k_cache
+    v_cache_run = _padded_cache(v_cache) if pad else v_cache
+    out, softmax_lse = _ops.fwd_kvcache(
+        _pad_head_dim(q), k_cache_run, v_cache_run,
+        None if k is None else _pad_head_dim(k), None if v is None else _pad_head_dim(v),
+        rotary_cos if rotary_cos is None else _last_dim_contiguous(rotary_cos),
+        rotary_sin if rotary_sin is None else _last_dim_contiguous(rotary_sin),
+        cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+        softmax_scale, causal, window[0], window[1], softcap, rotary_interleaved, num_splits)
+    if pad:
+        out = out[..., :head_dim]
+        if k is not None:
+            k_cache.copy_(k_cache_run[..., :head_dim])
+            v_cache.copy_(v_cache_run[..., :head_dim])
+    return (out, softmax_lse) if return_softmax_lse else out

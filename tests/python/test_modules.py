@@ -58,3 +58,25 @@ def test_mha_gqa_rotary(device):
         cu = torch.tensor([0, 37, 74], dtype=torch.int32, device=device)
         packed = module(x.flatten(0, 1), cu_seqlens=cu, max_seqlen=37)
         assert torch.equal(packed, out.flatten(0, 1))
+
+
+def test_mha_kv_cache_decode(device):
+    """Prefill a cache with a prompt, then decode token by token: the rows equal one causal pass
+    over the whole sequence (the fp32 SDPA reference, error-ratio rule), the rotary running in the
+    decode kernel."""
+    torch.manual_seed(0)
+    module = MHA(128, num_heads=8, num_heads_kv=2, causal=True, rotary_emb_dim=16,
+                 device=device, dtype=torch.bfloat16)
+    x = randn((2, 37, 128), torch.bfloat16, device, 902)
+    prompt = 30
+    with torch.no_grad():
+        kv_cache = module.allocate_kv_cache(2, 48)
+        seqlens = torch.zeros(2, dtype=torch.int32, device=device)
+        rows = [module(x[:, :prompt], kv_cache=kv_cache, cache_seqlens=seqlens)]
+        seqlens += prompt
+        for i in range(prompt, x.shape[1]):
+            rows.append(module(x[:, i:i + 1], kv_cache=kv_cache, cache_seqlens=seqlens))
+            seqlens += 1
+        out = torch.cat(rows, dim=1)
+        check_close("MHA decoded", out, mha_reference(module, x, True),
+                    mha_reference(module, x, False), factor=3.0)

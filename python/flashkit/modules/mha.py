@@ -20,6 +20,7 @@ from flashkit.flash_attn_interface import (
     flash_attn_qkvpacked_func,
     flash_attn_varlen_kvpacked_func,
     flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
 )
 from flashkit.modules.rotary import RotaryEmbedding
 
@@ -116,6 +117,13 @@ class MHA(nn.Module):
         softmax_scale, causal, window_size: as flash_attn_func.
         rotary_emb_dim: channels per head rotated by RoPE (0: none); rotary_emb_base its base;
             rotary_emb_interleaved the GPT-J pair layout instead of GPT-NeoX's.
+
+    Inference with a KV cache: allocate_kv_cache() makes the (k_cache, v_cache) pair, and
+    forward(x, kv_cache=..., cache_seqlens=...) appends x's keys and values to it in place and
+    attends over the cache through flash_attn_with_kvcache (prefill: cache_seqlens 0 and the
+    prompt; decode: one token per sequence). The caller advances cache_seqlens by x.shape[1].
+    Rotary runs in the decode kernel there (rotary_emb_dim a multiple of 16), at the positions
+    flash_attn_with_kvcache states, which with causal=True are the tokens' own.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_heads_kv: Optional[int] = None,
@@ -157,13 +165,47 @@ class MHA(nn.Module):
         seq = seq.clamp(max=cu_seqlens.shape[0] - 2)
         return tokens - cu_seqlens[seq]
 
+    def allocate_kv_cache(self, batch: int, max_seqlen: int, dtype: Optional[torch.dtype] = None,
+                          device: Optional[torch.device] = None
+                          ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Empty contiguous caches [batch, max_seqlen, num_heads_kv, head_dim] for forward's
+        kv_cache (dtype and device default to the projection's)."""
+        weight = self.Wqkv.weight
+        shape = (batch, max_seqlen, self.num_heads_kv, self.head_dim)
+        options = dict(dtype=dtype or weight.dtype, device=device or weight.device)
+        return torch.zeros(shape, **options), torch.zeros(shape, **options)
+
+    def _decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                kv_cache: Tuple[torch.Tensor, torch.Tensor],
+                cache_seqlens: torch.Tensor) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        cos = sin = None
+        if self.rotary_emb is not None:
+            positions = torch.arange(k_cache.shape[1], device=q.device)
+            cos, sin = (t.to(q.dtype) for t in self.rotary_emb.cos_sin(positions))
+        attn = self.inner_attn
+        return flash_attn_with_kvcache(
+            q, k_cache, v_cache, k, v, rotary_cos=cos, rotary_sin=sin,
+            cache_seqlens=cache_seqlens, softmax_scale=attn.softmax_scale, causal=attn.causal,
+            window_size=attn.window_size,
+            rotary_interleaved=self.rotary_emb is not None and self.rotary_emb.interleaved)
+
     def forward(self, x: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None,
-                max_seqlen: Optional[int] = None) -> torch.Tensor:
+                max_seqlen: Optional[int] = None,
+                kv_cache: Optional[Tuple[torch.Tensor, torch.Tensor]] = None,
+                cache_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """x [batch, seqlen, embed_dim], or [total, embed_dim] with cu_seqlens (int32 [batch + 1])
-        and max_seqlen. Returns the same shape."""
+        and max_seqlen. Returns the same shape. With kv_cache (allocate_kv_cache's pair) and
+        cache_seqlens (int32 [batch], the tokens cached before x): x's keys and values are
+        appended to the cache in place and x attends over everything cached."""
         qkv = self.Wqkv(x)
         qkv = qkv.unflatten(-1, (self.num_heads + 2 * self.num_heads_kv, self.head_dim))
         q, k, v = qkv.split([self.num_heads, self.num_heads_kv, self.num_heads_kv], dim=-2)
+        if kv_cache is not None:
+            if cu_seqlens is not None or cache_seqlens is None:
+                raise ValueError("MHA: kv_cache takes a padded batch x [batch, seqlen, embed_dim] "
+                                 "and cache_seqlens, not cu_seqlens")
+            return self.out_proj(self._decode(q, k, v, kv_cache, cache_seqlens).flatten(-2))
         if self.rotary_emb is not None:
             q, k = self.rotary_emb(q, k, self._positions(x, cu_seqlens))
         kv = torch.stack((k, v), dim=-3)

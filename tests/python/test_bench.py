@@ -1,0 +1,95 @@
+"""python -m flashkit.bench without a GPU: it says so and exits 0; its grid driver, report and plot
+run end to end on the CPU with a CPU stand-in for bench/peers.py's CUDA-event timer (tiny shapes),
+so that the GPU run only adds the timing."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import pytest
+import torch
+
+from flashkit import bench
+
+pytestmark = pytest.mark.skipif(
+    not (bench.pathlib.Path.cwd() / "bench" / "peers.py").is_file(),
+    reason="run from the flashkit checkout (bench/peers.py)")
+
+
+class CpuBench:
+    """peers.Bench's interface on the CPU: one input set, one timed call."""
+
+    def __init__(self, torch_module, warmup_ms, min_timed_ms, min_reps):
+        pass
+
+    def input_sets(self, c):
+        dtype = torch.bfloat16 if c["dtype"] == "bf16" else torch.float16
+        shape = (c["batch"], c["seqlen"], c["heads"], c["head_dim"])
+        backward = c["op"] != "fwd"
+
+        def tensor(grad):
+            return torch.empty(shape, dtype=dtype).uniform_(-1, 1).transpose(1, 2) \
+                .requires_grad_(grad)
+        return [tuple(tensor(backward and i < 3) for i in range(4 if backward else 3))]
+
+    def time_ms(self, fn, sets):
+        start = time.perf_counter()
+        out = fn(0)
+        return (time.perf_counter() - start) * 1e3, out
+
+
+@pytest.fixture
+def cpu_peers(monkeypatch):
+    peers = bench.load_module(bench.find_bench_dir() / "peers.py", "flashkit_test_peers")
+    monkeypatch.setattr(peers, "TOTAL_TOKENS", 128)
+    monkeypatch.setattr(peers, "MODEL_DIM", 64)
+    monkeypatch.setattr(peers, "Bench", CpuBench)
+    return peers
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is present: the real run times")
+def test_without_gpu_says_so_and_exits_0(capsys):
+    bench.main([])
+    assert "no CUDA GPU" in capsys.readouterr().out
+
+
+def test_bad_flags_are_refused():
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ops", "fwd,nope"])
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--impls", "flashkit_py,cutlass"])
+
+
+def grid_args(budget_s):
+    return bench.parse_args(["--dtype", "bf16", "--hdim", "32", "--seqlen", "32,64", "--impls",
+                             "flashkit_py,sdpa_flash", "--budget-s", str(budget_s)])
+
+
+def test_grid_report_and_plot(cpu_peers, tmp_path, monkeypatch):
+    records = bench.run_grid(cpu_peers, grid_args(0))
+    assert len(records) == 3 * 2 * 2 * 2  # ops x causal x seqlens x impls
+    ours = [r for r in records if r["impl"] == "flashkit_py"]
+    assert all(r["ms"] is not None and "note" not in r for r in ours), ours
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *args: "CPU stand-in")
+    raw = tmp_path / "raw.json"
+    cpu_peers.write_json(str(raw), bench.header(cpu_peers, None, False), records)
+    json_path, md_path = bench.report(bench.find_bench_dir(), raw, str(tmp_path))
+    assert json_path.name == f"cpu-stand-in-{json.loads(raw.read_text())['date'][:10]}-" \
+                             "python-bwd-fwd-fwd_bwd.json"
+    table = md_path.read_text()
+    for op in ("fwd", "bwd", "fwd_bwd"):
+        assert f"## {op}: TFLOP/s" in table
+    assert "flashkit_py / sdpa_flash" in table
+    if importlib.util.find_spec("matplotlib") is None:
+        pytest.skip("matplotlib is not installed: the plot is not drawn")
+    png = bench.plot(json_path, tmp_path / "grid.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_budget_cut_leaves_notes(cpu_peers):
+    records = bench.run_grid(cpu_peers, grid_args(1e-9))
+    skipped = [r for r in records if "--budget-s" in r.get("note", "")]
+    assert skipped and all(r["tflops"] is None for r in skipped)
+    assert len(records) == 24
