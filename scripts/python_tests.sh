@@ -18,5 +18,5 @@ if ! compgen -G "$BUILD_DIR/python/flashkit/_C*.so" >/dev/null; then
        "configure it with -DFLASHKIT_PYTHON=ON (and -DPython_EXECUTABLE=$(command -v "$PYTHON"))" >&2
   exit 1
 fi
-PYTHONPATH="$PWD/$BUILD_DIR/python${PYTHONPATH:+:$PYTHONPATH}" \
+PYTHONPATH="$(cd "$BUILD_DIR" && pwd)/python${PYTHONPATH:+:$PYTHONPATH}" \
   "$PYTHON" -m pytest tests/python -q -p no:cacheprovider -p no:logging "${@:2}"

@@ -18,8 +18,9 @@
 // inputs' strides (the fake implementations in python/flashkit/_ops.py promise the same). Nothing here synchronises or reads
 // device memory on the host, so the operators can be captured in CUDA graphs.
 //
-// dropout_p is passed through so that flashkit's own error rejects it until dropout lands (its seed
-// and offset join the schema then).
+// dropout_p must be 0 for now: the C++ API has dropout (a Philox seed and offset), but these
+// operators do not yet carry the seed / offset that the backward must regenerate the mask from;
+// they join the schema with the front end's RNG state (issue 9).
 #include <algorithm>
 #include <cstdint>
 #include <optional>
@@ -66,6 +67,12 @@ MaskSpec make_mask(bool causal, int64_t window_left, int64_t window_right) {
   return mask;
 }
 
+// Refuses dropout until the operators carry its RNG state (see the file comment).
+void check_no_dropout(const char* fn, double dropout_p) {
+  TORCH_CHECK(dropout_p == 0.0, fn, ": dropout_p is ", dropout_p,
+              "; the flashkit Python front end does not support dropout yet (0 only)");
+}
+
 // The forward's tensors and options, shared by the fixed-length and varlen operators.
 void fill_fwd_common(const char* fn, FwdCommon& p, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
@@ -80,7 +87,7 @@ void fill_fwd_common(const char* fn, FwdCommon& p, const at::Tensor& q, const at
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.softcap = static_cast<float>(softcap);
   p.mask = make_mask(causal, window_left, window_right);
-  p.dropout.p = static_cast<float>(dropout_p);
+  check_no_dropout(fn, dropout_p);
 }
 
 void fill_bwd_common(const char* fn, BwdCommon& p, const at::Tensor& dout, const at::Tensor& q,
@@ -102,7 +109,7 @@ void fill_bwd_common(const char* fn, BwdCommon& p, const at::Tensor& dout, const
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.softcap = static_cast<float>(softcap);
   p.mask = make_mask(causal, window_left, window_right);
-  p.dropout.p = static_cast<float>(dropout_p);
+  check_no_dropout(fn, dropout_p);
   p.deterministic = deterministic;
 }
 
