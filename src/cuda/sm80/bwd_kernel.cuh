@@ -8,7 +8,7 @@
 // double-buffered, so each query block's loads land during the previous block's compute:
 //
 //   prologue     cp.async K, V, then Q, dO, LSE, dot of the first query block into stage 0
-//   per block    wait for stage s; barrier   (every warp is done with the other stage and with dS)
+//   per block    wait for stage s; barrier   (every warp is done with the other stage, P^T and dS^T)
 //                cp.async the next query block into the other stage
 //                S^T = K Q^T                 (warps tile keys x queries, 32 x 32 where it fits)
 //                softcap / ALiBi / mask; P^T = exp2(S^T log2e - LSE log2e) -> shared memory
