@@ -66,6 +66,10 @@ struct BwdKernelTraits {
   static constexpr int kDqRowWarps = kBlockM / 16;
   static constexpr int kDqColWarps = kWarps / kDqRowWarps;
   static constexpr int kDqTiles = kHeadDim / kDqColWarps / 8;
+  // With one warp across the queries in S^T and across the head dim in dK/dV, a warp's S^T rows
+  // are exactly its dK/dV rows: P^T and dS^T then feed dV and dK straight from registers (packed
+  // C fragments are A fragments) and only dS^T goes to shared memory, for dQ.
+  static constexpr bool kPInRegisters = kSQueryWarps == 1 && kKvDimWarps == 1;
 
   static constexpr int kQuerySteps = kBlockM / 16;          // k-steps of P^T dO and dS^T Q
   static constexpr int kDimSteps = kHeadDim / 16;           // k-steps of K Q^T and V dO^T
@@ -77,6 +81,7 @@ struct BwdKernelTraits {
 
   // Shared-memory plan (byte offsets from the dynamic shared-memory base):
   //   [ K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | P^T | dS^T | LSE x 2 | dot x 2 ]
+  // (no P^T with kPInRegisters)
   // stage s of Q (dO) is at kQOffset (kDoOffset) + s * kStageBytes; of LSE (dot) at kLseOffset
   // (kDotOffset) + s * kRowStatsBytes.
   static constexpr int kStages = 2;
@@ -86,7 +91,7 @@ struct BwdKernelTraits {
   static constexpr int kDoOffset = kQOffset + QTile::kBytes;
   static constexpr int kStageBytes = 2 * QTile::kBytes;
   static constexpr int kPOffset = kQOffset + kStages * kStageBytes;
-  static constexpr int kDsOffset = kPOffset + PTile::kBytes;
+  static constexpr int kDsOffset = kPOffset + (kPInRegisters ? 0 : PTile::kBytes);
   static constexpr int kRowStatsBytes = kBlockM * static_cast<int>(sizeof(float));
   static constexpr int kLseOffset = kDsOffset + PTile::kBytes;
   static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
@@ -334,9 +339,10 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int warp = tid / 32;
   // This warp's tile in each of the three layouts (bwd_tile_config.h).
   const int s_first_key = (warp % Traits::kSKeyWarps) * kSKeyTiles * 16;        // S^T, dP^T rows
-  const int s_first_query = (warp / Traits::kSKeyWarps) * kSQueryTiles * 8;     //       columns
+  const int s_first_query =                                                     //       columns
+      Traits::kSQueryWarps == 1 ? 0 : (warp / Traits::kSKeyWarps) * kSQueryTiles * 8;
   const int kv_first_key = (warp % Traits::kKvKeyWarps) * kKvKeyTiles * 16;     // dK, dV rows
-  const int kv_dim_part = warp / Traits::kKvKeyWarps;                           //        columns
+  const int kv_dim_part = Traits::kKvDimWarps == 1 ? 0 : warp / Traits::kKvKeyWarps;  // columns
   const uint32_t s_key_bytes = static_cast<uint32_t>(s_first_key * KvTile::kRowBytes);
   const uint32_t s_query_bytes = static_cast<uint32_t>(s_first_query * QTile::kRowBytes);
   const uint32_t kv_key_bytes = static_cast<uint32_t>(kv_first_key * PTile::kRowBytes);
@@ -438,6 +444,43 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         return kv_col_addr.at(kk * 16, dp) + tile_offset;
       }
     };
+    // kPInRegisters: acc += X B, X the warp's S^T-layout fragments (P^T or dS^T) packed into A
+    // fragments, B (Q or dO, queries x head dim) read transposed from `b_tile`.
+    auto accumulate_from_registers = [&](auto& acc, const auto& x, uint32_t b_tile) {
+#pragma unroll
+      for (int kk = 0; kk < Traits::kQuerySteps; ++kk) {
+        uint32_t a[kSKeyTiles][4];
+#pragma unroll
+        for (int kt = 0; kt < kSKeyTiles; ++kt) {
+          a[kt][0] = pack2<Element>(x[kt][2 * kk][0], x[kt][2 * kk][1]);
+          a[kt][1] = pack2<Element>(x[kt][2 * kk][2], x[kt][2 * kk][3]);
+          a[kt][2] = pack2<Element>(x[kt][2 * kk + 1][0], x[kt][2 * kk + 1][1]);
+          a[kt][3] = pack2<Element>(x[kt][2 * kk + 1][2], x[kt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < kKvTiles / 2; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, kv_b_address(b_tile, kk, dp));
+          mma_column_pair<Element>(acc, a, b, dp);
+        }
+      }
+    };
+    // Otherwise: acc += X B with X (P^T or dS^T) read back from the keys x queries tile at
+    // `x_tile` as row-major A fragments of the warp's dK/dV keys.
+    auto accumulate_from_shared = [&](auto& acc, uint32_t x_tile, uint32_t b_tile) {
+#pragma unroll
+      for (int kk = 0; kk < Traits::kQuerySteps; ++kk) {
+        uint32_t a[kKvKeyTiles][4];
+#pragma unroll
+        for (int kt = 0; kt < kKvKeyTiles; ++kt) ldmatrix_x4(a[kt], p_row_addr.at(kt * 16, kk) + x_tile);
+#pragma unroll
+        for (int dp = 0; dp < kKvTiles / 2; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, kv_b_address(b_tile, kk, dp));
+          mma_column_pair<Element>(acc, a, b, dp);
+        }
+      }
+    };
 
     // Deterministic mode: the semaphore of the query block whose dQ adds this CTA issued last and
     // has not yet published (see the end of the loop).
@@ -495,7 +538,11 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           for (int i = 0; i < 4; ++i) acc_s[kt][nt][i] = exp2f(acc_s[kt][nt][i] * log2_scale - lse2[i % 2]);
         }
       }
-      store_keys_by_queries<Traits>(smem_base + Traits::kPOffset, acc_s, s_first_key, s_first_query / 8);
+      if constexpr (Traits::kPInRegisters) {
+        accumulate_from_registers(acc_dv, acc_s, Traits::kDoOffset + q_stage);  // dV += P^T dO
+      } else {
+        store_keys_by_queries<Traits>(smem_base + Traits::kPOffset, acc_s, s_first_key, s_first_query / 8);
+      }
 
       // dP^T = V dO^T.
       float acc_dp[kSKeyTiles][kSQueryTiles][4];
@@ -549,34 +596,16 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           }
         }
       }
+      if constexpr (Traits::kPInRegisters) {
+        accumulate_from_registers(acc_dk, acc_dp, Traits::kQOffset + q_stage);  // dK += dS^T Q
+      }
       store_keys_by_queries<Traits>(smem_base + Traits::kDsOffset, acc_dp, s_first_key, s_first_query / 8);
       __syncthreads();  // P^T and dS^T complete
 
-      // dV += P^T dO and dK += dS^T Q over the warp's keys x head-dim tile, P^T and dS^T read back
-      // as row-major A operands.
-#pragma unroll
-      for (int kk = 0; kk < Traits::kQuerySteps; ++kk) {
-        uint32_t a[kKvKeyTiles][4];
-#pragma unroll
-        for (int kt = 0; kt < kKvKeyTiles; ++kt) ldmatrix_x4(a[kt], p_row_addr.at(kt * 16, kk) + Traits::kPOffset);
-#pragma unroll
-        for (int dp = 0; dp < kKvTiles / 2; ++dp) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, kv_b_address(Traits::kDoOffset + q_stage, kk, dp));
-          mma_column_pair<Element>(acc_dv, a, b, dp);
-        }
-      }
-#pragma unroll
-      for (int kk = 0; kk < Traits::kQuerySteps; ++kk) {
-        uint32_t a[kKvKeyTiles][4];
-#pragma unroll
-        for (int kt = 0; kt < kKvKeyTiles; ++kt) ldmatrix_x4(a[kt], p_row_addr.at(kt * 16, kk) + Traits::kDsOffset);
-#pragma unroll
-        for (int dp = 0; dp < kKvTiles / 2; ++dp) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, kv_b_address(Traits::kQOffset + q_stage, kk, dp));
-          mma_column_pair<Element>(acc_dk, a, b, dp);
-        }
+      // Otherwise dV += P^T dO and dK += dS^T Q over the warp's keys x head-dim tile.
+      if constexpr (!Traits::kPInRegisters) {
+        accumulate_from_shared(acc_dv, Traits::kPOffset, Traits::kDoOffset + q_stage);
+        accumulate_from_shared(acc_dk, Traits::kDsOffset, Traits::kQOffset + q_stage);
       }
 
       // dQ_block = dS K: this warp's 16 queries x its share of the head dim, over all keys.
