@@ -20,6 +20,9 @@
 //                dQ accumulator += dQ_block  (fp32 atomics; deterministic mode: in a fixed key-block
 //                                             order, see below)
 //   epilogue     dK * scale, dV -> dk, dv (MHA) or the fp32 per-query-head workspace (GQA/MQA)
+// Where one warp spans all queries of S^T and all columns of dK/dV (8 x 1 layouts, kPInRegisters),
+// P^T and dS^T are already the A fragments of dV and dK: dV += P^T dO runs right after P^T, dK +=
+// dS^T Q right after dS^T, both from registers, and only dS^T is stored (for dQ).
 //
 // The scale (and softcap's chain rule) is applied to dS by the end users: dK here, dQ in the
 // convert kernel. Rows with no visible key have LSE = -inf, read as +inf, so their P is 0.
