@@ -8,19 +8,21 @@
 // double-buffered, so each query block's loads land during the previous block's compute:
 //
 //   prologue     cp.async K, V, then Q, dO, LSE, dot of the first query block into stage 0
-//   per block    wait for stage s; barrier   (every warp is done with the other stage and with dS)
+//   per block    wait for stage s; barrier   (every warp is done with the other stage, P^T and dS^T)
 //                cp.async the next query block into the other stage
-//                S^T = K Q^T                 (each warp: its 16 keys x all queries, fp32 registers)
-//                softcap / ALiBi / mask; P^T = exp2(S^T log2e - LSE log2e)
-//                dV += P^T dO                (P^T straight from registers as the A operand)
-//                dP^T = V dO^T
-//                dS^T = P^T (dP^T - dot) [* softcap derivative]
-//                dK += dS^T Q                (dS^T from registers)
-//                dS^T -> shared memory; barrier
-//                dQ_block = dS K             (warps re-partitioned over queries x head dim)
+//                S^T = K Q^T                 (warps tile keys x queries, 32 x 32 where it fits)
+//                softcap / ALiBi / mask; P^T = exp2(S^T log2e - LSE log2e) -> shared memory
+//                dP^T = V dO^T               (same warp tiles)
+//                dS^T = P^T (dP^T - dot) [* softcap derivative] -> shared memory; barrier
+//                dV += P^T dO, dK += dS^T Q  (warps re-tiled over keys x head dim; P^T, dS^T read
+//                                             back with ldmatrix, dO, Q with ldmatrix.trans)
+//                dQ_block = dS K             (warps re-tiled over queries x head dim)
 //                dQ accumulator += dQ_block  (fp32 atomics; deterministic mode: in a fixed key-block
 //                                             order, see below)
 //   epilogue     dK * scale, dV -> dk, dv (MHA) or the fp32 per-query-head workspace (GQA/MQA)
+// Where one warp spans all queries of S^T and all columns of dK/dV (8 x 1 layouts, kPInRegisters),
+// P^T and dS^T are already the A fragments of dV and dK: dV += P^T dO runs right after P^T, dK +=
+// dS^T Q right after dS^T, both from registers, and only dS^T is stored (for dQ).
 //
 // The scale (and softcap's chain rule) is applied to dS by the end users: dK here, dQ in the
 // convert kernel. Rows with no visible key have LSE = -inf, read as +inf, so their P is 0.
@@ -40,34 +42,49 @@
 
 namespace flashkit::sm80 {
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kDSplit_,
-          int kMinBlocksPerSm_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kSKeyWarps_,
+          int kKvKeyWarps_, int kMinBlocksPerSm_>
 struct BwdKernelTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kWarps = kWarps_;
-  static constexpr int kDSplit = kDSplit_;
   static constexpr int kMinBlocksPerSm = kMinBlocksPerSm_;
-
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kKeyWarps = kWarps / kDSplit;        // warps along the keys, 16 keys each
-  static constexpr int kQueryTiles = kBlockM / 8;           // 8-query column tiles of S^T per warp
+
+  // S^T and dP^T (keys x queries): kSKeyWarps x kSQueryWarps warps, each kSKeyTiles 16-key row
+  // tiles x kSQueryTiles 8-query column tiles.
+  static constexpr int kSKeyWarps = kSKeyWarps_;
+  static constexpr int kSQueryWarps = kWarps / kSKeyWarps;
+  static constexpr int kSKeyTiles = kBlockN / kSKeyWarps / 16;
+  static constexpr int kSQueryTiles = kBlockM / kSQueryWarps / 8;
+  // dK and dV (keys x head dim): kKvKeyWarps x kKvDimWarps warps, each kKvKeyTiles 16-key row tiles
+  // x kKvTiles 8-column tiles.
+  static constexpr int kKvKeyWarps = kKvKeyWarps_;
+  static constexpr int kKvDimWarps = kWarps / kKvKeyWarps;
+  static constexpr int kKvKeyTiles = kBlockN / kKvKeyWarps / 16;
+  static constexpr int kKvTiles = kHeadDim / kKvDimWarps / 8;
+  // dQ (queries x head dim): kDqRowWarps x kDqColWarps warps, each 16 queries x kDqTiles tiles.
+  static constexpr int kDqRowWarps = kBlockM / 16;
+  static constexpr int kDqColWarps = kWarps / kDqRowWarps;
+  static constexpr int kDqTiles = kHeadDim / kDqColWarps / 8;
+  // With one warp across the queries in S^T and across the head dim in dK/dV, a warp's S^T rows
+  // are exactly its dK/dV rows: P^T and dS^T then feed dV and dK straight from registers (packed
+  // C fragments are A fragments) and only dS^T goes to shared memory, for dQ.
+  static constexpr bool kPInRegisters = kSQueryWarps == 1 && kKvDimWarps == 1;
+
   static constexpr int kQuerySteps = kBlockM / 16;          // k-steps of P^T dO and dS^T Q
   static constexpr int kDimSteps = kHeadDim / 16;           // k-steps of K Q^T and V dO^T
   static constexpr int kKeySteps = kBlockN / 16;            // k-steps of dS K
-  static constexpr int kKvTiles = kHeadDim / kDSplit / 8;   // 8-column tiles of dK and dV per warp
-  static constexpr int kDqRowWarps = kBlockM / 16;          // dQ phase: warps along the queries
-  static constexpr int kDqColWarps = kWarps / kDqRowWarps;  //           and along the head dim
-  static constexpr int kDqTiles = kHeadDim / kDqColWarps / 8;
 
   using KvTile = SwizzledTile<kBlockN, kHeadDim>;  // K, V
   using QTile = SwizzledTile<kBlockM, kHeadDim>;   // Q, dO
-  using DsTile = SwizzledTile<kBlockN, kBlockM>;   // dS^T: keys x queries
+  using PTile = SwizzledTile<kBlockN, kBlockM>;    // P^T, dS^T: keys x queries
 
   // Shared-memory plan (byte offsets from the dynamic shared-memory base):
-  //   [ K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | dS^T | LSE x 2 | dot x 2 ]
+  //   [ K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | P^T | dS^T | LSE x 2 | dot x 2 ]
+  // (no P^T with kPInRegisters)
   // stage s of Q (dO) is at kQOffset (kDoOffset) + s * kStageBytes; of LSE (dot) at kLseOffset
   // (kDotOffset) + s * kRowStatsBytes.
   static constexpr int kStages = 2;
@@ -76,15 +93,20 @@ struct BwdKernelTraits {
   static constexpr int kQOffset = kVOffset + KvTile::kBytes;
   static constexpr int kDoOffset = kQOffset + QTile::kBytes;
   static constexpr int kStageBytes = 2 * QTile::kBytes;
-  static constexpr int kDsOffset = kQOffset + kStages * kStageBytes;
+  static constexpr int kPOffset = kQOffset + kStages * kStageBytes;
+  static constexpr int kDsOffset = kPOffset + (kPInRegisters ? 0 : PTile::kBytes);
   static constexpr int kRowStatsBytes = kBlockM * static_cast<int>(sizeof(float));
-  static constexpr int kLseOffset = kDsOffset + DsTile::kBytes;
+  static constexpr int kLseOffset = kDsOffset + PTile::kBytes;
   static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
   static constexpr int kSmemBytes = kDotOffset + kStages * kRowStatsBytes;
 
-  static_assert(kBlockN == kKeyWarps * 16, "each key warp owns one 16-key mma row tile");
+  static_assert(kWarps % kSKeyWarps == 0 && kWarps % kKvKeyWarps == 0, "warp layouts tile the CTA");
+  static_assert(kSKeyTiles * kSKeyWarps * 16 == kBlockN, "S^T warps tile the keys in 16-key tiles");
+  static_assert(kSQueryTiles * kSQueryWarps * 8 == kBlockM, "S^T warps tile the queries");
+  static_assert(kKvKeyTiles * kKvKeyWarps * 16 == kBlockN, "dK/dV warps tile the keys in 16-key tiles");
+  static_assert(kKvTiles * kKvDimWarps * 8 == kHeadDim, "dK/dV warps tile the head dim");
   static_assert(kWarps % kDqRowWarps == 0, "dQ warps tile the query block evenly");
-  static_assert(kKvTiles % 2 == 0 && kDqTiles % 2 == 0 && kQueryTiles % 2 == 0,
+  static_assert(kKvTiles % 2 == 0 && kDqTiles % 2 == 0 && kSQueryTiles % 2 == 0,
                 "B fragments come in 16-column pairs");
   static_assert(kHeadDim % 16 == 0, "mma k-steps are 16 wide");
   static_assert(2 * kBlockM <= kThreads, "one thread per LSE / dot row copy");
@@ -208,14 +230,13 @@ struct BwdBlockLocation {
   }
 };
 
-// The forward's score transform on S^T fragments (row = key, column = query): softcap or the
-// plain scale, then ALiBi.
+// The forward's score transform on a warp's S^T fragments (row = key, column = query): softcap or
+// the plain scale, then ALiBi.
 template <typename Traits>
-__device__ __forceinline__ void transform_scores_t(float (&s)[1][Traits::kQueryTiles][4],
-                                                   const FwdProblem& p, int first_key,
-                                                   int first_query, float alibi_slope,
-                                                   int diagonal_offset) {
-  constexpr int kPerLane = Traits::kQueryTiles * 4;
+__device__ __forceinline__ void transform_scores_t(
+    float (&s)[Traits::kSKeyTiles][Traits::kSQueryTiles][4], const FwdProblem& p, int first_key,
+    int first_query, float alibi_slope, int diagonal_offset) {
+  constexpr int kPerLane = Traits::kSKeyTiles * Traits::kSQueryTiles * 4;
   float* x = &s[0][0][0];
   if (p.softcap > 0.0f) {
     const float two_over_softcap = 2.0f * p.softmax_scale / p.softcap;
@@ -230,14 +251,17 @@ __device__ __forceinline__ void transform_scores_t(float (&s)[1][Traits::kQueryT
   if (alibi_slope != 0.0f) {
     const int lane = static_cast<int>(threadIdx.x) % 32;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int key = first_key + lane / 4 + half * 8;
+    for (int kt = 0; kt < Traits::kSKeyTiles; ++kt) {
 #pragma unroll
-      for (int nt = 0; nt < Traits::kQueryTiles; ++nt) {
+      for (int half = 0; half < 2; ++half) {
+        const int key = first_key + kt * 16 + lane / 4 + half * 8;
 #pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int query = first_query + nt * 8 + (lane % 4) * 2 + e;
-          s[0][nt][2 * half + e] += alibi_bias(alibi_slope, query, key, diagonal_offset);
+        for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int query = first_query + nt * 8 + (lane % 4) * 2 + e;
+            s[kt][nt][2 * half + e] += alibi_bias(alibi_slope, query, key, diagonal_offset);
+          }
         }
       }
     }
@@ -246,21 +270,49 @@ __device__ __forceinline__ void transform_scores_t(float (&s)[1][Traits::kQueryT
 
 // Sets the S^T entries of (key, query) pairs the query may not see to -inf (cut blocks only).
 template <typename Traits>
-__device__ __forceinline__ void mask_scores_t(float (&s)[1][Traits::kQueryTiles][4],
+__device__ __forceinline__ void mask_scores_t(float (&s)[Traits::kSKeyTiles][Traits::kSQueryTiles][4],
                                               const KeyWindow& window, int first_key,
                                               int first_query) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
 #pragma unroll
-  for (int nt = 0; nt < Traits::kQueryTiles; ++nt) {
+  for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const int query = first_query + nt * 8 + (lane % 4) * 2 + e;
       const int begin = window.key_begin(query);
       const int end = window.key_end(query);
 #pragma unroll
+      for (int kt = 0; kt < Traits::kSKeyTiles; ++kt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int key = first_key + kt * 16 + lane / 4 + half * 8;
+          if (key < begin || key >= end) s[kt][nt][2 * half + e] = -INFINITY;
+        }
+      }
+    }
+  }
+}
+
+// Packs a warp's fp32 S^T-layout fragments to 16 bits and stores them into a keys x queries tile
+// (P^T or dS^T) at the warp's key and query offsets. Each 8-query column tile is one 16-byte
+// chunk of a row; the swizzle keeps the 8 rows of a store in distinct bank groups.
+template <typename Traits>
+__device__ __forceinline__ void store_keys_by_queries(
+    uint32_t tile, const float (&x)[Traits::kSKeyTiles][Traits::kSQueryTiles][4], int first_key_row,
+    int first_query_chunk) {
+  using Element = typename Traits::Element;
+  using PTile = typename Traits::PTile;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int kt = 0; kt < Traits::kSKeyTiles; ++kt) {
+#pragma unroll
+    for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
+#pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int key = first_key + lane / 4 + half * 8;
-        if (key < begin || key >= end) s[0][nt][2 * half + e] = -INFINITY;
+        const int row = first_key_row + kt * 16 + lane / 4 + half * 8;
+        const uint32_t value = pack2<Element>(x[kt][nt][2 * half], x[kt][nt][2 * half + 1]);
+        const uint32_t addr = tile + PTile::chunk_offset(row, first_query_chunk + nt) + (lane % 4) * 4;
+        asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
       }
     }
   }
@@ -272,10 +324,12 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   using Element = typename Traits::Element;
   using QTile = typename Traits::QTile;
   using KvTile = typename Traits::KvTile;
-  using DsTile = typename Traits::DsTile;
+  using PTile = typename Traits::PTile;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
-  constexpr int kQueryTiles = Traits::kQueryTiles;
+  constexpr int kSKeyTiles = Traits::kSKeyTiles;
+  constexpr int kSQueryTiles = Traits::kSQueryTiles;
+  constexpr int kKvKeyTiles = Traits::kKvKeyTiles;
   constexpr int kKvTiles = Traits::kKvTiles;
   constexpr int kDqTiles = Traits::kDqTiles;
   const FwdProblem& p = bp.fwd;
@@ -286,18 +340,25 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int key_warp = warp % Traits::kKeyWarps;
-  const int dim_part = Traits::kDSplit == 1 ? 0 : warp / Traits::kKeyWarps;
-  const uint32_t warp_key_bytes = static_cast<uint32_t>(key_warp * 16 * KvTile::kRowBytes);
+  // This warp's tile in each of the three layouts (bwd_tile_config.h).
+  const int s_first_key = (warp % Traits::kSKeyWarps) * kSKeyTiles * 16;        // S^T, dP^T rows
+  const int s_first_query =                                                     //       columns
+      Traits::kSQueryWarps == 1 ? 0 : (warp / Traits::kSKeyWarps) * kSQueryTiles * 8;
+  const int kv_first_key = (warp % Traits::kKvKeyWarps) * kKvKeyTiles * 16;     // dK, dV rows
+  const int kv_dim_part = Traits::kKvDimWarps == 1 ? 0 : warp / Traits::kKvKeyWarps;  // columns
+  const uint32_t s_key_bytes = static_cast<uint32_t>(s_first_key * KvTile::kRowBytes);
+  const uint32_t s_query_bytes = static_cast<uint32_t>(s_first_query * QTile::kRowBytes);
+  const uint32_t kv_key_bytes = static_cast<uint32_t>(kv_first_key * PTile::kRowBytes);
 
   // ldmatrix lane patterns (see SwizzledTile::LaneAddresses). Row-major A operands and transposed B
-  // operands (K, V as A with the warp's key offset; Q, dO, K as B of P^T dO, dS^T Q, dS K): row
-  // lane % 16, chunk half lane / 16. Non-transposed B operands (Q, dO of K Q^T and V dO^T) and the
-  // transposed A operand dS (from dS^T): row lane % 8 + 8 * (lane / 16), chunk half (lane / 8) % 2.
-  // K, V, Q and dO tiles all have kHeadDim columns, so one object per pattern serves them all with
-  // the tile's offset added.
+  // operands (K, V, P^T, dS^T as A with the warp's key offset; Q, dO, K as B of P^T dO, dS^T Q,
+  // dS K): row lane % 16, chunk half lane / 16. Non-transposed B operands (Q, dO of K Q^T and
+  // V dO^T) and the transposed A operand dS (from dS^T): row lane % 8 + 8 * (lane / 16), chunk
+  // half (lane / 8) % 2. K, V, Q and dO tiles all have kHeadDim columns, so one object per pattern
+  // serves them all with the tile's offset added; P^T and dS^T share one too.
   const typename KvTile::LaneAddresses row_addr(smem_base, lane % 16, lane / 16);
   const typename KvTile::LaneAddresses col_addr(smem_base, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const typename PTile::LaneAddresses p_row_addr(smem_base + kv_key_bytes, lane % 16, lane / 16);
 
   const BwdBlockLocation<Element> loc = BwdBlockLocation<Element>::locate(bp, ws.dot, kBlockN);
   const int n0 = loc.n_block * kBlockN;
@@ -325,8 +386,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     }
   }
 
-  float acc_dk[1][kKvTiles][4];
-  float acc_dv[1][kKvTiles][4];
+  float acc_dk[kKvKeyTiles][kKvTiles][4];
+  float acc_dv[kKvKeyTiles][kKvTiles][4];
   zero_accumulators(acc_dk);
   zero_accumulators(acc_dv);
 
@@ -371,19 +432,56 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     // warp's 16 queries of dS (fixed chunk) and its share of K's columns.
     const int dq_rows = warp % Traits::kDqRowWarps;
     const int dq_cols = warp / Traits::kDqRowWarps;
-    const WarpColumnAddresses<DsTile, 1> ds_addr(smem_base + Traits::kDsOffset,
+    const WarpColumnAddresses<PTile, 1> ds_addr(smem_base + Traits::kDsOffset,
                                                  lane % 8 + (lane / 16) * 8, (lane / 8) % 2, dq_rows);
     const WarpColumnAddresses<KvTile, kDqTiles / 2> k_col_addr(
         smem_base + Traits::kKOffset, lane % 16, lane / 16, dq_cols * (kDqTiles / 2));
-    // dK/dV B operands (Q, dO transposed): with one warp per key tile, the warp covers all columns
-    // and row_addr serves; with split columns the warp's run starts at a run-time step.
-    const WarpColumnAddresses<QTile, Traits::kDSplit == 1 ? 1 : kKvTiles / 2> kv_col_addr(
-        smem_base, lane % 16, lane / 16, dim_part * (kKvTiles / 2));
+    // dK/dV B operands (Q, dO transposed): with one warp across the head dim row_addr serves;
+    // with split columns the warp's run starts at a run-time step.
+    const WarpColumnAddresses<QTile, Traits::kKvDimWarps == 1 ? 1 : kKvTiles / 2> kv_col_addr(
+        smem_base, lane % 16, lane / 16, kv_dim_part * (kKvTiles / 2));
     auto kv_b_address = [&](uint32_t tile_offset, int kk, int dp) {
-      if constexpr (Traits::kDSplit == 1) {
+      if constexpr (Traits::kKvDimWarps == 1) {
         return row_addr.at(kk * 16, dp) + tile_offset;
       } else {
         return kv_col_addr.at(kk * 16, dp) + tile_offset;
+      }
+    };
+    // kPInRegisters: acc += X B, X the warp's S^T-layout fragments (P^T or dS^T) packed into A
+    // fragments, B (Q or dO, queries x head dim) read transposed from `b_tile`.
+    auto accumulate_from_registers = [&](auto& acc, const auto& x, uint32_t b_tile) {
+#pragma unroll
+      for (int kk = 0; kk < Traits::kQuerySteps; ++kk) {
+        uint32_t a[kSKeyTiles][4];
+#pragma unroll
+        for (int kt = 0; kt < kSKeyTiles; ++kt) {
+          a[kt][0] = pack2<Element>(x[kt][2 * kk][0], x[kt][2 * kk][1]);
+          a[kt][1] = pack2<Element>(x[kt][2 * kk][2], x[kt][2 * kk][3]);
+          a[kt][2] = pack2<Element>(x[kt][2 * kk + 1][0], x[kt][2 * kk + 1][1]);
+          a[kt][3] = pack2<Element>(x[kt][2 * kk + 1][2], x[kt][2 * kk + 1][3]);
+        }
+#pragma unroll
+        for (int dp = 0; dp < kKvTiles / 2; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, kv_b_address(b_tile, kk, dp));
+          mma_column_pair<Element>(acc, a, b, dp);
+        }
+      }
+    };
+    // Otherwise: acc += X B with X (P^T or dS^T) read back from the keys x queries tile at
+    // `x_tile` as row-major A fragments of the warp's dK/dV keys.
+    auto accumulate_from_shared = [&](auto& acc, uint32_t x_tile, uint32_t b_tile) {
+#pragma unroll
+      for (int kk = 0; kk < Traits::kQuerySteps; ++kk) {
+        uint32_t a[kKvKeyTiles][4];
+#pragma unroll
+        for (int kt = 0; kt < kKvKeyTiles; ++kt) ldmatrix_x4(a[kt], p_row_addr.at(kt * 16, kk) + x_tile);
+#pragma unroll
+        for (int dp = 0; dp < kKvTiles / 2; ++dp) {
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, kv_b_address(b_tile, kk, dp));
+          mma_column_pair<Element>(acc, a, b, dp);
+        }
       }
     };
 
@@ -399,17 +497,20 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       const float* lse_rows = reinterpret_cast<const float*>(smem + Traits::kLseOffset + stage * Traits::kRowStatsBytes);
       const float* dot_rows = reinterpret_cast<const float*>(smem + Traits::kDotOffset + stage * Traits::kRowStatsBytes);
 
-      // S^T = K Q^T: the warp's 16 keys against every query of the block.
-      float acc_s[1][kQueryTiles][4];
+      // S^T = K Q^T over the warp's keys x queries tile.
+      float acc_s[kSKeyTiles][kSQueryTiles][4];
       zero_accumulators(acc_s);
 #pragma unroll
       for (int kk = 0; kk < Traits::kDimSteps; ++kk) {
-        uint32_t a[1][4];
-        ldmatrix_x4(a[0], row_addr.at(0, kk) + Traits::kKOffset + warp_key_bytes);
+        uint32_t a[kSKeyTiles][4];
 #pragma unroll
-        for (int np = 0; np < kQueryTiles / 2; ++np) {
+        for (int kt = 0; kt < kSKeyTiles; ++kt) {
+          ldmatrix_x4(a[kt], row_addr.at(kt * 16, kk) + Traits::kKOffset + s_key_bytes);
+        }
+#pragma unroll
+        for (int np = 0; np < kSQueryTiles / 2; ++np) {
           uint32_t b[4];
-          ldmatrix_x4(b, col_addr.at(np * 16, kk) + Traits::kQOffset + q_stage);
+          ldmatrix_x4(b, col_addr.at(np * 16, kk) + Traits::kQOffset + q_stage + s_query_bytes);
           mma_column_pair<Element>(acc_s, a, b, np);
         }
       }
@@ -422,48 +523,44 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
       unpublished = nullptr;
 
-      const int first_key = n0 + key_warp * 16;
-      if (transform) transform_scores_t<Traits>(acc_s, p, first_key, m0, alibi_slope, diagonal);
+      const int first_key = n0 + s_first_key;
+      const int first_query = m0 + s_first_query;
+      if (transform) transform_scores_t<Traits>(acc_s, p, first_key, first_query, alibi_slope, diagonal);
       if (!window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN)) {
-        mask_scores_t<Traits>(acc_s, window, first_key, m0);
+        mask_scores_t<Traits>(acc_s, window, first_key, first_query);
       }
       // P^T = exp2(S^T * log2_scale - LSE * log2e). A row without keys has LSE = -inf: +inf gives P = 0.
 #pragma unroll
-      for (int nt = 0; nt < kQueryTiles; ++nt) {
-        const float2 lse = *reinterpret_cast<const float2*>(lse_rows + nt * 8 + (lane % 4) * 2);
+      for (int nt = 0; nt < kSQueryTiles; ++nt) {
+        const float2 lse = *reinterpret_cast<const float2*>(lse_rows + s_first_query + nt * 8 + (lane % 4) * 2);
         const float lse2[2] = {lse.x == -INFINITY ? INFINITY : lse.x * kLog2e,
                                lse.y == -INFINITY ? INFINITY : lse.y * kLog2e};
 #pragma unroll
-        for (int i = 0; i < 4; ++i) acc_s[0][nt][i] = exp2f(acc_s[0][nt][i] * log2_scale - lse2[i % 2]);
-      }
-
-      // dV += P^T dO.
+        for (int kt = 0; kt < kSKeyTiles; ++kt) {
 #pragma unroll
-      for (int kk = 0; kk < Traits::kQuerySteps; ++kk) {
-        uint32_t a[1][4];
-        a[0][0] = pack2<Element>(acc_s[0][2 * kk][0], acc_s[0][2 * kk][1]);
-        a[0][1] = pack2<Element>(acc_s[0][2 * kk][2], acc_s[0][2 * kk][3]);
-        a[0][2] = pack2<Element>(acc_s[0][2 * kk + 1][0], acc_s[0][2 * kk + 1][1]);
-        a[0][3] = pack2<Element>(acc_s[0][2 * kk + 1][2], acc_s[0][2 * kk + 1][3]);
-#pragma unroll
-        for (int dp = 0; dp < kKvTiles / 2; ++dp) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, kv_b_address(Traits::kDoOffset + q_stage, kk, dp));
-          mma_column_pair<Element>(acc_dv, a, b, dp);
+          for (int i = 0; i < 4; ++i) acc_s[kt][nt][i] = exp2f(acc_s[kt][nt][i] * log2_scale - lse2[i % 2]);
         }
+      }
+      if constexpr (Traits::kPInRegisters) {
+        accumulate_from_registers(acc_dv, acc_s, Traits::kDoOffset + q_stage);  // dV += P^T dO
+      } else {
+        store_keys_by_queries<Traits>(smem_base + Traits::kPOffset, acc_s, s_first_key, s_first_query / 8);
       }
 
       // dP^T = V dO^T.
-      float acc_dp[1][kQueryTiles][4];
+      float acc_dp[kSKeyTiles][kSQueryTiles][4];
       zero_accumulators(acc_dp);
 #pragma unroll
       for (int kk = 0; kk < Traits::kDimSteps; ++kk) {
-        uint32_t a[1][4];
-        ldmatrix_x4(a[0], row_addr.at(0, kk) + Traits::kVOffset + warp_key_bytes);
+        uint32_t a[kSKeyTiles][4];
 #pragma unroll
-        for (int np = 0; np < kQueryTiles / 2; ++np) {
+        for (int kt = 0; kt < kSKeyTiles; ++kt) {
+          ldmatrix_x4(a[kt], row_addr.at(kt * 16, kk) + Traits::kVOffset + s_key_bytes);
+        }
+#pragma unroll
+        for (int np = 0; np < kSQueryTiles / 2; ++np) {
           uint32_t b[4];
-          ldmatrix_x4(b, col_addr.at(np * 16, kk) + Traits::kDoOffset + q_stage);
+          ldmatrix_x4(b, col_addr.at(np * 16, kk) + Traits::kDoOffset + q_stage + s_query_bytes);
           mma_column_pair<Element>(acc_dp, a, b, np);
         }
       }
@@ -473,60 +570,46 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       // One uniform branch, so the common path's loop carries no per-element test.
       if (p.softcap > 0.0f) {
 #pragma unroll
-        for (int nt = 0; nt < kQueryTiles; ++nt) {
-          const int column = nt * 8 + (lane % 4) * 2;
+        for (int kt = 0; kt < kSKeyTiles; ++kt) {
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float prob = acc_s[0][nt][i];
-            const int query = m0 + column + i % 2;
-            const int key = first_key + lane / 4 + (i / 2) * 8;
-            const float bias = alibi_slope != 0.0f ? alibi_bias(alibi_slope, query, key, diagonal) : 0.0f;
-            const float tanh_u = (__logf(prob) + lse_rows[column + i % 2] - bias) / p.softcap;
-            const float ds = prob * (acc_dp[0][nt][i] - dot_rows[column + i % 2]);
-            acc_dp[0][nt][i] = prob > 0.0f ? ds * (1.0f - tanh_u * tanh_u) : 0.0f;
+          for (int nt = 0; nt < kSQueryTiles; ++nt) {
+            const int column = s_first_query + nt * 8 + (lane % 4) * 2;
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float prob = acc_s[kt][nt][i];
+              const int query = m0 + column + i % 2;
+              const int key = first_key + kt * 16 + lane / 4 + (i / 2) * 8;
+              const float bias = alibi_slope != 0.0f ? alibi_bias(alibi_slope, query, key, diagonal) : 0.0f;
+              const float tanh_u = (__logf(prob) + lse_rows[column + i % 2] - bias) / p.softcap;
+              const float ds = prob * (acc_dp[kt][nt][i] - dot_rows[column + i % 2]);
+              acc_dp[kt][nt][i] = prob > 0.0f ? ds * (1.0f - tanh_u * tanh_u) : 0.0f;
+            }
           }
         }
       } else {
 #pragma unroll
-        for (int nt = 0; nt < kQueryTiles; ++nt) {
-          const float2 dot = *reinterpret_cast<const float2*>(dot_rows + nt * 8 + (lane % 4) * 2);
+        for (int nt = 0; nt < kSQueryTiles; ++nt) {
+          const float2 dot = *reinterpret_cast<const float2*>(dot_rows + s_first_query + nt * 8 + (lane % 4) * 2);
 #pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            acc_dp[0][nt][i] = acc_s[0][nt][i] * (acc_dp[0][nt][i] - (i % 2 == 0 ? dot.x : dot.y));
+          for (int kt = 0; kt < kSKeyTiles; ++kt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              acc_dp[kt][nt][i] = acc_s[kt][nt][i] * (acc_dp[kt][nt][i] - (i % 2 == 0 ? dot.x : dot.y));
+            }
           }
         }
       }
-
-      // dK += dS^T Q.
-#pragma unroll
-      for (int kk = 0; kk < Traits::kQuerySteps; ++kk) {
-        uint32_t a[1][4];
-        a[0][0] = pack2<Element>(acc_dp[0][2 * kk][0], acc_dp[0][2 * kk][1]);
-        a[0][1] = pack2<Element>(acc_dp[0][2 * kk][2], acc_dp[0][2 * kk][3]);
-        a[0][2] = pack2<Element>(acc_dp[0][2 * kk + 1][0], acc_dp[0][2 * kk + 1][1]);
-        a[0][3] = pack2<Element>(acc_dp[0][2 * kk + 1][2], acc_dp[0][2 * kk + 1][3]);
-#pragma unroll
-        for (int dp = 0; dp < kKvTiles / 2; ++dp) {
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, kv_b_address(Traits::kQOffset + q_stage, kk, dp));
-          mma_column_pair<Element>(acc_dk, a, b, dp);
-        }
+      if constexpr (Traits::kPInRegisters) {
+        accumulate_from_registers(acc_dk, acc_dp, Traits::kQOffset + q_stage);  // dK += dS^T Q
       }
+      store_keys_by_queries<Traits>(smem_base + Traits::kDsOffset, acc_dp, s_first_key, s_first_query / 8);
+      __syncthreads();  // P^T and dS^T complete
 
-      // dS^T to shared memory for the dQ GEMM (one warp per key tile writes it).
-      if (dim_part == 0) {
-#pragma unroll
-        for (int nt = 0; nt < kQueryTiles; ++nt) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-            const int row = key_warp * 16 + lane / 4 + half * 8;
-            const uint32_t value = pack2<Element>(acc_dp[0][nt][2 * half], acc_dp[0][nt][2 * half + 1]);
-            const uint32_t addr = smem_base + Traits::kDsOffset + DsTile::chunk_offset(row, nt) + (lane % 4) * 4;
-            asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
-          }
-        }
+      // Otherwise dV += P^T dO and dK += dS^T Q over the warp's keys x head-dim tile.
+      if constexpr (!Traits::kPInRegisters) {
+        accumulate_from_shared(acc_dv, Traits::kPOffset, Traits::kDoOffset + q_stage);
+        accumulate_from_shared(acc_dk, Traits::kDsOffset, Traits::kQOffset + q_stage);
       }
-      __syncthreads();
 
       // dQ_block = dS K: this warp's 16 queries x its share of the head dim, over all keys.
       float acc_dq[1][kDqTiles][4];
@@ -609,24 +692,27 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int64_t expanded_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
   const int64_t expanded_base = loc.k_flat * expanded_row_stride + static_cast<int64_t>(loc.head) * p.head_dim;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = n0 + key_warp * 16 + lane / 4 + half * 8;
-    if (key >= loc.len_k_rows) continue;
+  for (int kt = 0; kt < kKvKeyTiles; ++kt) {
 #pragma unroll
-    for (int dt = 0; dt < kKvTiles; ++dt) {
-      const int col = (dim_part * kKvTiles + dt) * 8 + (lane % 4) * 2;
-      if (col >= p.head_dim) continue;
-      const float dk0 = acc_dk[0][dt][2 * half] * p.softmax_scale;
-      const float dk1 = acc_dk[0][dt][2 * half + 1] * p.softmax_scale;
-      const float dv0 = acc_dv[0][dt][2 * half];
-      const float dv1 = acc_dv[0][dt][2 * half + 1];
-      if (grouped) {
-        const int64_t offset = expanded_base + key * expanded_row_stride + col;
-        *reinterpret_cast<float2*>(ws.dk_expanded + offset) = make_float2(dk0, dk1);
-        *reinterpret_cast<float2*>(ws.dv_expanded + offset) = make_float2(dv0, dv1);
-      } else {
-        *reinterpret_cast<uint32_t*>(dk + key * bp.dk_row_stride + col) = pack2<Element>(dk0, dk1);
-        *reinterpret_cast<uint32_t*>(dv + key * bp.dv_row_stride + col) = pack2<Element>(dv0, dv1);
+    for (int half = 0; half < 2; ++half) {
+      const int key = n0 + kv_first_key + kt * 16 + lane / 4 + half * 8;
+      if (key >= loc.len_k_rows) continue;
+#pragma unroll
+      for (int dt = 0; dt < kKvTiles; ++dt) {
+        const int col = (kv_dim_part * kKvTiles + dt) * 8 + (lane % 4) * 2;
+        if (col >= p.head_dim) continue;
+        const float dk0 = acc_dk[kt][dt][2 * half] * p.softmax_scale;
+        const float dk1 = acc_dk[kt][dt][2 * half + 1] * p.softmax_scale;
+        const float dv0 = acc_dv[kt][dt][2 * half];
+        const float dv1 = acc_dv[kt][dt][2 * half + 1];
+        if (grouped) {
+          const int64_t offset = expanded_base + key * expanded_row_stride + col;
+          *reinterpret_cast<float2*>(ws.dk_expanded + offset) = make_float2(dk0, dk1);
+          *reinterpret_cast<float2*>(ws.dv_expanded + offset) = make_float2(dv0, dv1);
+        } else {
+          *reinterpret_cast<uint32_t*>(dk + key * bp.dk_row_stride + col) = pack2<Element>(dk0, dk1);
+          *reinterpret_cast<uint32_t*>(dv + key * bp.dv_row_stride + col) = pack2<Element>(dv0, dv1);
+        }
       }
     }
   }

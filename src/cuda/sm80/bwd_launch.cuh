@@ -36,7 +36,7 @@ void run_bwd(const BwdProblem& problem, void* stream) {
   static_assert(kTile.block_m > 0, "no tile configuration for this head-dim family");
   using Element = typename ElementOf<kDType>::type;
   using Traits = BwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.warps,
-                                 kTile.dsplit, kTile.min_blocks_per_sm>;
+                                 kTile.s_key_warps, kTile.kv_key_warps, kTile.min_blocks_per_sm>;
   const FwdProblem& p = problem.fwd;
   auto* s = static_cast<cudaStream_t>(stream);
   const BwdWorkspaceLayout layout = BwdWorkspaceLayout::of(problem);
