@@ -13,6 +13,9 @@
 #              both forward paths run it (gpu_tests takes the automatic choice, sm90 there); skipped
 #              with FLASHKIT_SKIP_SM80_RERUN=1
 #   cpu_tests  flashkit_cpu_tests
+#   python_tests  tests/python (pytest) against the extension the build staged in <build>/python
+#              (FLASHKIT_PYTHON=AUTO builds it where python3 imports torch), on the GPU;
+#              [-k $FLASHKIT_PYTEST_FILTER]
 #   memcheck, racecheck   only with FLASHKIT_SANITIZE=1: compute-sanitizer on the GPU tests
 #              [--gtest_filter=$FLASHKIT_SANITIZE_FILTER]
 #   bench      flashkit_bench (--quick with FLASHKIT_BENCH_QUICK=1; grid flags from
@@ -143,6 +146,12 @@ step_cpu_tests() {
   "$BUILD_DIR/tests/cpp/flashkit_cpu_tests"
 }
 
+step_python_tests() {
+  local args=(-rf)
+  if [ -n "${FLASHKIT_PYTEST_FILTER:-}" ]; then args+=(-k "$FLASHKIT_PYTEST_FILTER"); fi
+  bash scripts/python_tests.sh "$BUILD_DIR" "${args[@]}"
+}
+
 sanitize() {  # sanitize TOOL
   compute-sanitizer --tool "$1" --error-exitcode 99 "$BUILD_DIR/tests/cpp/flashkit_gpu_tests" \
     "--gtest_filter=${FLASHKIT_SANITIZE_FILTER:-*}"
@@ -239,7 +248,7 @@ run_step env
 run_step configure
 if ok configure; then run_step build; else skip_step build "configure failed"; fi
 
-for t in gpu_tests gpu_tests_sm80 cpu_tests; do
+for t in gpu_tests gpu_tests_sm80 cpu_tests python_tests; do
   if [ "${FLASHKIT_SKIP_TESTS:-0}" = 1 ]; then skip_step $t "FLASHKIT_SKIP_TESTS=1"
   elif [ $t = gpu_tests_sm80 ] && [ "${FLASHKIT_SKIP_SM80_RERUN:-0}" = 1 ]; then
     skip_step $t "FLASHKIT_SKIP_SM80_RERUN=1"
@@ -317,6 +326,7 @@ summary() {
   for t in gpu_tests gpu_tests_sm80 cpu_tests; do
     if [ -e "$SCRATCH/$t.log" ]; then echo "$t: $(test_counts "$SCRATCH/$t.log")"; fi
   done
+  last_line python_tests ' in [0-9.]*s'
   last_line memcheck 'SUMMARY:'
   last_line racecheck 'SUMMARY:'
   last_line bench 'cases failed'
