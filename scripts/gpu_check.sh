@@ -188,6 +188,7 @@ step_report() {
 }
 
 export -f step_env step_configure step_build step_gpu_tests step_gpu_tests_sm80 step_cpu_tests \
+  step_python_tests \
   sanitize step_memcheck \
   step_racecheck step_bench step_peers step_report
 

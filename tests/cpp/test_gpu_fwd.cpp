@@ -614,32 +614,6 @@ TEST_F(GpuFwdTest, UnbuiltHeadDimIsRejected) {
 // Forcing a forward path (FLASHKIT_FWD_PATH)
 // ------------------------------------------------------------------------------------------------
 
-// Sets an environment variable for one scope and restores the caller's value (the whole binary may
-// run under FLASHKIT_FWD_PATH=sm80).
-class ScopedEnv {
- public:
-  ScopedEnv(const char* name, const char* value) : name_(name) {
-    const char* old = std::getenv(name);
-    had_ = old != nullptr;
-    if (had_) old_ = old;
-    setenv(name, value, 1);
-  }
-  ~ScopedEnv() {
-    if (had_) {
-      setenv(name_, old_.c_str(), 1);
-    } else {
-      unsetenv(name_);
-    }
-  }
-  ScopedEnv(const ScopedEnv&) = delete;
-  ScopedEnv& operator=(const ScopedEnv&) = delete;
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string old_;
-};
-
 // Whether FLASHKIT_FWD_PATH=sm90 can run (dtype, head dim) here: a compute capability 9.0 device and
 // the sm90 kernel of its family (64, 128 or 256) in this build (build_config.h's list).
 bool sm90_runs([[maybe_unused]] DType dtype, int head_dim) {
