@@ -183,15 +183,16 @@ def _packed_lse(softmax_lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 total_q: int) -> torch.Tensor:
     """flashkit's varlen LSE [batch, heads, max_seqlen_q] as flash_attn 2.x's [heads, total_q].
     Tokens past cu_seqlens_q[-1] (unused tail rows) get -inf."""
-    batch = softmax_lse.shape[0]
+    batch, heads, max_seqlen_q = softmax_lse.shape
     tokens = torch.arange(total_q, device=softmax_lse.device, dtype=cu_seqlens_q.dtype)
     seq = torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True)
     in_batch = seq < batch
     seq = seq.clamp(max=batch - 1)
-    row = (tokens - cu_seqlens_q[seq]).clamp(0, softmax_lse.shape[2] - 1)
-    packed = softmax_lse[seq.long(), :, row.long()]  # [total_q, heads]
-    packed = torch.where(in_batch[:, None], packed, float("-inf"))
-    return packed.t().contiguous()
+    row = (tokens - cu_seqlens_q[seq]).clamp(0, max_seqlen_q - 1)
+    # One gather along the flattened (sequence, row) axis of [heads, batch * max_seqlen_q].
+    by_head = softmax_lse.permute(1, 0, 2).reshape(heads, batch * max_seqlen_q)
+    packed = by_head.index_select(1, seq.long() * max_seqlen_q + row.long())  # [heads, total_q]
+    return torch.where(in_batch[None, :], packed, float("-inf")).contiguous()
 
 
 def _result(out, softmax_lse, return_attn_probs):
