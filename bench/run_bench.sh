@@ -15,6 +15,10 @@
 #   FLASHKIT_GIT_COMMIT      recorded in the results (default: git describe of this checkout)
 # Exits non-zero when a tool failed (flashkit_bench fails when any case failed its checks).
 #
+# Then the decode benchmark: BUILD_DIR/bench/flashkit_bench_decode and bench/peers_decode.py (SDPA
+# flash and cuDNN on its grid), written as <results>/<gpu>-<yyyy-mm-dd>-decode.json and .md;
+# FLASHKIT_SKIP_DECODE=1 leaves it out.
+#
 # When BUILD_DIR staged the PyTorch extension (BUILD_DIR/python/flashkit/_C*.so), `python -m
 # flashkit.bench` takes peers.py's place: the same peers through peers.py's harness, plus flashkit's
 # Python front end (impl flashkit_py), in one run; the PNG plot is then written beside the table.
@@ -87,4 +91,17 @@ if [ "$front_end" = 1 ]; then
     python3 -m flashkit.bench --plot "$(sed -n 1p <<<"$written")" || status=$?
 fi
 echo "run_bench.sh: wrote $(tr '\n' ' ' <<<"$written")"
+
+decode="$build_dir/bench/flashkit_bench_decode"
+if [ "${FLASHKIT_SKIP_DECODE:-0}" != 1 ] && [ -x "$decode" ]; then
+  "$decode" --json "$raw/decode.json" || status=$?
+  gpu=$(PYTHONPATH=bench python3 -c \
+    'import json, sys, report; print(report.slug(json.load(open(sys.argv[1]))["gpu"]))' \
+    "$raw/decode.json")
+  stem="$results/$gpu-$(date -u +%Y-%m-%d)-decode"
+  python3 bench/peers_decode.py --flashkit "$raw/decode.json" --json "$stem.json" --md "$stem.md" \
+    || status=$?
+  cat "$stem.md"
+  echo "run_bench.sh: wrote $stem.json $stem.md"
+fi
 exit "$status"
