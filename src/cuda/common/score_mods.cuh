@@ -12,6 +12,24 @@
 
 namespace flashkit::sm80 {
 
+// Raw dot products to scores in natural units, `kCount` of them in place: softcap * tanh(scale * x /
+// softcap) when softcap is on, else scale * x. One uniform branch, unrolled loops on either side.
+template <int kCount>
+__device__ __forceinline__ void scale_or_softcap(float* x, const FwdProblem& p) {
+  if (p.softcap > 0.0f) {
+    // softcap * tanh(y), tanh(y) = 1 - 2 / (exp(2y) + 1): accurate to ~1e-7 absolute with the fast
+    // exp, unlike tanh.approx (~5e-4 relative), which softcap would magnify by `softcap`.
+    const float two_over_softcap = 2.0f * p.softmax_scale / p.softcap;
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) {
+      x[i] = p.softcap * (1.0f - __fdividef(2.0f, __expf(x[i] * two_over_softcap) + 1.0f));
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kCount; ++i) x[i] *= p.softmax_scale;
+  }
+}
+
 // Softcap and ALiBi turn the raw dot products into scores in natural units. Each modification is
 // one loop behind one uniform branch, so the unrolled per-element code carries no branches and the
 // main loop's code stays compact (three inlined variants, one per combination, cost 3% at d128).
@@ -19,20 +37,7 @@ template <typename Traits>
 __device__ __forceinline__ void transform_scores(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
                                                  const FwdProblem& p, int first_row, int first_key,
                                                  float alibi_slope, int diagonal_offset) {
-  constexpr int kPerLane = Traits::kMTiles * Traits::kNTiles * 4;
-  float* x = &s[0][0][0];
-  if (p.softcap > 0.0f) {
-    // softcap * tanh(y), tanh(y) = 1 - 2 / (exp(2y) + 1): accurate to ~1e-7 absolute with the fast
-    // exp, unlike tanh.approx (~5e-4 relative), which softcap would magnify by `softcap`.
-    const float two_over_softcap = 2.0f * p.softmax_scale / p.softcap;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      x[i] = p.softcap * (1.0f - __fdividef(2.0f, __expf(x[i] * two_over_softcap) + 1.0f));
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) x[i] *= p.softmax_scale;
-  }
+  scale_or_softcap<Traits::kMTiles * Traits::kNTiles * 4>(&s[0][0][0], p);
   if (alibi_slope != 0.0f) {
     const int lane = static_cast<int>(threadIdx.x) % 32;
 #pragma unroll

@@ -36,6 +36,7 @@
 #include "common/bwd_problem.h"
 #include "cuda/common/attention_mask.cuh"
 #include "cuda/common/mma_sm80.cuh"
+#include "cuda/common/score_mods.cuh"
 #include "cuda/common/swizzled_tile.cuh"
 #include "cuda/sm80/bwd_workspace_pointers.cuh"
 #include "cuda/sm80/fwd_kernel.cuh"
@@ -236,18 +237,7 @@ template <typename Traits>
 __device__ __forceinline__ void transform_scores_t(
     float (&s)[Traits::kSKeyTiles][Traits::kSQueryTiles][4], const FwdProblem& p, int first_key,
     int first_query, float alibi_slope, int diagonal_offset) {
-  constexpr int kPerLane = Traits::kSKeyTiles * Traits::kSQueryTiles * 4;
-  float* x = &s[0][0][0];
-  if (p.softcap > 0.0f) {
-    const float two_over_softcap = 2.0f * p.softmax_scale / p.softcap;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      x[i] = p.softcap * (1.0f - __fdividef(2.0f, __expf(x[i] * two_over_softcap) + 1.0f));
-    }
-  } else {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) x[i] *= p.softmax_scale;
-  }
+  scale_or_softcap<Traits::kSKeyTiles * Traits::kSQueryTiles * 4>(&s[0][0][0], p);
   if (alibi_slope != 0.0f) {
     const int lane = static_cast<int>(threadIdx.x) % 32;
 #pragma unroll
