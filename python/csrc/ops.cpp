@@ -73,8 +73,10 @@ void check_no_dropout(const char* fn, double dropout_p) {
               "; the flashkit Python front end does not support dropout yet (0 only)");
 }
 
-// The forward's tensors and options, shared by the fixed-length and varlen operators.
-void fill_fwd_common(const char* fn, FwdCommon& p, const at::Tensor& q, const at::Tensor& k,
+// The tensors and options the forward and the backward share, fixed-length and varlen alike
+// (FwdCommon and BwdCommon name them the same).
+template <typename Common>
+void fill_fwd_common(const char* fn, Common& p, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
                      const OptionalTensor& alibi_slopes, double dropout_p, double softmax_scale,
                      bool causal, int64_t window_left, int64_t window_right, double softcap) {
@@ -96,20 +98,12 @@ void fill_bwd_common(const char* fn, BwdCommon& p, const at::Tensor& dout, const
                      const at::Tensor& dv, const OptionalTensor& alibi_slopes, double dropout_p,
                      double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
                      double softcap, bool deterministic) {
+  fill_fwd_common(fn, p, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale, causal,
+                  window_left, window_right, softcap);
   p.dout = to_view(fn, "dout", dout);
-  p.q = to_view(fn, "q", q);
-  p.k = to_view(fn, "k", k);
-  p.v = to_view(fn, "v", v);
-  p.out = to_view(fn, "out", out);
-  p.softmax_lse = to_view(fn, "softmax_lse", softmax_lse);
   p.dq = to_view(fn, "dq", dq);
   p.dk = to_view(fn, "dk", dk);
   p.dv = to_view(fn, "dv", dv);
-  p.alibi_slopes = to_optional_view(fn, "alibi_slopes", alibi_slopes);
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.softcap = static_cast<float>(softcap);
-  p.mask = make_mask(causal, window_left, window_right);
-  check_no_dropout(fn, dropout_p);
   p.deterministic = deterministic;
 }
 
