@@ -3,6 +3,7 @@
 #include "api/tensor_checks.h"
 
 #include <climits>
+#include <cmath>
 
 namespace flashkit::api {
 
@@ -126,6 +127,38 @@ void check_cuda_vector_alignment(const char* fn, const char* name, const TensorV
 void check_device_index(const char* fn, const TensorView& q) {
   if (q.device.kind == DeviceKind::kCuda && q.device.index < 0) {
     fail(fn, "q.device is ", device_string(q.device), "; a CUDA device index must be >= 0");
+  }
+}
+
+int64_t check_alibi(const char* fn, const TensorView& alibi, int64_t batch, int64_t heads_q) {
+  const bool per_head = alibi.rank == 1 && alibi.sizes[0] == heads_q;
+  const bool per_batch_and_head =
+      alibi.rank == 2 && alibi.sizes[0] == batch && alibi.sizes[1] == heads_q;
+  if (!per_head && !per_batch_and_head) {
+    fail(fn, "alibi_slopes has shape ", alibi.shape_string(),
+         "; expected [heads_q] = ", shape_string({heads_q}),
+         " or [batch, heads_q] = ", shape_string({batch, heads_q}));
+  }
+  check_last_dim_contiguous(fn, "alibi_slopes", alibi);
+  check_data_pointer(fn, "alibi_slopes", alibi);
+  return per_batch_and_head ? alibi.strides[0] : 0;
+}
+
+
+void check_score_options(const char* fn, float softmax_scale, float softcap,
+                         const MaskSpec& mask) {
+  if (!(softmax_scale >= 0.0f) || std::isinf(softmax_scale)) {
+    fail(fn, "softmax_scale is ", softmax_scale,
+         "; it must be finite and >= 0 (0 means 1/sqrt(head_dim))");
+  }
+  if (!(softcap >= 0.0f) || std::isinf(softcap)) {
+    fail(fn, "softcap is ", softcap, "; it must be finite and >= 0 (0 turns it off)");
+  }
+  if (mask.window_left < -1) {
+    fail(fn, "mask.window_left is ", mask.window_left, "; it must be >= 0, or -1 for unbounded");
+  }
+  if (mask.window_right < -1) {
+    fail(fn, "mask.window_right is ", mask.window_right, "; it must be >= 0, or -1 for unbounded");
   }
 }
 

@@ -13,6 +13,7 @@
 #include <string>
 
 #include "flashkit/error.h"
+#include "flashkit/params.h"
 #include "flashkit/tensor.h"
 
 namespace flashkit::api {
@@ -59,5 +60,12 @@ void check_data_pointer(const char* fn, const char* name, const TensorView& view
 void check_cuda_vector_alignment(const char* fn, const char* name, const TensorView& view);
 // A CUDA device index must be >= 0.
 void check_device_index(const char* fn, const TensorView& q);
+
+// ALiBi slopes of shape [heads_q] or [batch, heads_q] with a contiguous last dim (the caller
+// checks dtype and device); returns the batch stride of the slopes (0 for one slope per head).
+int64_t check_alibi(const char* fn, const TensorView& alibi, int64_t batch, int64_t heads_q);
+// softmax_scale and softcap finite and >= 0, window sides >= -1: the score options every
+// attention entry point takes.
+void check_score_options(const char* fn, float softmax_scale, float softcap, const MaskSpec& mask);
 
 }  // namespace flashkit::api

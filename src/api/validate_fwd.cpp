@@ -76,36 +76,8 @@ void check_layouts(const char* fn, const FwdCommon& p) {
   }
 }
 
-// Returns the batch stride of the slopes (0 for one slope per head).
-int64_t check_alibi(const char* fn, const TensorView& alibi, int64_t batch, int64_t heads_q) {
-  const bool per_head = alibi.rank == 1 && alibi.sizes[0] == heads_q;
-  const bool per_batch_and_head =
-      alibi.rank == 2 && alibi.sizes[0] == batch && alibi.sizes[1] == heads_q;
-  if (!per_head && !per_batch_and_head) {
-    fail(fn, "alibi_slopes has shape ", alibi.shape_string(),
-         "; expected [heads_q] = ", shape_string({heads_q}),
-         " or [batch, heads_q] = ", shape_string({batch, heads_q}));
-  }
-  check_last_dim_contiguous(fn, "alibi_slopes", alibi);
-  check_data_pointer(fn, "alibi_slopes", alibi);
-  return per_batch_and_head ? alibi.strides[0] : 0;
-}
-
 void check_scalars(const char* fn, const FwdCommon& p) {
-  if (!(p.softmax_scale >= 0.0f) || std::isinf(p.softmax_scale)) {
-    fail(fn, "softmax_scale is ", p.softmax_scale,
-         "; it must be finite and >= 0 (0 means 1/sqrt(head_dim))");
-  }
-  if (!(p.softcap >= 0.0f) || std::isinf(p.softcap)) {
-    fail(fn, "softcap is ", p.softcap, "; it must be finite and >= 0 (0 turns it off)");
-  }
-  if (p.mask.window_left < -1) {
-    fail(fn, "mask.window_left is ", p.mask.window_left, "; it must be >= 0, or -1 for unbounded");
-  }
-  if (p.mask.window_right < -1) {
-    fail(fn, "mask.window_right is ", p.mask.window_right,
-         "; it must be >= 0, or -1 for unbounded");
-  }
+  check_score_options(fn, p.softmax_scale, p.softcap, p.mask);
   // p = 1 would drop everything and scale by 1 / 0; FlashAttention rejects it too.
   if (!(p.dropout.p >= 0.0f && p.dropout.p < 1.0f)) {
     fail(fn, "dropout.p is ", p.dropout.p, "; it must be in [0, 1)");

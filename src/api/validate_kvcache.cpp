@@ -258,34 +258,11 @@ void check_and_fill_options(const MhaFwdKvcacheParams& p, KvcacheProblem& proble
   if (p.alibi_slopes.defined()) {
     check_dtype(kFn, "alibi_slopes", p.alibi_slopes, DType::kFloat32);
     check_same_device_as_q(kFn, "alibi_slopes", p.alibi_slopes, p.q);
-    const bool per_head = p.alibi_slopes.rank == 1 && p.alibi_slopes.sizes[0] == problem.heads_q;
-    const bool per_batch_and_head = p.alibi_slopes.rank == 2 &&
-                                    p.alibi_slopes.sizes[0] == problem.batch &&
-                                    p.alibi_slopes.sizes[1] == problem.heads_q;
-    if (!per_head && !per_batch_and_head) {
-      fail(kFn, "alibi_slopes has shape ", p.alibi_slopes.shape_string(), "; expected [heads_q] = ",
-           shape_string({problem.heads_q}), " or [batch, heads_q] = ",
-           shape_string({problem.batch, problem.heads_q}));
-    }
-    check_last_dim_contiguous(kFn, "alibi_slopes", p.alibi_slopes);
-    check_data_pointer(kFn, "alibi_slopes", p.alibi_slopes);
+    problem.alibi_batch_stride =
+        check_alibi(kFn, p.alibi_slopes, problem.batch, problem.heads_q);
     problem.alibi_slopes = static_cast<const float*>(p.alibi_slopes.data);
-    problem.alibi_batch_stride = per_batch_and_head ? p.alibi_slopes.strides[0] : 0;
   }
-  if (!(p.softmax_scale >= 0.0f) || std::isinf(p.softmax_scale)) {
-    fail(kFn, "softmax_scale is ", p.softmax_scale,
-         "; it must be finite and >= 0 (0 means 1/sqrt(head_dim))");
-  }
-  if (!(p.softcap >= 0.0f) || std::isinf(p.softcap)) {
-    fail(kFn, "softcap is ", p.softcap, "; it must be finite and >= 0 (0 turns it off)");
-  }
-  if (p.mask.window_left < -1) {
-    fail(kFn, "mask.window_left is ", p.mask.window_left, "; it must be >= 0, or -1 for unbounded");
-  }
-  if (p.mask.window_right < -1) {
-    fail(kFn, "mask.window_right is ", p.mask.window_right,
-         "; it must be >= 0, or -1 for unbounded");
-  }
+  check_score_options(kFn, p.softmax_scale, p.softcap, p.mask);
   if (p.num_splits < 0 || p.num_splits > kMaxKvcacheSplits) {
     fail(kFn, "num_splits is ", p.num_splits, "; supported: 0 (chosen by flashkit), 1 (no split) to ",
          kMaxKvcacheSplits);
