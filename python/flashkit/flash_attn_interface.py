@@ -185,7 +185,10 @@ def _packed_lse(softmax_lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
     Tokens past cu_seqlens_q[-1] (unused tail rows) get -inf."""
     batch, heads, max_seqlen_q = softmax_lse.shape
     tokens = torch.arange(total_q, device=softmax_lse.device, dtype=cu_seqlens_q.dtype)
-    seq = torch.searchsorted(cu_seqlens_q[1:].contiguous(), tokens, right=True)
+    # The sequence of each token: how many of cu_seqlens_q[1:] are <= it, counted on the whole
+    # cu_seqlens_q (minus its leading 0): torch.compile's Triton searchsorted ignores the offset of a
+    # sliced boundary tensor and answers off by one (pytorch/pytorch#182343, torch 2.11).
+    seq = torch.searchsorted(cu_seqlens_q, tokens, right=True) - 1
     in_batch = seq < batch
     seq = seq.clamp(max=batch - 1)
     row = (tokens - cu_seqlens_q[seq]).clamp(0, max_seqlen_q - 1)

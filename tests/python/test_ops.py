@@ -82,12 +82,7 @@ def test_compile_fullgraph(device, dynamic):
         assert torch.equal(compiled(q, k, v), attention(q, k, v))
 
 
-def test_compile_fullgraph_varlen(device, request):
-    if device == "cuda":
-        # Seen on the H200 machine (torch 2.11, 2026-11-23): compiled with dynamic=True on CUDA, out
-        # matches eager bit for bit but the packed softmax_lse does not; on the CPU both match. Not
-        # yet understood (open in the front end's issue); strict, so it reports once it passes.
-        request.applymarker(pytest.mark.xfail(strict=True, reason="compiled varlen LSE on CUDA"))
+def test_compile_fullgraph_varlen(device):
     torch._dynamo.reset()
 
     def attention(q, k, v, cu, max_seqlen):
