@@ -30,10 +30,17 @@ struct MaskSpec {
 // scores. A call draws from the Philox counters offset .. offset + ceil(seqlen_k / 32) - 1 (varlen:
 // max_seqlen_k): advance the offset by at least that much between calls that should draw
 // independent masks. src/common/philox.h defines the mask exactly.
+//
+// rng_state (CUDA views only; optional): device memory holding int64 {seed, base offset}. When set,
+// the kernels read the key there when they run, as seed = rng_state[0] and offset = rng_state[1] +
+// offset, and `seed` is ignored. This is for callers that do not know the key on the host when they
+// enqueue the call: a CUDA graph being captured, whose generator state lives on the device and
+// changes between replays (PyTorch's Philox state); and a backward reusing the forward's state.
 struct DropoutSpec {
   float p = 0.0f;
   uint64_t seed = 0;
   uint64_t offset = 0;
+  const int64_t* rng_state = nullptr;
 };
 
 // Arguments shared by the fixed-length and the variable-length forward pass.

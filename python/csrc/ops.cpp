@@ -18,17 +18,22 @@
 // inputs' strides (the fake implementations in python/flashkit/_ops.py promise the same). Nothing here synchronises or reads
 // device memory on the host, so the operators can be captured in CUDA graphs.
 //
-// dropout_p must be 0 for now: the C++ API has dropout (a Philox seed and offset), but these
-// operators do not yet carry the seed / offset that the backward must regenerate the mask from;
-// they join the schema with the front end's RNG state (issue 9).
+// Dropout: a forward with dropout_p > 0 draws its Philox key from torch's generator and returns it
+// as rng_state (int64 [2], dropout_rng.h), which the backward takes back to regenerate the mask;
+// with return_softmax it also returns S_dmask, the probabilities with dropped entries negated
+// ([batch, heads_q, seqlen_q, seqlen_k] each rounded up to 128, as flash_attn sizes it). Without
+// dropout both are empty tensors.
 #include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <tuple>
 
 #include <ATen/ATen.h>
+#include <ATen/core/enum_tag.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
+
+#include "dropout_rng.h"
 
 #include "flashkit/api.h"
 #include "flashkit/error.h"
@@ -67,19 +72,14 @@ MaskSpec make_mask(bool causal, int64_t window_left, int64_t window_right) {
   return mask;
 }
 
-// Refuses dropout until the operators carry its RNG state (see the file comment).
-void check_no_dropout(const char* fn, double dropout_p) {
-  TORCH_CHECK(dropout_p == 0.0, fn, ": dropout_p is ", dropout_p,
-              "; the flashkit Python front end does not support dropout yet (0 only)");
-}
-
 // The tensors and options the forward and the backward share, fixed-length and varlen alike
 // (FwdCommon and BwdCommon name them the same).
 template <typename Common>
 void fill_fwd_common(const char* fn, Common& p, const at::Tensor& q, const at::Tensor& k,
                      const at::Tensor& v, const at::Tensor& out, const at::Tensor& softmax_lse,
-                     const OptionalTensor& alibi_slopes, double dropout_p, double softmax_scale,
-                     bool causal, int64_t window_left, int64_t window_right, double softcap) {
+                     const OptionalTensor& alibi_slopes, const DropoutSpec& dropout,
+                     double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
+                     double softcap) {
   p.q = to_view(fn, "q", q);
   p.k = to_view(fn, "k", k);
   p.v = to_view(fn, "v", v);
@@ -89,17 +89,19 @@ void fill_fwd_common(const char* fn, Common& p, const at::Tensor& q, const at::T
   p.softmax_scale = static_cast<float>(softmax_scale);
   p.softcap = static_cast<float>(softcap);
   p.mask = make_mask(causal, window_left, window_right);
-  check_no_dropout(fn, dropout_p);
+  p.dropout = dropout;
 }
 
 void fill_bwd_common(const char* fn, BwdCommon& p, const at::Tensor& dout, const at::Tensor& q,
                      const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
                      const at::Tensor& softmax_lse, const at::Tensor& dq, const at::Tensor& dk,
                      const at::Tensor& dv, const OptionalTensor& alibi_slopes, double dropout_p,
-                     double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-                     double softcap, bool deterministic) {
-  fill_fwd_common(fn, p, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale, causal,
-                  window_left, window_right, softcap);
+                     const OptionalTensor& rng_state, double softmax_scale, bool causal,
+                     int64_t window_left, int64_t window_right, double softcap,
+                     bool deterministic) {
+  fill_fwd_common(fn, p, q, k, v, out, softmax_lse, alibi_slopes,
+                  dropout_spec(fn, dropout_p, rng_state, q), softmax_scale, causal, window_left,
+                  window_right, softcap);
   p.dout = to_view(fn, "dout", dout);
   p.dq = to_view(fn, "dq", dq);
   p.dk = to_view(fn, "dk", dk);
@@ -121,27 +123,64 @@ at::Tensor allocate_workspace(Params& p, size_t bytes, const at::Tensor& q) {
   return workspace;
 }
 
-std::tuple<at::Tensor, at::Tensor> fwd(const at::Tensor& q, const at::Tensor& k,
-                                       const at::Tensor& v, const OptionalTensor& alibi_slopes,
-                                       double dropout_p, double softmax_scale, bool causal,
-                                       int64_t window_left, int64_t window_right, double softcap) {
-  constexpr const char* fn = "flashkit::fwd";
-  check_rank(fn, "q", q, 4, kFixedLayout);
-  const c10::DeviceGuard device_guard(q.device());
-  at::Tensor out = at::empty(q.sizes(), q.options());
-  at::Tensor softmax_lse = at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
-  MhaFwdParams p;
-  fill_fwd_common(fn, p, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale, causal,
-                  window_left, window_right, softcap);
-  call_flashkit([&] { mha_fwd(p, current_stream(q.device())); });
-  return {out, softmax_lse};
+using FwdOutputs = std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor>;
+
+// The dropout outputs of a forward: rng_state and S_dmask (see the file comment), and the spec
+// that makes the call use them.
+struct DropoutOutputs {
+  at::Tensor rng_state;
+  at::Tensor s_dmask;
+  DropoutSpec spec;
+};
+
+DropoutOutputs dropout_outputs(const char* fn, const at::Tensor& q, double dropout_p,
+                               bool return_softmax, int64_t batch, int64_t max_seqlen_q,
+                               int64_t max_seqlen_k,
+                               const std::optional<at::Generator>& generator) {
+  DropoutOutputs outputs;
+  if (dropout_p <= 0.0) {  // 0: no key to draw; negative: flashkit names the bad value
+    outputs.rng_state = at::empty({0}, q.options().dtype(at::kLong));
+    outputs.s_dmask = at::empty({0}, q.options());
+    outputs.spec.p = static_cast<float>(dropout_p);
+    return outputs;
+  }
+  outputs.rng_state = draw_rng_state(q, max_seqlen_k, generator);
+  outputs.spec = dropout_spec(fn, dropout_p, outputs.rng_state, q);
+  const auto round_up = [](int64_t n) { return (std::max<int64_t>(n, 0) + 127) / 128 * 128; };
+  outputs.s_dmask = return_softmax ? at::empty({batch, q.size(-2), round_up(max_seqlen_q),
+                                                round_up(max_seqlen_k)},
+                                               q.options())
+                                   : at::empty({0}, q.options());
+  return outputs;
 }
 
-std::tuple<at::Tensor, at::Tensor> varlen_fwd(
-    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, const OptionalTensor& seqused_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, const OptionalTensor& alibi_slopes, double dropout_p,
-    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap) {
+FwdOutputs fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+               const OptionalTensor& alibi_slopes, double dropout_p, double softmax_scale,
+               bool causal, int64_t window_left, int64_t window_right, double softcap,
+               bool return_softmax, const std::optional<at::Generator>& generator) {
+  constexpr const char* fn = "flashkit::fwd";
+  check_rank(fn, "q", q, 4, kFixedLayout);
+  check_rank(fn, "k", k, 4, kFixedLayout);
+  const c10::DeviceGuard device_guard(q.device());
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor softmax_lse =
+      at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  const DropoutOutputs dropout = dropout_outputs(fn, q, dropout_p, return_softmax, q.size(0),
+                                                 q.size(1), k.size(1), generator);
+  MhaFwdParams p;
+  fill_fwd_common(fn, p, q, k, v, out, softmax_lse, alibi_slopes, dropout.spec, softmax_scale,
+                  causal, window_left, window_right, softcap);
+  if (dropout.s_dmask.numel() > 0) p.attn_probs = to_view(fn, "S_dmask", dropout.s_dmask);
+  call_flashkit([&] { mha_fwd(p, current_stream(q.device())); });
+  return {out, softmax_lse, dropout.rng_state, dropout.s_dmask};
+}
+
+FwdOutputs varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                      const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+                      const OptionalTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+                      const OptionalTensor& alibi_slopes, double dropout_p, double softmax_scale,
+                      bool causal, int64_t window_left, int64_t window_right, double softcap,
+                      bool return_softmax, const std::optional<at::Generator>& generator) {
   constexpr const char* fn = "flashkit::varlen_fwd";
   check_rank(fn, "q", q, 3, kPackedLayout);
   check_rank(fn, "cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]");
@@ -152,23 +191,26 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd(
   at::Tensor out = at::empty(q.sizes(), q.options());
   at::Tensor softmax_lse = at::empty({batch, q.size(1), std::max<int64_t>(max_seqlen_q, 0)},
                                      q.options().dtype(at::kFloat));
+  const DropoutOutputs dropout = dropout_outputs(fn, q, dropout_p, return_softmax, batch,
+                                                 max_seqlen_q, max_seqlen_k, generator);
   MhaVarlenFwdParams p;
-  fill_fwd_common(fn, p, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale, causal,
-                  window_left, window_right, softcap);
+  fill_fwd_common(fn, p, q, k, v, out, softmax_lse, alibi_slopes, dropout.spec, softmax_scale,
+                  causal, window_left, window_right, softcap);
+  if (dropout.s_dmask.numel() > 0) p.attn_probs = to_view(fn, "S_dmask", dropout.s_dmask);
   p.cu_seqlens_q = to_view(fn, "cu_seqlens_q", cu_seqlens_q);
   p.cu_seqlens_k = to_view(fn, "cu_seqlens_k", cu_seqlens_k);
   p.seqused_k = to_optional_view(fn, "seqused_k", seqused_k);
   p.max_seqlen_q = to_int(max_seqlen_q);
   p.max_seqlen_k = to_int(max_seqlen_k);
   call_flashkit([&] { mha_varlen_fwd(p, current_stream(q.device())); });
-  return {out, softmax_lse};
+  return {out, softmax_lse, dropout.rng_state, dropout.s_dmask};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
     const at::Tensor& out, const at::Tensor& softmax_lse, const OptionalTensor& alibi_slopes,
-    double dropout_p, double softmax_scale, bool causal, int64_t window_left, int64_t window_right,
-    double softcap, bool deterministic) {
+    double dropout_p, const OptionalTensor& rng_state, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, double softcap, bool deterministic) {
   constexpr const char* fn = "flashkit::bwd";
   const c10::DeviceGuard device_guard(q.device());
   at::Tensor dq = at::empty(q.sizes(), q.options());
@@ -176,7 +218,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
   at::Tensor dv = at::empty(v.sizes(), v.options());
   MhaBwdParams p;
   fill_bwd_common(fn, p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p,
-                  softmax_scale, causal, window_left, window_right, softcap, deterministic);
+                  rng_state, softmax_scale, causal, window_left, window_right, softcap,
+                  deterministic);
   const size_t workspace_bytes = call_flashkit([&] { return mha_bwd_workspace_size(p); });
   const at::Tensor workspace = allocate_workspace(p, workspace_bytes, q);
   call_flashkit([&] { mha_bwd(p, current_stream(q.device())); });
@@ -188,8 +231,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
     const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const OptionalTensor& seqused_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, const OptionalTensor& alibi_slopes, double dropout_p,
-    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-    bool deterministic) {
+    const OptionalTensor& rng_state, double softmax_scale, bool causal, int64_t window_left,
+    int64_t window_right, double softcap, bool deterministic) {
   constexpr const char* fn = "flashkit::varlen_bwd";
   const c10::DeviceGuard device_guard(q.device());
   at::Tensor dq = at::empty(q.sizes(), q.options());
@@ -197,7 +240,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
   at::Tensor dv = at::empty(v.sizes(), v.options());
   MhaVarlenBwdParams p;
   fill_bwd_common(fn, p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p,
-                  softmax_scale, causal, window_left, window_right, softcap, deterministic);
+                  rng_state, softmax_scale, causal, window_left, window_right, softcap,
+                  deterministic);
   p.cu_seqlens_q = to_view(fn, "cu_seqlens_q", cu_seqlens_q);
   p.cu_seqlens_k = to_view(fn, "cu_seqlens_k", cu_seqlens_k);
   p.seqused_k = to_optional_view(fn, "seqused_k", seqused_k);
@@ -255,27 +299,33 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
 }  // namespace
 }  // namespace flashkit::torch_glue
 
-// The schemas. Argument names follow flash_attn; window sides of -1 are unbounded.
+// The schemas. Argument names follow flash_attn; window sides of -1 are unbounded. The forwards
+// are tagged nondeterministic_seeded: with dropout they draw from torch's generator.
 TORCH_LIBRARY(flashkit, m) {
   m.def(
       "fwd(Tensor q, Tensor k, Tensor v, Tensor? alibi_slopes, float dropout_p, "
-      "float softmax_scale, bool causal, int window_left, int window_right, float softcap) "
-      "-> (Tensor out, Tensor softmax_lse)");
+      "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
+      "bool return_softmax, Generator? generator) "
+      "-> (Tensor out, Tensor softmax_lse, Tensor rng_state, Tensor S_dmask)",
+      {at::Tag::nondeterministic_seeded});
   m.def(
       "varlen_fwd(Tensor q, Tensor k, Tensor v, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "Tensor? seqused_k, SymInt max_seqlen_q, SymInt max_seqlen_k, Tensor? alibi_slopes, "
       "float dropout_p, float softmax_scale, bool causal, int window_left, int window_right, "
-      "float softcap) -> (Tensor out, Tensor softmax_lse)");
+      "float softcap, bool return_softmax, Generator? generator) "
+      "-> (Tensor out, Tensor softmax_lse, Tensor rng_state, Tensor S_dmask)",
+      {at::Tag::nondeterministic_seeded});
   m.def(
       "bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
-      "Tensor? alibi_slopes, float dropout_p, float softmax_scale, bool causal, int window_left, "
-      "int window_right, float softcap, bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
+      "Tensor? alibi_slopes, float dropout_p, Tensor? rng_state, float softmax_scale, "
+      "bool causal, int window_left, int window_right, float softcap, bool deterministic) "
+      "-> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "varlen_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor out, Tensor softmax_lse, "
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, Tensor? seqused_k, SymInt max_seqlen_q, "
-      "SymInt max_seqlen_k, Tensor? alibi_slopes, float dropout_p, float softmax_scale, "
-      "bool causal, int window_left, int window_right, float softcap, bool deterministic) "
-      "-> (Tensor dq, Tensor dk, Tensor dv)");
+      "SymInt max_seqlen_k, Tensor? alibi_slopes, float dropout_p, Tensor? rng_state, "
+      "float softmax_scale, bool causal, int window_left, int window_right, float softcap, "
+      "bool deterministic) -> (Tensor dq, Tensor dk, Tensor dv)");
   m.def(
       "fwd_kvcache(Tensor q, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? k, Tensor? v, "
       "Tensor? rotary_cos, Tensor? rotary_sin, Tensor? cache_seqlens, SymInt cache_seqlen, "

@@ -5,14 +5,21 @@ imported. The fake (meta) implementations below give torch.compile, FakeTensor a
 torch.library.opcheck the output shapes without running anything: every output is contiguous, as
 the C++ operators allocate it.
 
-    fwd(q, k, v, ...)                 -> out [b, s_q, h_q, d], softmax_lse fp32 [b, h_q, s_q]
+    fwd(q, k, v, ...)                 -> out [b, s_q, h_q, d], softmax_lse fp32 [b, h_q, s_q],
+                                         rng_state, S_dmask (below)
     varlen_fwd(q, k, v, cu_q, cu_k, ...) -> out [total_q, h_q, d],
-                                         softmax_lse fp32 [batch, h_q, max_seqlen_q]
+                                         softmax_lse fp32 [batch, h_q, max_seqlen_q] (entries
+                                         past a sequence's length unwritten), rng_state, S_dmask
     bwd(dout, q, k, v, out, lse, ...) -> dq, dk, dv shaped like q, k, v
     varlen_bwd(...)                   -> dq, dk, dv shaped like q, k, v
     fwd_kvcache(q, k_cache, v_cache, k, v, ...) -> out [b, s_q, h_q, d],
                                          softmax_lse fp32 [b, h_q, s_q]; writes k and v into
                                          k_cache and v_cache in place (schema: Tensor(a!))
+
+With dropout_p > 0 the forwards draw a Philox key from torch's generator and return it as rng_state,
+int64 [2] on q's device, which the backwards take back; with return_softmax they also return
+S_dmask [b, h_q, round128(s_q), round128(s_k)] in q's dtype (probabilities, dropped ones negated).
+Without dropout both are empty.
 """
 
 from __future__ import annotations
@@ -28,35 +35,51 @@ varlen_bwd = torch.ops.flashkit.varlen_bwd.default
 fwd_kvcache = torch.ops.flashkit.fwd_kvcache.default
 
 
+def _round_up_128(n):
+    return (n + 127) // 128 * 128
+
+
+def _dropout_outputs_fake(q, dropout_p, return_softmax, batch, max_seqlen_q, max_seqlen_k):
+    if dropout_p <= 0:
+        return q.new_empty((0,), dtype=torch.int64), q.new_empty((0,))
+    rng_state = q.new_empty((2,), dtype=torch.int64)
+    if not return_softmax:
+        return rng_state, q.new_empty((0,))
+    return rng_state, q.new_empty((batch, q.shape[-2], _round_up_128(max_seqlen_q),
+                                   _round_up_128(max_seqlen_k)))
+
+
 @torch.library.register_fake("flashkit::fwd")
 def _fwd_fake(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right,
-              softcap):
+              softcap, return_softmax, generator):
     batch, seqlen_q, heads_q, _ = q.shape
     out = q.new_empty(q.shape)
     softmax_lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
-    return out, softmax_lse
+    return (out, softmax_lse) + _dropout_outputs_fake(q, dropout_p, return_softmax, batch,
+                                                      seqlen_q, k.shape[1])
 
 
 @torch.library.register_fake("flashkit::varlen_fwd")
 def _varlen_fwd_fake(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
                      alibi_slopes, dropout_p, softmax_scale, causal, window_left, window_right,
-                     softcap):
+                     softcap, return_softmax, generator):
     batch = cu_seqlens_q.shape[0] - 1
     out = q.new_empty(q.shape)
     softmax_lse = q.new_empty((batch, q.shape[1], max_seqlen_q), dtype=torch.float32)
-    return out, softmax_lse
+    return (out, softmax_lse) + _dropout_outputs_fake(q, dropout_p, return_softmax, batch,
+                                                      max_seqlen_q, max_seqlen_k)
 
 
 @torch.library.register_fake("flashkit::bwd")
-def _bwd_fake(dout, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, softmax_scale, causal,
-              window_left, window_right, softcap, deterministic):
+def _bwd_fake(dout, q, k, v, out, softmax_lse, alibi_slopes, dropout_p, rng_state, softmax_scale,
+              causal, window_left, window_right, softcap, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 
 @torch.library.register_fake("flashkit::varlen_bwd")
 def _varlen_bwd_fake(dout, q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
-                     max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal,
-                     window_left, window_right, softcap, deterministic):
+                     max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, rng_state, softmax_scale,
+                     causal, window_left, window_right, softcap, deterministic):
     return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
 
 

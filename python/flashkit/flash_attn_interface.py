@@ -25,10 +25,16 @@ Semantics:
   output row and a log-sum-exp of -inf, never NaN.
 - softcap > 0: score = softcap * tanh(score / softcap). alibi_slopes: fp32 [heads_q] or
   [batch, heads_q]; adds -slope * |i + seqlen_k - seqlen_q - j| to each score.
-- dropout_p must be 0: flashkit has no dropout yet and raises for anything else.
-- return_attn_probs=True returns (out, softmax_lse, None): softmax_lse is fp32 [batch, heads_q,
+- dropout_p in [0, 1): each probability is dropped with probability dropout_p and the kept ones
+  scaled by 1 / (1 - dropout_p), with a mask drawn from torch's default generator of q's device
+  (torch.manual_seed makes it reproducible; CUDA graphs draw a fresh mask at each replay). The
+  backward regenerates the same mask. As in flash_attn, pass dropout_p=0.0 for evaluation.
+- return_attn_probs=True returns (out, softmax_lse, S_dmask): softmax_lse is fp32 [batch, heads_q,
   seqlen_q] (varlen: [heads_q, total_q], as flash_attn 2.x), the natural log of each row's softmax
-  denominator. The third element, flash_attn's dropout mask S_dmask, is None without dropout.
+  denominator of the undropped scores. S_dmask (for tests) is None without dropout, else
+  [batch, heads_q, seqlen_q_rounded, seqlen_k_rounded] (lengths rounded up to 128; varlen: the max
+  lengths) in q's dtype: the undropped probabilities, negated where dropout dropped them, and 0
+  outside the real (query, key) pairs.
 - Gradients flow to q, k, v (and the packed tensors) through flashkit's backward pass; a build
   without it raises flashkit's error when backward runs. The log-sum-exp is not differentiable.
 - Errors (bad device, dtype, shape, stride, head dim, a kernel this build left out) raise
@@ -48,7 +54,7 @@ from flashkit import _ops
 _HEAD_DIM_MULTIPLE = 8
 _MAX_HEAD_DIM = 256
 
-AttnOutput = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, None]]
+AttnOutput = Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]]
 
 
 def _window(fn: str, window_size: Sequence[int]) -> Tuple[int, int]:
@@ -85,26 +91,27 @@ class _FlashAttnFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, dropout_p, softmax_scale, causal, window, softcap, alibi_slopes,
-                deterministic):
+                deterministic, return_softmax):
         head_dim = q.shape[-1]
         q, k, v = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
-        out, softmax_lse = _ops.fwd(q, k, v, alibi_slopes, dropout_p, softmax_scale, causal,
-                                    window[0], window[1], softcap)
-        ctx.save_for_backward(q, k, v, out, softmax_lse, alibi_slopes)
+        out, softmax_lse, rng_state, s_dmask = _ops.fwd(
+            q, k, v, alibi_slopes, dropout_p, softmax_scale, causal, window[0], window[1], softcap,
+            return_softmax, None)
+        ctx.save_for_backward(q, k, v, out, softmax_lse, alibi_slopes, rng_state)
         ctx.options = (dropout_p, softmax_scale, causal, window, softcap, deterministic)
         ctx.head_dim = head_dim
-        ctx.mark_non_differentiable(softmax_lse)
-        return out[..., :head_dim], softmax_lse
+        ctx.mark_non_differentiable(softmax_lse, s_dmask)
+        return out[..., :head_dim], softmax_lse, s_dmask
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, softmax_lse, alibi_slopes = ctx.saved_tensors
+    def backward(ctx, dout, _dlse, _ds_dmask):
+        q, k, v, out, softmax_lse, alibi_slopes, rng_state = ctx.saved_tensors
         dropout_p, softmax_scale, causal, window, softcap, deterministic = ctx.options
         dq, dk, dv = _ops.bwd(_pad_head_dim(dout), q, k, v, out, softmax_lse, alibi_slopes,
-                              dropout_p, softmax_scale, causal, window[0], window[1], softcap,
-                              deterministic)
+                              dropout_p, rng_state, softmax_scale, causal, window[0], window[1],
+                              softcap, deterministic)
         d = ctx.head_dim
-        return dq[..., :d], dk[..., :d], dv[..., :d], None, None, None, None, None, None, None
+        return (dq[..., :d], dk[..., :d], dv[..., :d]) + (None,) * 8
 
 
 class _FlashAttnVarlenFunc(torch.autograd.Function):
@@ -112,35 +119,39 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window, softcap, alibi_slopes, deterministic):
+                softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+                return_softmax):
         head_dim = q.shape[-1]
         q, k, v = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
-        out, softmax_lse = _ops.varlen_fwd(q, k, v, cu_seqlens_q, cu_seqlens_k, None,
-                                           max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
-                                           softmax_scale, causal, window[0], window[1], softcap)
-        ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes)
+        out, softmax_lse, rng_state, s_dmask = _ops.varlen_fwd(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k, alibi_slopes,
+            dropout_p, softmax_scale, causal, window[0], window[1], softcap, return_softmax, None)
+        ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+                              rng_state)
         ctx.options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window,
                        softcap, deterministic)
         ctx.head_dim = head_dim
-        ctx.mark_non_differentiable(softmax_lse)
-        return out[..., :head_dim], softmax_lse
+        ctx.mark_non_differentiable(softmax_lse, s_dmask)
+        return out[..., :head_dim], softmax_lse, s_dmask
 
     @staticmethod
-    def backward(ctx, dout, _dlse):
-        q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes = ctx.saved_tensors
+    def backward(ctx, dout, _dlse, _ds_dmask):
+        (q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+         rng_state) = ctx.saved_tensors
         (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window, softcap,
          deterministic) = ctx.options
         dq, dk, dv = _ops.varlen_bwd(_pad_head_dim(dout), q, k, v, out, softmax_lse, cu_seqlens_q,
                                      cu_seqlens_k, None, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                                     dropout_p, softmax_scale, causal, window[0], window[1],
-                                     softcap, deterministic)
+                                     dropout_p, rng_state, softmax_scale, causal, window[0],
+                                     window[1], softcap, deterministic)
         d = ctx.head_dim
-        return (dq[..., :d], dk[..., :d], dv[..., :d]) + (None,) * 11
+        return (dq[..., :d], dk[..., :d], dv[..., :d]) + (None,) * 12
 
 
 def _attention(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-               deterministic):
-    """Fixed-length attention with autograd when a gradient is wanted, else the bare operator."""
+               deterministic, return_attn_probs):
+    """Fixed-length attention with autograd when a gradient is wanted, else the bare operator.
+    Returns (out, softmax_lse, S_dmask or None)."""
     if q.dim() != 4:
         raise RuntimeError(f"{fn}: q has shape {list(q.shape)}; expected 4 dims "
                            "[batch, seqlen_q, heads_q, head_dim]")
@@ -148,18 +159,22 @@ def _attention(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     window = _window(fn, window_size)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
+    return_softmax = bool(return_attn_probs) and dropout_p > 0
     if _needs_grad(q, k, v):
-        return _FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal, window, softcap,
-                                    alibi_slopes, deterministic)
-    head_dim = q.shape[-1]
-    out, softmax_lse = _ops.fwd(_pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), alibi_slopes,
-                                dropout_p, softmax_scale, causal, window[0], window[1], softcap)
-    return out[..., :head_dim], softmax_lse
+        out, softmax_lse, s_dmask = _FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal,
+                                                         window, softcap, alibi_slopes,
+                                                         deterministic, return_softmax)
+    else:
+        out, softmax_lse, _, s_dmask = _ops.fwd(
+            _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), alibi_slopes, dropout_p,
+            softmax_scale, causal, window[0], window[1], softcap, return_softmax, None)
+        out = out[..., :q.shape[-1]]
+    return out, softmax_lse, s_dmask if return_softmax else None
 
 
 def _varlen_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic):
+                      deterministic, return_attn_probs):
     if q.dim() != 3:
         raise RuntimeError(f"{fn}: q has shape {list(q.shape)}; expected 3 dims "
                            "[total_q, heads_q, head_dim]")
@@ -167,16 +182,18 @@ def _varlen_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     window = _window(fn, window_size)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
+    return_softmax = bool(return_attn_probs) and dropout_p > 0
     if _needs_grad(q, k, v):
-        return _FlashAttnVarlenFunc.apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                          max_seqlen_k, dropout_p, softmax_scale, causal, window,
-                                          softcap, alibi_slopes, deterministic)
-    head_dim = q.shape[-1]
-    out, softmax_lse = _ops.varlen_fwd(_pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v),
-                                       cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q,
-                                       max_seqlen_k, alibi_slopes, dropout_p, softmax_scale,
-                                       causal, window[0], window[1], softcap)
-    return out[..., :head_dim], softmax_lse
+        out, softmax_lse, s_dmask = _FlashAttnVarlenFunc.apply(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_softmax)
+    else:
+        out, softmax_lse, _, s_dmask = _ops.varlen_fwd(
+            _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), cu_seqlens_q, cu_seqlens_k, None,
+            max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal, window[0],
+            window[1], softcap, return_softmax, None)
+        out = out[..., :q.shape[-1]]
+    return out, softmax_lse, s_dmask if return_softmax else None
 
 
 def _packed_lse(softmax_lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
@@ -186,8 +203,8 @@ def _packed_lse(softmax_lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
     batch, heads, max_seqlen_q = softmax_lse.shape
     tokens = torch.arange(total_q, device=softmax_lse.device, dtype=cu_seqlens_q.dtype)
     # The sequence of each token: how many of cu_seqlens_q[1:] are <= it, counted on the whole
-    # cu_seqlens_q (minus its leading 0): torch.compile's Triton searchsorted ignores the offset of a
-    # sliced boundary tensor and answers off by one (pytorch/pytorch#182343, torch 2.11).
+    # cu_seqlens_q (minus its leading 0): torch.compile's Triton searchsorted ignores the offset
+    # of a sliced boundary tensor and answers off by one (pytorch/pytorch#182343, torch 2.11).
     seq = torch.searchsorted(cu_seqlens_q, tokens, right=True) - 1
     in_batch = seq < batch
     seq = seq.clamp(max=batch - 1)
@@ -198,8 +215,8 @@ def _packed_lse(softmax_lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
     return torch.where(in_batch[None, :], packed, float("-inf")).contiguous()
 
 
-def _result(out, softmax_lse, return_attn_probs):
-    return (out, softmax_lse, None) if return_attn_probs else out
+def _result(out, softmax_lse, s_dmask, return_attn_probs):
+    return (out, softmax_lse, s_dmask) if return_attn_probs else out
 
 
 def flash_attn_func(
@@ -220,21 +237,23 @@ def flash_attn_func(
     Args:
         q: [batch, seqlen_q, heads_q, head_dim], float16 or bfloat16.
         k, v: [batch, seqlen_k, heads_kv, head_dim]; heads_q a multiple of heads_kv.
-        dropout_p: must be 0.0 (flashkit has no dropout yet).
+        dropout_p: dropout probability of the attention weights (0.0 for evaluation).
         softmax_scale: defaults to 1 / sqrt(head_dim).
         causal: bottom-right aligned causal mask.
         window_size: (left, right) sliding window; -1 is unbounded.
         softcap: > 0 applies softcap * tanh(score / softcap).
         alibi_slopes: fp32 [heads_q] or [batch, heads_q].
         deterministic: bit-identical gradients from run to run.
-        return_attn_probs: also return softmax_lse [batch, heads_q, seqlen_q] and None.
+        return_attn_probs: also return softmax_lse [batch, heads_q, seqlen_q] and S_dmask (None
+            without dropout; see the module docstring).
 
     Returns:
-        out [batch, seqlen_q, heads_q, head_dim], or (out, softmax_lse, None).
+        out [batch, seqlen_q, heads_q, head_dim], or (out, softmax_lse, S_dmask).
     """
-    out, softmax_lse = _attention("flash_attn_func", q, k, v, dropout_p, softmax_scale, causal,
-                                  window_size, softcap, alibi_slopes, deterministic)
-    return _result(out, softmax_lse, return_attn_probs)
+    out, softmax_lse, s_dmask = _attention(
+        "flash_attn_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, deterministic, return_attn_probs)
+    return _result(out, softmax_lse, s_dmask, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(
@@ -250,16 +269,17 @@ def flash_attn_qkvpacked_func(
 ) -> AttnOutput:
     """flash_attn_func on qkv [batch, seqlen, 3, heads, head_dim] (q, k, v stacked on dim 2).
 
-    Returns out [batch, seqlen, heads, head_dim], or (out, softmax_lse, None); the gradient is
+    Returns out [batch, seqlen, heads, head_dim], or (out, softmax_lse, S_dmask); the gradient is
     one tensor shaped like qkv.
     """
     if qkv.dim() != 5 or qkv.shape[2] != 3:
         raise RuntimeError(f"flash_attn_qkvpacked_func: qkv has shape {list(qkv.shape)}; expected "
                            "[batch, seqlen, 3, heads, head_dim]")
     q, k, v = qkv.unbind(2)
-    out, softmax_lse = _attention("flash_attn_qkvpacked_func", q, k, v, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic)
-    return _result(out, softmax_lse, return_attn_probs)
+    out, softmax_lse, s_dmask = _attention(
+        "flash_attn_qkvpacked_func", q, k, v, dropout_p, softmax_scale, causal, window_size,
+        softcap, alibi_slopes, deterministic, return_attn_probs)
+    return _result(out, softmax_lse, s_dmask, return_attn_probs)
 
 
 def flash_attn_kvpacked_func(
@@ -276,15 +296,16 @@ def flash_attn_kvpacked_func(
 ) -> AttnOutput:
     """flash_attn_func with kv [batch, seqlen_k, 2, heads_kv, head_dim] (k, v stacked on dim 2).
 
-    Returns out [batch, seqlen_q, heads_q, head_dim], or (out, softmax_lse, None).
+    Returns out [batch, seqlen_q, heads_q, head_dim], or (out, softmax_lse, S_dmask).
     """
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise RuntimeError(f"flash_attn_kvpacked_func: kv has shape {list(kv.shape)}; expected "
                            "[batch, seqlen_k, 2, heads_kv, head_dim]")
     k, v = kv.unbind(2)
-    out, softmax_lse = _attention("flash_attn_kvpacked_func", q, k, v, dropout_p, softmax_scale,
-                                  causal, window_size, softcap, alibi_slopes, deterministic)
-    return _result(out, softmax_lse, return_attn_probs)
+    out, softmax_lse, s_dmask = _attention(
+        "flash_attn_kvpacked_func", q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+        alibi_slopes, deterministic, return_attn_probs)
+    return _result(out, softmax_lse, s_dmask, return_attn_probs)
 
 
 def flash_attn_varlen_func(
@@ -316,18 +337,19 @@ def flash_attn_varlen_func(
 
     Returns:
         out [total_q, heads_q, head_dim] (rows past cu_seqlens_q[-1] are not written), or
-        (out, softmax_lse [heads_q, total_q], None).
+        (out, softmax_lse [heads_q, total_q], S_dmask).
     """
     if block_table is not None:
         raise NotImplementedError("flash_attn_varlen_func: block_table (paged KV) is not supported "
                                   "by flashkit's varlen forward yet; pass block_table=None "
                                   "(flash_attn_with_kvcache takes paged caches)")
-    out, softmax_lse = _varlen_attention(
+    out, softmax_lse, s_dmask = _varlen_attention(
         "flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic)
+        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs)
     if not return_attn_probs:
         return out
-    return out, _packed_lse(softmax_lse, cu_seqlens_q, q.shape[0]), None
+    return out, _packed_lse(softmax_lse, cu_seqlens_q, q.shape[0]), s_dmask
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -345,7 +367,7 @@ def flash_attn_varlen_qkvpacked_func(
 ) -> AttnOutput:
     """flash_attn_varlen_func on qkv [total, 3, heads, head_dim] with one cu_seqlens for q and k.
 
-    Returns out [total, heads, head_dim], or (out, softmax_lse [heads, total], None).
+    Returns out [total, heads, head_dim], or (out, softmax_lse [heads, total], S_dmask).
     """
     if qkv.dim() != 4 or qkv.shape[1] != 3:
         raise RuntimeError(f"flash_attn_varlen_qkvpacked_func: qkv has shape {list(qkv.shape)}; "
@@ -374,7 +396,7 @@ def flash_attn_varlen_kvpacked_func(
 ) -> AttnOutput:
     """flash_attn_varlen_func with kv [total_k, 2, heads_kv, head_dim] (k, v stacked on dim 1).
 
-    Returns out [total_q, heads_q, head_dim], or (out, softmax_lse [heads_q, total_q], None).
+    Returns out [total_q, heads_q, head_dim], or (out, softmax_lse [heads_q, total_q], S_dmask).
     """
     if kv.dim() != 4 or kv.shape[1] != 2:
         raise RuntimeError(f"flash_attn_varlen_kvpacked_func: kv has shape {list(kv.shape)}; "

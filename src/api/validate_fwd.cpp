@@ -82,6 +82,13 @@ void check_scalars(const char* fn, const FwdCommon& p) {
   if (!(p.dropout.p >= 0.0f && p.dropout.p < 1.0f)) {
     fail(fn, "dropout.p is ", p.dropout.p, "; it must be in [0, 1)");
   }
+  // The CPU backend reads the key on the host; a device rng_state is for the kernels only.
+  if (p.dropout.p > 0.0f && p.dropout.rng_state != nullptr &&
+      p.q.device.kind == DeviceKind::kCpu) {
+    fail(fn, "dropout.rng_state is set (", static_cast<const void*>(p.dropout.rng_state),
+         ") with CPU tensors; it is device memory that CUDA kernels read: pass the key as "
+         "dropout.seed and dropout.offset");
+  }
 }
 
 // The optional return_softmax output: [batch, heads_q, seqlen_q, seqlen_k], each length rounded up
@@ -146,6 +153,7 @@ void fill_options(const FwdCommon& p, int seqlen_q, int seqlen_k, FwdProblem& pr
   problem.dropout_p = p.dropout.p;
   problem.dropout_seed = p.dropout.seed;
   problem.dropout_offset = p.dropout.offset;
+  problem.dropout_rng_state = p.dropout.p > 0.0f ? p.dropout.rng_state : nullptr;
 }
 
 // Pointers and strides of the validated tensors. q/k/v/out are [batch, seqlen, heads, dim] or, for

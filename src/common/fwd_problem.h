@@ -59,6 +59,7 @@ struct FwdProblem {
   float dropout_p = 0.0f;
   uint64_t dropout_seed = 0;
   uint64_t dropout_offset = 0;
+  const int64_t* dropout_rng_state = nullptr;  // device {seed, base offset}: DropoutSpec::rng_state
 
   // return_softmax (tests): null, or [batch, heads_q, attn_probs_rows, attn_probs_cols] in dtype,
   // last dim contiguous, the rounded seqlen_q x seqlen_k. Element (b, h, i, j) of a visible pair is
@@ -70,8 +71,18 @@ struct FwdProblem {
   int attn_probs_cols = 0;
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  // The mask's key. A kernel calls this once, before its main loop: with a device rng_state it
+  // reads global memory. Host code (the reference) only sees problems without one (validation).
   FLASHKIT_HOST_DEVICE DropoutMask dropout_mask() const {
-    return {dropout_seed, dropout_offset, dropout_keep_threshold(dropout_p)};
+    uint64_t seed = dropout_seed;
+    uint64_t offset = dropout_offset;
+#ifdef __CUDA_ARCH__
+    if (dropout_rng_state != nullptr) {
+      seed = static_cast<uint64_t>(dropout_rng_state[0]);
+      offset += static_cast<uint64_t>(dropout_rng_state[1]);
+    }
+#endif
+    return {seed, offset, dropout_keep_threshold(dropout_p)};
   }
 };
 

@@ -25,6 +25,10 @@ class Options:
     alibi: bool = False
     softmax_scale: Optional[float] = None
     alibi_slopes: Optional[torch.Tensor] = field(default=None, repr=False)
+    # Dropout with a given mask (bool [b, h_q, s_q, s_k], True = kept): what S_dmask says the
+    # kernel drew. The kept probabilities are scaled by 1 / (1 - dropout_p); the LSE is unchanged.
+    dropout_p: float = 0.0
+    dropout_keep: Optional[torch.Tensor] = field(default=None, repr=False)
 
     def kwargs(self) -> dict:
         return dict(causal=self.causal, window_size=self.window_size, softcap=self.softcap,
@@ -81,9 +85,13 @@ def attention_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, opts: Optio
     lse = torch.logsumexp(scores, dim=-1)  # -inf for a row that sees nothing
     probs = torch.exp(scores - lse[..., None].masked_fill(torch.isinf(lse)[..., None], 0.0))
     probs = probs.masked_fill(~mask, 0.0)
+    if opts.dropout_keep is not None:
+        probs = probs.masked_fill(~opts.dropout_keep.to(probs.device), 0.0)
     if not upcast:
         probs = probs.to(dtype)
     out = torch.einsum("bhqk,bkhd->bqhd", probs.to(v.dtype), v)
+    if opts.dropout_keep is not None:
+        out = out / (1.0 - opts.dropout_p)
     return (out if upcast else out.to(dtype)), lse
 
 

@@ -43,9 +43,8 @@ FIXED_CASES = {
                     {"window_size": (1, 2, 3)}, ValueError, r"window_size is \(1, 2, 3\)"),
     "window side": (lambda d: tuple(t(1, 8, 2, 64, device=d) for _ in "qkv"),
                     {"window_size": (-5, 0)}, RuntimeError, r"window_left is -5"),
-    "dropout": (lambda d: tuple(t(1, 8, 2, 64, device=d) for _ in "qkv"), {"dropout_p": 0.1},
-                RuntimeError,
-                r"dropout_p is 0\.1; the flashkit Python front end does not support dropout yet"),
+    "dropout": (lambda d: tuple(t(1, 8, 2, 64, device=d) for _ in "qkv"), {"dropout_p": 1.0},
+                RuntimeError, r"dropout.p is 1; it must be in \[0, 1\)"),
     "softcap": (lambda d: tuple(t(1, 8, 2, 64, device=d) for _ in "qkv"), {"softcap": -1.0},
                 RuntimeError, r"softcap is -1; it must be finite and >= 0"),
     "alibi shape": (lambda d: tuple(t(1, 8, 2, 64, device=d) for _ in "qkv"),
@@ -71,7 +70,7 @@ def test_last_dim_must_be_contiguous_at_the_operator(device):
     # The Python functions make such inputs contiguous (as flash_attn does); the operator refuses.
     q = t(1, 64, 2, 8, device=device).transpose(1, 3)
     with pytest.raises(RuntimeError, match=r"q.*last dim"):
-        _ops.fwd(q, q, q, None, 0.0, 0.0, False, -1, -1, 0.0)
+        _ops.fwd(q, q, q, None, 0.0, 0.0, False, -1, -1, 0.0, False, None)
     assert flash_attn_func(q, q, q).shape == q.shape
     good_call(device)
 

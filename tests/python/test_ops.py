@@ -29,9 +29,12 @@ def qkv(device, permuted, batch=2, seqlen_q=33, seqlen_k=47, heads=(4, 2), head_
 def test_opcheck_fwd(device, permuted):
     q, k, v = qkv(device, permuted)
     slopes = torch.rand(4, device=device)
-    for args in [(q, k, v, None, 0.0, 0.125, True, -1, -1, 0.0),
-                 (q, k, v, slopes, 0.0, 0.1, False, 8, 3, 4.0)]:
+    for args in [(q, k, v, None, 0.0, 0.125, True, -1, -1, 0.0, False, None),
+                 (q, k, v, slopes, 0.0, 0.1, False, 8, 3, 4.0, True, None)]:
         torch.library.opcheck(_ops.fwd, args, test_utils=OPCHECK_UTILS)
+    # With dropout each call draws a new mask, so only the schema and the fake shapes compare.
+    args = (q, k, v, None, 0.1, 0.125, True, -1, -1, 0.0, True, None)
+    torch.library.opcheck(_ops.fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("permuted", [False, True], ids=["contiguous", "permuted"])
@@ -41,8 +44,10 @@ def test_opcheck_varlen_fwd(device, permuted):
     cu = torch.tensor([0, 30, 60], dtype=torch.int32, device=device)
     # Sequences of max_seqlen rows fill the whole batch: every row of out and softmax_lse is
     # written (flashkit leaves the rows past a sequence's length alone, and so would differ).
-    args = (q, k, v, cu, cu, None, 30, 30, None, 0.0, 0.125, True, -1, -1, 0.0)
+    args = (q, k, v, cu, cu, None, 30, 30, None, 0.0, 0.125, True, -1, -1, 0.0, False, None)
     torch.library.opcheck(_ops.varlen_fwd, args, test_utils=OPCHECK_UTILS)
+    args = (q, k, v, cu, cu, None, 30, 30, None, 0.1, 0.125, True, -1, -1, 0.0, True, None)
+    torch.library.opcheck(_ops.varlen_fwd, args, test_utils=("test_schema", "test_faketensor"))
 
 
 @pytest.mark.parametrize("permuted", [False, True], ids=["contiguous", "permuted"])
@@ -50,10 +55,13 @@ def test_opcheck_bwd(device, permuted):
     if device == "cuda" and not flashkit.cuda_bwd_built(torch.bfloat16, 64):
         pytest.skip("this build has no CUDA backward kernel for bf16 head dim 64")
     q, k, v = qkv(device, permuted)
-    out, lse = _ops.fwd(q, k, v, None, 0.0, 0.125, True, -1, -1, 0.0)
     dout = qkv(device, permuted)[0]
-    args = (dout, q, k, v, out, lse, None, 0.0, 0.125, True, -1, -1, 0.0, True)
-    torch.library.opcheck(_ops.bwd, args, test_utils=OPCHECK_UTILS)
+    for dropout_p in (0.0, 0.1):
+        out, lse, rng_state, _ = _ops.fwd(q, k, v, None, dropout_p, 0.125, True, -1, -1, 0.0,
+                                          False, None)
+        args = (dout, q, k, v, out, lse, None, dropout_p, rng_state, 0.125, True, -1, -1, 0.0,
+                True)
+        torch.library.opcheck(_ops.bwd, args, test_utils=OPCHECK_UTILS)
 
 
 @pytest.mark.parametrize("permuted", [False, True], ids=["contiguous", "permuted"])
@@ -63,10 +71,12 @@ def test_opcheck_varlen_bwd(device, permuted):
     q, k, v, dout = (t[0] for t in qkv(device, permuted, batch=1, seqlen_q=60, seqlen_k=60)
                      + qkv(device, permuted, batch=1, seqlen_q=60, seqlen_k=60)[:1])
     cu = torch.tensor([0, 30, 60], dtype=torch.int32, device=device)
-    out, lse = _ops.varlen_fwd(q, k, v, cu, cu, None, 30, 30, None, 0.0, 0.125, True, -1, -1, 0.0)
-    args = (dout, q, k, v, out, lse, cu, cu, None, 30, 30, None, 0.0, 0.125, True, -1, -1, 0.0,
-            True)
-    torch.library.opcheck(_ops.varlen_bwd, args, test_utils=OPCHECK_UTILS)
+    for dropout_p in (0.0, 0.1):
+        out, lse, rng_state, _ = _ops.varlen_fwd(q, k, v, cu, cu, None, 30, 30, None, dropout_p,
+                                                 0.125, True, -1, -1, 0.0, False, None)
+        args = (dout, q, k, v, out, lse, cu, cu, None, 30, 30, None, dropout_p, rng_state, 0.125,
+                True, -1, -1, 0.0, True)
+        torch.library.opcheck(_ops.varlen_bwd, args, test_utils=OPCHECK_UTILS)
 
 
 @pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])

@@ -18,8 +18,8 @@ for an unpadded batch). Three cases, as transformers' flash-attention path:
 - otherwise flash_attn_func on the batch.
 
 Causal masks are bottom-right aligned (what a decoder with a KV cache needs); sliding windows become
-flash_attn's (window - 1, window - 1); softcap and the module's scaling pass through. Dropout > 0
-raises (flashkit has no dropout yet).
+flash_attn's (window - 1, window - 1); softcap, dropout (transformers passes the module's
+attention_dropout while training, 0 in eval mode) and the module's scaling pass through.
 """
 
 from __future__ import annotations

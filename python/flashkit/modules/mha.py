@@ -31,8 +31,7 @@ class FlashSelfAttention(nn.Module):
     Args:
         causal: the default mask of forward().
         softmax_scale: defaults to 1 / sqrt(head_dim).
-        attention_dropout: dropout on the probabilities while training; flashkit has no dropout
-            yet, so a value > 0 raises in training mode.
+        attention_dropout: dropout on the probabilities while training (none in eval mode).
         window_size: (left, right) sliding window, -1 unbounded.
         alibi_slopes: fp32 [heads] or [batch, heads].
         deterministic: bit-identical gradients.
@@ -113,7 +112,7 @@ class MHA(nn.Module):
         num_heads: query heads. num_heads_kv: key/value heads (default num_heads); must divide
             num_heads.
         qkv_proj_bias, out_proj_bias: biases of the two projections.
-        dropout: attention dropout (must be 0 while training until flashkit has dropout).
+        dropout: attention dropout while training (none in eval mode).
         softmax_scale, causal, window_size: as flash_attn_func.
         rotary_emb_dim: channels per head rotated by RoPE (0: none); rotary_emb_base its base;
             rotary_emb_interleaved the GPT-J pair layout instead of GPT-NeoX's.

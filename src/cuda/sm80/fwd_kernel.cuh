@@ -244,6 +244,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const bool transform = p.softcap > 0.0f || alibi_slope != 0.0f;
   const int diagonal = window.diagonal_offset();
   const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
+  // Read once: with a device rng_state the key is in global memory.
+  const DropoutMask dropout_mask = Traits::kDropout ? p.dropout_mask() : DropoutMask{};
 
   if (n_end > n_begin) {
     load_tile_async<Traits, QTile>(sQ, loc.q + static_cast<int64_t>(m0) * p.q_row_stride,
@@ -310,7 +312,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
       softmax.update(acc_s, acc_o, log2_scale);
       if constexpr (Traits::kDropout) {
-        apply_dropout(acc_s, p.dropout_mask(),
+        apply_dropout(acc_s, dropout_mask,
                       static_cast<uint32_t>(loc.batch * p.heads_q + loc.head), m0 + warp_row0, n0);
       }
 
