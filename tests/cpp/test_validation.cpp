@@ -330,6 +330,16 @@ TEST_F(MhaFwdValidation, DropoutInZeroOneIsAccepted) {
   EXPECT_EQ(problem.dropout_offset, 678u);
 }
 
+// A device rng_state is for the kernels: CPU views take the key on the host. With p = 0 it is unused.
+TEST_F(MhaFwdValidation, DeviceRngStateIsRefusedWithCpuTensors) {
+  const int64_t key[2] = {12345, 678};
+  p.dropout = {0.1f, 0, 0, key};
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "dropout.rng_state is set", "CPU tensors", "dropout.seed");
+  p.dropout.p = 0.0f;
+  EXPECT_NO_THROW(mha_fwd(p));
+  EXPECT_EQ(api::validate_mha_fwd(p, "mha_fwd").dropout_rng_state, nullptr);
+}
+
 // attn_probs (return_softmax): [batch, heads_q, round128(seqlen_q), round128(seqlen_k)] of q's
 // dtype and device, last dim contiguous.
 TEST_F(MhaFwdValidation, AttnProbsShapeDtypeAndLayout) {
