@@ -35,4 +35,8 @@ int choose_num_splits(const SplitShape& shape) {
   return best;
 }
 
+bool one_cta_per_sm(int64_t ctas, int num_splits, int sm_count) {
+  return ctas > 0 && num_splits > 0 && ctas * num_splits <= sm_count;
+}
+
 }  // namespace flashkit::api

@@ -8,11 +8,12 @@
 // partials of the query rows only) and of a fixed cost per CTA (prologue, pipeline fill, the
 // cross-warp merge).
 //
-// The model counts one CTA per SM as a full SM: one decode CTA keeps 64 KiB of K/V in flight,
-// enough for its SM's share of HBM bandwidth, and a second co-resident CTA adds fixed costs
-// without adding bandwidth. Measured on an H100 (bench/NOTES.md, decode): batch 1, GQA 32/8,
-// 16 splits (128 CTAs) beat 32 splits (256 CTAs, two per SM) by 23%, 7% and 6% at cache 8k, 32k
-// and 128k; batch 8, 2 splits beat 4 by 2-4%.
+// The model counts one CTA per SM as a full SM: a launch of at most one CTA per SM runs the
+// whole-SM pipeline (one_cta_per_sm below; 160 KiB of K/V in flight per SM at D 128), and a
+// second co-resident CTA would add fixed costs without adding bandwidth. Measured on an H100
+// (bench/NOTES.md, decode), before the whole-SM pipeline existed: batch 1, GQA 32/8, 16 splits
+// (128 CTAs) beat 32 splits (256 CTAs, two per SM) by 23%, 7% and 6% at cache 8k, 32k and 128k;
+// batch 8, 2 splits beat 4 by 2-4%.
 //
 // So with `slots` = SMs, s splits run ceil(ctas * s / slots) waves, each as long as one split's
 // key blocks plus the fixed cost per CTA (counted in key blocks):
@@ -39,5 +40,10 @@ constexpr int64_t kCtaOverheadBlocks = 2;
 
 // Returns a split count in [1, max_splits]; 1 for degenerate input (no CTAs, no keys, no SMs).
 int choose_num_splits(const SplitShape& shape);
+
+// Whether `ctas` x `num_splits` CTAs (ctas as in SplitShape) put at most one CTA on each of
+// `sm_count` SMs: then every CTA may take its SM's whole shared memory for a deeper K/V pipeline
+// at no cost in waves (the decode kernel's whole-SM pipeline, src/cuda/sm80/decode_sm80.h).
+bool one_cta_per_sm(int64_t ctas, int num_splits, int sm_count);
 
 }  // namespace flashkit::api

@@ -500,6 +500,27 @@ TEST(SplitHeuristic, StaysInRangeAndNeverAddsEmptySplits) {
   }
 }
 
+// Batch 1 and 8 at GQA 32/8 after splitting (128 CTAs) run the whole-SM pipeline on 132 SMs;
+// batch 64 (512 CTAs) and an explicit split count past the SMs do not.
+TEST(SplitHeuristic, OneCtaPerSmWhenTheLaunchFitsTheSms) {
+  EXPECT_TRUE(api::one_cta_per_sm(8, 16, 132));
+  EXPECT_TRUE(api::one_cta_per_sm(64, 2, 132));
+  EXPECT_TRUE(api::one_cta_per_sm(132, 1, 132));
+  EXPECT_FALSE(api::one_cta_per_sm(133, 1, 132));
+  EXPECT_FALSE(api::one_cta_per_sm(512, 1, 132));
+  EXPECT_FALSE(api::one_cta_per_sm(2, 128, 132));
+  EXPECT_FALSE(api::one_cta_per_sm(0, 1, 132));
+  EXPECT_FALSE(api::one_cta_per_sm(8, 0, 132));
+  EXPECT_FALSE(api::one_cta_per_sm(8, 1, 0));
+  // What the heuristic picks for a small batch always fits.
+  for (int64_t ctas : {1, 3, 8, 64}) {
+    for (int64_t blocks : {2, 128, 2048}) {
+      EXPECT_TRUE(api::one_cta_per_sm(ctas, api::choose_num_splits(h100_shape(ctas, blocks)), 132))
+          << ctas << " " << blocks;
+    }
+  }
+}
+
 TEST(SplitHeuristic, RespectsMaxSplits) {
   api::SplitShape s = h100_shape(1, 100000);
   s.max_splits = 16;

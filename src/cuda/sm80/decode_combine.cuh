@@ -13,6 +13,7 @@
 
 #include "common/kvcache_problem.h"
 #include "cuda/common/mma_sm80.cuh"
+#include "cuda/common/programmatic_launch.cuh"
 #include "cuda/sm80/decode_sm80.h"
 
 namespace flashkit::sm80 {
@@ -22,6 +23,10 @@ constexpr int kCombineWarps = 4;
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kCombineWarps * 32)
     decode_combine_kernel(const __grid_constant__ KvcacheProblem p) {
+  // Launched as a programmatic dependent of the decode kernel: its launch overlaps the decode's
+  // tail, and it waits here for the decode's partials.
+  wait_for_prior_grids();
+  allow_dependent_grids();
   constexpr int kPasses = (kHeadDim + 127) / 128;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
