@@ -11,10 +11,10 @@
 //   * Warps split keys, not rows: each K/V block of 64 keys is cut into four 16-key slices, one
 //     per warp, with its own online softmax; the four partial results merge through shared memory
 //     at the end (weighted by exp(lse_warp - lse_total), like the splits).
-//   * Paged or contiguous: each 16-byte chunk's source row is looked up per key (a page-table load
-//     and a division by page_block_size for paged caches), so any page size works. The page-table
-//     loads of a block are issued one block before its copies (find_pages), so that their
-//     latency is not on the loop's path.
+//   * Paged or contiguous: a paged cache's page is looked up per key (a block-table load and a
+//     shift or division by page_block_size), so any page size works; the lookups of a block are
+//     issued one block before its copies (find_pages), so that their latency is not on the loop's
+//     path. A contiguous cache needs no lookup: each thread walks its rows with a running pointer.
 //   * Pipeline depth: decode_stages(family, kWholeSm), see decode_sm80.h.
 //
 //   prologue   wait for the kernel before (PDL); page lookups, then cp.async K/V of the first
@@ -190,22 +190,44 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // stream (one CTA per SM issues it for 32 KiB of K/V per block at D 128), so its addresses are
   // cheap: a contiguous cache row advances by a fixed stride; a paged row is (page, row in page),
   // looked up by find_pages (block-table load, shift or division) one block before the copies.
+  // Measured on the H200 (bench/NOTES.md): the old per-chunk address code (~1,050 of the loop's
+  // 1,400 instructions per block) held one CTA per SM to 0.8x of the bandwidth.
   constexpr int kLoadPasses = Traits::kLoadPasses;
   struct PageRows {
     int page[kLoadPasses];
     int row[kLoadPasses];
   };
   const bool paged = p.block_table != nullptr;
+  // Page and row strides that fit 32 bits (any realistic cache: a page of at most 2^31 elements)
+  // make a chunk's address two wide multiply-adds per cache (base + page x page stride + row x row
+  // stride, in bytes) instead of four 64-bit products. With one CTA per SM the copy loop's
+  // instruction count bounds the bandwidth.
+  auto fits_int32 = [](int64_t elements) {
+    const int64_t bytes = elements * static_cast<int64_t>(sizeof(Element));
+    return bytes >= INT32_MIN && bytes <= INT32_MAX;
+  };
+  const bool narrow_page_strides = paged && fits_int32(p.k_cache_batch_stride) &&
+                                   fits_int32(p.k_cache_row_stride) &&
+                                   fits_int32(p.v_cache_batch_stride) && fits_int32(p.v_cache_row_stride);
+  const int k_page_bytes = static_cast<int>(p.k_cache_batch_stride * sizeof(Element));
+  const int k_row_bytes = static_cast<int>(p.k_cache_row_stride * sizeof(Element));
+  const int v_page_bytes = static_cast<int>(p.v_cache_batch_stride * sizeof(Element));
+  const int v_row_bytes = static_cast<int>(p.v_cache_row_stride * sizeof(Element));
   const int kv_chunk = tid % Traits::kChunks;
   const int first_row = tid / Traits::kChunks;
   const bool chunk_valid = kv_chunk < head_chunks;
-  const auto* k_cache = static_cast<const Element*>(p.k_cache) + kv_head * p.k_cache_head_stride + kv_chunk * 8;
-  const auto* v_cache = static_cast<const Element*>(p.v_cache) + kv_head * p.v_cache_head_stride + kv_chunk * 8;
+  const auto* k_cache =
+      static_cast<const Element*>(p.k_cache) + kv_head * p.k_cache_head_stride + kv_chunk * 8;
+  const auto* v_cache =
+      static_cast<const Element*>(p.v_cache) + kv_head * p.v_cache_head_stride + kv_chunk * 8;
   // Contiguous: this thread's first row of block 0 (cache index leftpad + first_row).
   const int64_t first_index = seq.leftpad + first_row;
-  const Element* k_rows = k_cache + seq.cache_row * p.k_cache_batch_stride + first_index * p.k_cache_row_stride;
-  const Element* v_rows = v_cache + seq.cache_row * p.v_cache_batch_stride + first_index * p.v_cache_row_stride;
+  const Element* k_rows =
+      k_cache + seq.cache_row * p.k_cache_batch_stride + first_index * p.k_cache_row_stride;
+  const Element* v_rows =
+      v_cache + seq.cache_row * p.v_cache_batch_stride + first_index * p.v_cache_row_stride;
 
+  const int* block_table_row = paged ? p.block_table + b * p.block_table_batch_stride : nullptr;
   auto find_pages = [&](int n_block, PageRows& rows) {
     if (!paged) return;
 #pragma unroll
@@ -214,7 +236,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
       const int index = seq.leftpad + key;
       const int page = p.page_block_shift >= 0 ? index >> p.page_block_shift : index / p.page_block_size;
       rows.row[i] = index - page * p.page_block_size;
-      rows.page[i] = key < seq.len_k ? p.block_table[b * p.block_table_batch_stride + page] : 0;
+      rows.page[i] = key < seq.len_k ? block_table_row[page] : 0;
     }
   };
   // Contiguous rows kRowsPerPass apart: a running pointer per cache, one 64-bit add per pass.
@@ -230,7 +252,20 @@ __global__ void __launch_bounds__(Traits::kThreads)
       cp_async_16(sK + dst, valid ? k_src : k_cache, valid);
       cp_async_16(sV + dst, valid ? v_src : v_cache, valid);
     };
-    if (paged) {
+    if (narrow_page_strides) {
+      const auto* k_bytes = reinterpret_cast<const char*>(k_cache);
+      const auto* v_bytes = reinterpret_cast<const char*>(v_cache);
+#pragma unroll
+      for (int i = 0; i < kLoadPasses; ++i) {
+        const int page = rows.page[i];
+        const int row = rows.row[i];
+        copy(i,
+             reinterpret_cast<const Element*>(k_bytes + static_cast<int64_t>(page) * k_page_bytes +
+                                              static_cast<int64_t>(row) * k_row_bytes),
+             reinterpret_cast<const Element*>(v_bytes + static_cast<int64_t>(page) * v_page_bytes +
+                                              static_cast<int64_t>(row) * v_row_bytes));
+      }
+    } else if (paged) {
 #pragma unroll
       for (int i = 0; i < kLoadPasses; ++i) {
         copy(i, k_cache + rows.page[i] * p.k_cache_batch_stride + rows.row[i] * p.k_cache_row_stride,

@@ -34,34 +34,28 @@ struct DecodeSequence {
   }
 };
 
-// Where cache index `index` of sequence b lives, in two steps so that the decode kernel can issue
-// the first (a block-table load for paged caches) well before it needs the second:
-//   cache_page    the page that holds it (paged) or the sequence's cache row (contiguous)
-//   cache_offsets element offsets of the index in that page or row (kv head 0, column 0) in the K
-//                 and the V cache
-__device__ __forceinline__ int cache_page(const KvcacheProblem& p, int b, const DecodeSequence& s, int index) {
-  if (p.block_table == nullptr) return s.cache_row;
-  const int page = p.page_block_shift >= 0 ? index >> p.page_block_shift : index / p.page_block_size;
-  return p.block_table[b * p.block_table_batch_stride + page];
-}
-
+// Element offsets of cache index `index` of sequence b (kv head 0, column 0) in the K and the V
+// cache: a page lookup for paged caches, the cache row otherwise.
 struct CacheRowOffsets {
   int64_t k;
   int64_t v;
 };
 
-__device__ __forceinline__ CacheRowOffsets cache_offsets(const KvcacheProblem& p, int page, int index) {
-  int64_t row = index;
-  if (p.block_table != nullptr) {
-    row = p.page_block_shift >= 0 ? index & (p.page_block_size - 1) : index % p.page_block_size;
-  }
-  return {page * p.k_cache_batch_stride + row * p.k_cache_row_stride,
-          page * p.v_cache_batch_stride + row * p.v_cache_row_stride};
-}
-
 __device__ __forceinline__ CacheRowOffsets cache_row_offsets(const KvcacheProblem& p, int b,
                                                              const DecodeSequence& s, int index) {
-  return cache_offsets(p, cache_page(p, b, s, index), index);
+  int64_t base;
+  int64_t row;
+  if (p.block_table != nullptr) {
+    const bool power_of_two = p.page_block_shift >= 0;
+    const int page = power_of_two ? index >> p.page_block_shift : index / p.page_block_size;
+    base = p.block_table[b * p.block_table_batch_stride + page];
+    row = power_of_two ? index & (p.page_block_size - 1) : index - page * p.page_block_size;
+  } else {
+    base = s.cache_row;
+    row = index;
+  }
+  return {base * p.k_cache_batch_stride + row * p.k_cache_row_stride,
+          base * p.v_cache_batch_stride + row * p.v_cache_row_stride};
 }
 
 template <typename Element>
