@@ -75,6 +75,8 @@ struct DeviceLimits {
   int arch = 0;
   int sm_count = 0;
   int max_smem_per_block = 0;  // with the opt-in
+  int smem_per_sm = 0;
+  int reserved_smem_per_block = 0;  // what the runtime keeps of an SM's shared memory per CTA
 };
 
 DeviceLimits device_limits(int device) {
@@ -94,6 +96,12 @@ DeviceLimits device_limits(int device) {
   cuda::check(cudaDeviceGetAttribute(&limits.max_smem_per_block,
                                      cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
               "cudaDeviceGetAttribute(max shared memory per block, opt-in)");
+  cuda::check(cudaDeviceGetAttribute(&limits.smem_per_sm,
+                                     cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
+              "cudaDeviceGetAttribute(max shared memory per multiprocessor)");
+  cuda::check(cudaDeviceGetAttribute(&limits.reserved_smem_per_block,
+                                     cudaDevAttrReservedSharedMemoryPerBlock, device),
+              "cudaDeviceGetAttribute(reserved shared memory per block)");
   limits.arch = 10 * major + minor;
   known[device] = limits;
   return limits;
@@ -105,6 +113,14 @@ int64_t decode_ctas(const KvcacheProblem& problem) {
                               (problem.heads_q / problem.heads_kv);
   return static_cast<int64_t>(problem.batch) * problem.heads_kv *
          ((packed_rows + sm80::kDecodeRows - 1) / sm80::kDecodeRows);
+}
+
+// The CTAs per SM the split model counts for this problem on this device (split_heuristic.h).
+int decode_ctas_per_sm(const KvcacheProblem& problem, const DeviceLimits& limits) {
+  const int family = sm80::decode_head_dim_family(problem.head_dim);
+  return api::decode_ctas_per_sm(
+      problem.is_paged(), sm80::decode_smem_bytes(family, false) + limits.reserved_smem_per_block,
+      limits.smem_per_sm);
 }
 
 // The split count of a CUDA call: the caller's, or the heuristic's for this device.
@@ -121,17 +137,19 @@ int cuda_num_splits(const KvcacheProblem& problem, int requested, int device) {
   shape.key_blocks = (max_keys + sm80::kDecodeBlockN - 1) / sm80::kDecodeBlockN;
   shape.sm_count = limits.sm_count;
   shape.max_splits = api::kMaxKvcacheSplits;
+  shape.ctas_per_sm = decode_ctas_per_sm(problem, limits);
   return api::choose_num_splits(shape);
 }
 
-// The whole-SM pipeline when the launch puts at most one CTA on an SM and the device lets one CTA
-// take that much shared memory (sm_90: 227 KiB; not sm_80's 163 KiB or sm_86/89's 99 KiB); PDL
-// from sm_90 on.
+// The whole-SM pipeline when the split model counts one CTA per SM, the launch puts at most one
+// CTA on an SM, and the device lets one CTA take that much shared memory (sm_90: 227 KiB; not
+// sm_80's 163 KiB or sm_86/89's 99 KiB); PDL from sm_90 on.
 sm80::DecodeLaunchPlan decode_launch_plan(const KvcacheProblem& problem, int device) {
   const DeviceLimits limits = device_limits(device);
   const int family = sm80::decode_head_dim_family(problem.head_dim);
   sm80::DecodeLaunchPlan plan;
-  plan.whole_sm = api::one_cta_per_sm(decode_ctas(problem), problem.num_splits, limits.sm_count) &&
+  plan.whole_sm = decode_ctas_per_sm(problem, limits) == 1 &&
+                  api::one_cta_per_sm(decode_ctas(problem), problem.num_splits, limits.sm_count) &&
                   sm80::decode_smem_bytes(family, true) <= limits.max_smem_per_block;
   plan.programmatic = limits.arch >= 90;
   return plan;
