@@ -40,7 +40,7 @@ using api::debug_enabled;
 
 #ifdef FLASHKIT_WITH_CUDA
 
-using RunDecode = void (*)(const KvcacheProblem&, void*);
+using RunDecode = void (*)(const KvcacheProblem&, const sm80::DecodeLaunchPlan&, void*);
 
 RunDecode find_sm80_decode(DType dtype, int family) {
 #define FLASHKIT_SM80_DECODE_INSTANCE(kDType, kFamily) \
@@ -74,6 +74,9 @@ RunDecode require_sm80_decode(const KvcacheProblem& problem) {
 struct DeviceLimits {
   int arch = 0;
   int sm_count = 0;
+  int max_smem_per_block = 0;  // with the opt-in
+  int smem_per_sm = 0;
+  int reserved_smem_per_block = 0;  // what the runtime keeps of an SM's shared memory per CTA
 };
 
 DeviceLimits device_limits(int device) {
@@ -90,29 +93,66 @@ DeviceLimits device_limits(int device) {
               "cudaDeviceGetAttribute(compute capability minor)");
   cuda::check(cudaDeviceGetAttribute(&limits.sm_count, cudaDevAttrMultiProcessorCount, device),
               "cudaDeviceGetAttribute(multiprocessor count)");
+  cuda::check(cudaDeviceGetAttribute(&limits.max_smem_per_block,
+                                     cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+              "cudaDeviceGetAttribute(max shared memory per block, opt-in)");
+  cuda::check(cudaDeviceGetAttribute(&limits.smem_per_sm,
+                                     cudaDevAttrMaxSharedMemoryPerMultiprocessor, device),
+              "cudaDeviceGetAttribute(max shared memory per multiprocessor)");
+  cuda::check(cudaDeviceGetAttribute(&limits.reserved_smem_per_block,
+                                     cudaDevAttrReservedSharedMemoryPerBlock, device),
+              "cudaDeviceGetAttribute(reserved shared memory per block)");
   limits.arch = 10 * major + minor;
   known[device] = limits;
   return limits;
+}
+
+// The decode CTAs of one split: batch x heads_kv x blocks of packed query rows.
+int64_t decode_ctas(const KvcacheProblem& problem) {
+  const int64_t packed_rows = static_cast<int64_t>(problem.seqlen_q) *
+                              (problem.heads_q / problem.heads_kv);
+  return static_cast<int64_t>(problem.batch) * problem.heads_kv *
+         ((packed_rows + sm80::kDecodeRows - 1) / sm80::kDecodeRows);
+}
+
+// The CTAs per SM the split model counts for this problem on this device (split_heuristic.h).
+int decode_ctas_per_sm(const KvcacheProblem& problem, const DeviceLimits& limits) {
+  const int family = sm80::decode_head_dim_family(problem.head_dim);
+  return api::decode_ctas_per_sm(
+      problem.is_paged(), sm80::decode_smem_bytes(family, false) + limits.reserved_smem_per_block,
+      limits.smem_per_sm);
 }
 
 // The split count of a CUDA call: the caller's, or the heuristic's for this device.
 int cuda_num_splits(const KvcacheProblem& problem, int requested, int device) {
   if (requested > 0) return requested;
   const DeviceLimits limits = device_limits(device);
-  const int64_t packed_rows = static_cast<int64_t>(problem.seqlen_q) *
-                              (problem.heads_q / problem.heads_kv);
   // The longest sequence: exact for one scalar length, else bounded by the capacity (the lengths
   // are on the device).
   const int64_t max_keys = problem.cache_seqlens == nullptr
                                ? static_cast<int64_t>(problem.cache_seqlen) + problem.seqlen_new
                                : problem.cache_capacity;
   api::SplitShape shape;
-  shape.ctas = static_cast<int64_t>(problem.batch) * problem.heads_kv *
-               ((packed_rows + sm80::kDecodeRows - 1) / sm80::kDecodeRows);
+  shape.ctas = decode_ctas(problem);
   shape.key_blocks = (max_keys + sm80::kDecodeBlockN - 1) / sm80::kDecodeBlockN;
   shape.sm_count = limits.sm_count;
   shape.max_splits = api::kMaxKvcacheSplits;
+  shape.ctas_per_sm = decode_ctas_per_sm(problem, limits);
   return api::choose_num_splits(shape);
+}
+
+// The whole-SM pipeline when the split model counts one CTA per SM, the launch puts at most one
+// CTA on an SM, and the device lets one CTA take that much shared memory (sm_90: 227 KiB; not
+// sm_80's 163 KiB or sm_86/89's 99 KiB); PDL from sm_90 on.
+sm80::DecodeLaunchPlan decode_launch_plan(const KvcacheProblem& problem, int device) {
+  const DeviceLimits limits = device_limits(device);
+  const int family = sm80::decode_head_dim_family(problem.head_dim);
+  sm80::DecodeLaunchPlan plan;
+  plan.whole_sm = decode_ctas_per_sm(problem, limits) == 1 &&
+                  api::one_cta_per_sm(decode_ctas(problem), problem.num_splits, limits.sm_count) &&
+                  sm80::decode_smem_bytes(family, true) <= limits.max_smem_per_block;
+  plan.programmatic = limits.arch >= 90;
+  return plan;
 }
 
 // FLASHKIT_CHECK_KVCACHE=1: copy the index arrays to the host and check what kvcache_params.h
@@ -177,20 +217,22 @@ void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void
     problem.workspace = params.workspace;
     problem.workspace_bytes = params.workspace_bytes;
   }
+  const sm80::DecodeLaunchPlan plan = decode_launch_plan(problem, device);
   const api::CurrentDeviceGuard device_guard(device);
   if (contents_check_enabled()) check_contents_on_device(problem, stream);
   if (debug_enabled()) {
     std::fprintf(stderr,
                  "flashkit: %s: cuda:%d sm80 decode, %s head dim %d (family %d), batch %d heads "
                  "%d/%d seqlen_q %d, %s cache capacity %d (page %d), append %d, rotary %d, "
-                 "%d split(s)\n",
+                 "%d split(s), %s pipeline%s\n",
                  kFn, device, build_dtype_name(problem.dtype), problem.head_dim,
                  sm80::decode_head_dim_family(problem.head_dim), problem.batch, problem.heads_q,
                  problem.heads_kv, problem.seqlen_q, problem.is_paged() ? "paged" : "contiguous",
                  problem.cache_capacity, problem.page_block_size, problem.seqlen_new,
-                 problem.rotary_dim, problem.num_splits);
+                 problem.rotary_dim, problem.num_splits, plan.whole_sm ? "whole-SM" : "shared-SM",
+                 plan.programmatic ? ", programmatic launch" : "");
   }
-  run(problem, stream);
+  run(problem, plan, stream);
 }
 
 #endif  // FLASHKIT_WITH_CUDA

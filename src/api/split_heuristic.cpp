@@ -15,7 +15,7 @@ int choose_num_splits(const SplitShape& shape) {
   if (shape.ctas <= 0 || shape.key_blocks <= 1 || shape.sm_count <= 0 || shape.max_splits <= 1) {
     return 1;
   }
-  const int64_t slots = shape.sm_count;
+  const int64_t slots = static_cast<int64_t>(shape.sm_count) * std::max(1, shape.ctas_per_sm);
   if (shape.ctas >= slots) return 1;
   const int64_t limit = std::min<int64_t>(shape.max_splits, shape.key_blocks);
   int best = 1;
@@ -33,6 +33,14 @@ int choose_num_splits(const SplitShape& shape) {
     }
   }
   return best;
+}
+
+bool one_cta_per_sm(int64_t ctas, int num_splits, int sm_count) {
+  return ctas > 0 && num_splits > 0 && ctas * num_splits <= sm_count;
+}
+
+int decode_ctas_per_sm(bool paged, int64_t shared_sm_cta_bytes, int64_t smem_per_sm) {
+  return paged && shared_sm_cta_bytes > 0 && 2 * shared_sm_cta_bytes <= smem_per_sm ? 2 : 1;
 }
 
 }  // namespace flashkit::api

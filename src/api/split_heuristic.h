@@ -8,14 +8,19 @@
 // partials of the query rows only) and of a fixed cost per CTA (prologue, pipeline fill, the
 // cross-warp merge).
 //
-// The model counts one CTA per SM as a full SM: one decode CTA keeps 64 KiB of K/V in flight,
-// enough for its SM's share of HBM bandwidth, and a second co-resident CTA adds fixed costs
-// without adding bandwidth. Measured on an H100 (bench/NOTES.md, decode): batch 1, GQA 32/8,
-// 16 splits (128 CTAs) beat 32 splits (256 CTAs, two per SM) by 23%, 7% and 6% at cache 8k, 32k
-// and 128k; batch 8, 2 splits beat 4 by 2-4%.
+// The model counts `ctas_per_sm` CTAs per SM as a full SM (decode_ctas_per_sm below):
+//   * contiguous caches: one. A launch of at most one CTA per SM runs the whole-SM pipeline
+//     (one_cta_per_sm below; 160 KiB of K/V in flight per SM at D 128), and a second co-resident
+//     CTA adds fixed costs without adding bandwidth. H200 (bench/NOTES.md, decode), batch 1, GQA
+//     32/8: 16 splits (128 whole-SM CTAs) beat 32 (256 shared-SM CTAs) by 5%, 5%, 1% at cache
+//     8k, 32k, 128k; batch 8: 2 splits and 4 within 1.5%.
+//   * paged caches: two, where the shared-SM pipeline fits two CTAs in an SM (D <= 128). The page
+//     lookups make a block's copy loop ~20% longer than one CTA's four warps issue at memory
+//     speed; two CTAs interleave two loops. H200, paged16, batch 1: 32 splits beat 16 by 5%, 9%,
+//     13% at 8k, 32k, 128k; batch 8: 4 splits beat 2 by 14%, 14%, 13%.
 //
-// So with `slots` = SMs, s splits run ceil(ctas * s / slots) waves, each as long as one split's
-// key blocks plus the fixed cost per CTA (counted in key blocks):
+// So with `slots` = SMs x ctas_per_sm, s splits run ceil(ctas * s / slots) waves, each as long as
+// one split's key blocks plus the fixed cost per CTA (counted in key blocks):
 //     time(s) = ceil(ctas * s / slots) * (ceil(key_blocks / s) + kCtaOverheadBlocks)
 // and s is the smallest minimiser of time(s). Splits that do not shorten the longest split (same
 // ceil(key_blocks / s) as s - 1) are skipped: they add CTAs without removing work. When the
@@ -32,6 +37,7 @@ struct SplitShape {
   int64_t key_blocks = 0;  // key blocks of the longest sequence (the capacity when unknown)
   int sm_count = 0;
   int max_splits = 128;
+  int ctas_per_sm = 1;  // decode_ctas_per_sm
 };
 
 // The fixed cost of a CTA in key-block times (launch, Q load, pipeline fill, merge, store).
@@ -39,5 +45,15 @@ constexpr int64_t kCtaOverheadBlocks = 2;
 
 // Returns a split count in [1, max_splits]; 1 for degenerate input (no CTAs, no keys, no SMs).
 int choose_num_splits(const SplitShape& shape);
+
+// Whether `ctas` x `num_splits` CTAs (ctas as in SplitShape) put at most one CTA on each of
+// `sm_count` SMs: then every CTA may take its SM's whole shared memory for a deeper K/V pipeline
+// at no cost in waves (the decode kernel's whole-SM pipeline, src/cuda/sm80/decode_sm80.h).
+bool one_cta_per_sm(int64_t ctas, int num_splits, int sm_count);
+
+// The CTAs per SM the split model counts (see above): 2 for a paged cache when two shared-SM
+// CTAs of `shared_sm_cta_bytes` (the pipeline's shared memory plus the runtime's reserve per CTA)
+// fit `smem_per_sm`, else 1.
+int decode_ctas_per_sm(bool paged, int64_t shared_sm_cta_bytes, int64_t smem_per_sm);
 
 }  // namespace flashkit::api

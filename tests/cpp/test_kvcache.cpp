@@ -467,8 +467,9 @@ TEST(SplitHeuristic, AFullGpuIsNotSplit) {
   EXPECT_EQ(api::choose_num_splits(h100_shape(512, 128)), 1);
 }
 
-// The split counts the H100 sweep of bench/NOTES.md found fastest (GQA 32/8: 8 CTAs per sequence,
-// 128 keys per block of 64 at 8k).
+// The split counts the H100 sweep of bench/NOTES.md found fastest for contiguous caches (GQA 32/8:
+// 8 CTAs per sequence, 128 keys per block of 64 at 8k); the H200 sweep agrees at batch 1 and finds
+// 2 and 4 splits within 1.5% at batch 8.
 TEST(SplitHeuristic, MatchesTheMeasuredBestOnH100) {
   for (int64_t blocks : {128, 512, 2048}) {  // cache 8k, 32k, 128k
     EXPECT_EQ(api::choose_num_splits(h100_shape(8, blocks)), 16) << blocks;       // batch 1
@@ -498,6 +499,50 @@ TEST(SplitHeuristic, StaysInRangeAndNeverAddsEmptySplits) {
       EXPECT_LT(per * (s - 1), blocks) << ctas << " " << blocks << " -> " << s;
     }
   }
+}
+
+// Batch 1 and 8 at GQA 32/8 after splitting (128 CTAs) run the whole-SM pipeline on 132 SMs;
+// batch 64 (512 CTAs) and an explicit split count past the SMs do not.
+TEST(SplitHeuristic, OneCtaPerSmWhenTheLaunchFitsTheSms) {
+  EXPECT_TRUE(api::one_cta_per_sm(8, 16, 132));
+  EXPECT_TRUE(api::one_cta_per_sm(64, 2, 132));
+  EXPECT_TRUE(api::one_cta_per_sm(132, 1, 132));
+  EXPECT_FALSE(api::one_cta_per_sm(133, 1, 132));
+  EXPECT_FALSE(api::one_cta_per_sm(512, 1, 132));
+  EXPECT_FALSE(api::one_cta_per_sm(2, 128, 132));
+  EXPECT_FALSE(api::one_cta_per_sm(0, 1, 132));
+  EXPECT_FALSE(api::one_cta_per_sm(8, 0, 132));
+  EXPECT_FALSE(api::one_cta_per_sm(8, 1, 0));
+  // What the heuristic picks for a small batch always fits.
+  for (int64_t ctas : {1, 3, 8, 64}) {
+    for (int64_t blocks : {2, 128, 2048}) {
+      EXPECT_TRUE(api::one_cta_per_sm(ctas, api::choose_num_splits(h100_shape(ctas, blocks)), 132))
+          << ctas << " " << blocks;
+    }
+  }
+}
+
+// Paged caches count two shared-SM CTAs per SM where two fit (d128: 100 KiB + 1 KiB each in an
+// SM's 228 KiB; not d256's 136 KiB), and then split into the split counts the H200 sweep of
+// bench/NOTES.md found fastest for 16-token pages: 32 at batch 1 (33 at 128k: 264 CTAs, the
+// same one wave with shorter splits), 4 at batch 8.
+TEST(SplitHeuristic, PagedCachesCountTwoCtasPerSm) {
+  constexpr int64_t kSmemPerSm = 228 * 1024;
+  EXPECT_EQ(api::decode_ctas_per_sm(true, 101 * 1024, kSmemPerSm), 2);
+  EXPECT_EQ(api::decode_ctas_per_sm(false, 101 * 1024, kSmemPerSm), 1);
+  EXPECT_EQ(api::decode_ctas_per_sm(true, 137 * 1024, kSmemPerSm), 1);
+  EXPECT_EQ(api::decode_ctas_per_sm(true, 0, kSmemPerSm), 1);
+  for (int64_t blocks : {128, 512, 2048}) {  // cache 8k, 32k, 128k
+    api::SplitShape s = h100_shape(8, blocks);  // batch 1
+    s.ctas_per_sm = 2;
+    EXPECT_EQ(api::choose_num_splits(s), blocks == 2048 ? 33 : 32) << blocks;
+    s = h100_shape(64, blocks);  // batch 8
+    s.ctas_per_sm = 2;
+    EXPECT_EQ(api::choose_num_splits(s), 4) << blocks;
+  }
+  api::SplitShape s = h100_shape(264, 2048);  // two full CTAs per SM: not split
+  s.ctas_per_sm = 2;
+  EXPECT_EQ(api::choose_num_splits(s), 1);
 }
 
 TEST(SplitHeuristic, RespectsMaxSplits) {

@@ -11,13 +11,18 @@
 //   * Warps split keys, not rows: each K/V block of 64 keys is cut into four 16-key slices, one
 //     per warp, with its own online softmax; the four partial results merge through shared memory
 //     at the end (weighted by exp(lse_warp - lse_total), like the splits).
-//   * Paged or contiguous: each 16-byte chunk's source row is looked up per key (a page-table load
-//     and a division by page_block_size for paged caches), so any page size works.
+//   * Paged or contiguous: a paged cache's page is looked up per key (a block-table load and a
+//     shift or division by page_block_size), so any page size works; the lookups of a block are
+//     issued one block before its copies (find_pages), so that their latency is not on the loop's
+//     path. A contiguous cache needs no lookup: each thread walks its rows with a running pointer.
+//   * Pipeline depth: decode_stages(family, kWholeSm), see decode_sm80.h.
 //
-//   prologue   cp.async K/V of the first kStages - 1 blocks of this split, one commit group each;
-//              then Q rows gathered (rotated when rotary is on) into shared memory
+//   prologue   wait for the kernel before (PDL); page lookups, then cp.async K/V of the first
+//              kStages - 1 blocks of this split, one commit group each; then Q rows gathered
+//              (rotated when rotary is on) into shared memory
 //   per block  wait until block n landed; barrier    (every warp is done with block n - 1's stage)
-//              cp.async K/V of block n + kStages - 1 into block n - 1's stage
+//              cp.async K/V of block n + kStages - 1 into block n - 1's stage; page lookups of
+//              block n + kStages
 //              S = Q K^T on this warp's 16 keys       (mma.sync m16n8k16, fp32)
 //              scale / softcap / ALiBi / mask        (mask only on blocks the window or end cuts)
 //              online softmax; O += P V               (P straight from registers)
@@ -35,21 +40,23 @@
 #include "cuda/common/attention_mask.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/common/online_softmax.cuh"
+#include "cuda/common/programmatic_launch.cuh"
 #include "cuda/common/swizzled_tile.cuh"
 #include "cuda/sm80/decode_rotary.cuh"
 #include "cuda/sm80/decode_sm80.h"
 
 namespace flashkit::sm80 {
 
-template <typename Element_, int kHeadDim_>
+template <typename Element_, int kHeadDim_, bool kWholeSm_>
 struct DecodeTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kWholeSm = kWholeSm_;
   static constexpr int kRows = kDecodeRows;
   static constexpr int kBlockN = kDecodeBlockN;
   static constexpr int kWarps = kDecodeWarps;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = decode_stages(kHeadDim);
+  static constexpr int kStages = decode_stages(kHeadDim, kWholeSm);
   static constexpr int kQkSteps = kHeadDim / 16;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
@@ -74,7 +81,8 @@ struct DecodeTraits {
   static_assert(kThreads % kChunks == 0 && kBlockN % kRowsPerPass == 0, "K/V chunks split evenly");
   static_assert((kRows * kChunks) % kThreads == 0, "Q chunks split evenly");
   static_assert(kMergeBytes <= kStages * kStageBytes, "the merge buffer reuses the K/V stages");
-  static_assert(kSmemBytes == decode_smem_bytes(kHeadDim), "decode_sm80.h states the plan's size");
+  static_assert(kStages >= 2, "one stage in flight while another is read");
+  static_assert(kSmemBytes == decode_smem_bytes(kHeadDim, kWholeSm), "decode_sm80.h states the plan's size");
 };
 
 // Scale, softcap and ALiBi of one warp's 16 x 16 scores; `token`/`slope` per lane row (g, g + 8).
@@ -144,6 +152,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
   float* lse_smem = reinterpret_cast<float*>(smem + Traits::kLseOffset);
   float* merge = reinterpret_cast<float*>(smem + Traits::kKvOffset);
 
+  // Everything below may read what the kernel before wrote (the append pass, the caller's Q).
+  wait_for_prior_grids();
+  allow_dependent_grids();  // the combine pass may launch; it waits for this grid to finish
+
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
   const int warp = tid / 32;
@@ -172,33 +184,122 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int split_begin = min(n_end, n_begin + split * per_split);
   const int split_blocks = min(n_end, split_begin + per_split) - split_begin;
 
-  // K and V of key block n into pipeline stage `stage`: rows past the sequence and columns past
-  // head_dim are zero-filled (a zero V row times p = 0 adds nothing; a stale one could be NaN).
-  const auto* k_cache = static_cast<const Element*>(p.k_cache) + kv_head * p.k_cache_head_stride;
-  const auto* v_cache = static_cast<const Element*>(p.v_cache) + kv_head * p.v_cache_head_stride;
-  auto load_kv = [&](int n_block, int stage) {
+  // K/V copies: a thread copies one chunk column of kLoadPasses rows (kRowsPerPass apart) of each
+  // block; rows past the sequence and columns past head_dim are zero-filled (a zero V row times
+  // p = 0 adds nothing; a stale one could be NaN). The copy loop is the kernel's main instruction
+  // stream (one CTA per SM issues it for 32 KiB of K/V per block at D 128), so its addresses are
+  // cheap: a contiguous cache row advances by a fixed stride; a paged row is (page, row in page),
+  // looked up by find_pages (block-table load, shift or division) one block before the copies.
+  // Measured on the H200 (bench/NOTES.md): the old per-chunk address code (~1,050 of the loop's
+  // 1,400 instructions per block) held one CTA per SM to 0.8x of the bandwidth.
+  constexpr int kLoadPasses = Traits::kLoadPasses;
+  struct PageRows {
+    int page[kLoadPasses];
+    int row[kLoadPasses];
+  };
+  const bool paged = p.block_table != nullptr;
+  // Page and row strides that fit 32 bits (any realistic cache: a page of at most 2^31 elements)
+  // make a chunk's address two wide multiply-adds per cache (base + page x page stride + row x row
+  // stride, in bytes) instead of four 64-bit products. With one CTA per SM the copy loop's
+  // instruction count bounds the bandwidth.
+  auto fits_int32 = [](int64_t elements) {
+    const int64_t bytes = elements * static_cast<int64_t>(sizeof(Element));
+    return bytes >= INT32_MIN && bytes <= INT32_MAX;
+  };
+  const bool narrow_page_strides = paged && fits_int32(p.k_cache_batch_stride) &&
+                                   fits_int32(p.k_cache_row_stride) &&
+                                   fits_int32(p.v_cache_batch_stride) && fits_int32(p.v_cache_row_stride);
+  const int k_page_bytes = static_cast<int>(p.k_cache_batch_stride * sizeof(Element));
+  const int k_row_bytes = static_cast<int>(p.k_cache_row_stride * sizeof(Element));
+  const int v_page_bytes = static_cast<int>(p.v_cache_batch_stride * sizeof(Element));
+  const int v_row_bytes = static_cast<int>(p.v_cache_row_stride * sizeof(Element));
+  const int kv_chunk = tid % Traits::kChunks;
+  const int first_row = tid / Traits::kChunks;
+  const bool chunk_valid = kv_chunk < head_chunks;
+  const auto* k_cache =
+      static_cast<const Element*>(p.k_cache) + kv_head * p.k_cache_head_stride + kv_chunk * 8;
+  const auto* v_cache =
+      static_cast<const Element*>(p.v_cache) + kv_head * p.v_cache_head_stride + kv_chunk * 8;
+  // Contiguous: this thread's first row of block 0 (cache index leftpad + first_row).
+  const int64_t first_index = seq.leftpad + first_row;
+  const Element* k_rows =
+      k_cache + seq.cache_row * p.k_cache_batch_stride + first_index * p.k_cache_row_stride;
+  const Element* v_rows =
+      v_cache + seq.cache_row * p.v_cache_batch_stride + first_index * p.v_cache_row_stride;
+
+  const int* block_table_row = paged ? p.block_table + b * p.block_table_batch_stride : nullptr;
+  auto find_pages = [&](int n_block, PageRows& rows) {
+    if (!paged) return;
+#pragma unroll
+    for (int i = 0; i < kLoadPasses; ++i) {
+      const int key = n_block * kBlockN + first_row + i * Traits::kRowsPerPass;
+      const int index = seq.leftpad + key;
+      const int page = p.page_block_shift >= 0 ? index >> p.page_block_shift : index / p.page_block_size;
+      rows.row[i] = index - page * p.page_block_size;
+      rows.page[i] = key < seq.len_k ? block_table_row[page] : 0;
+    }
+  };
+  // Contiguous rows kRowsPerPass apart: a running pointer per cache, one 64-bit add per pass.
+  const int64_t k_pass_stride = Traits::kRowsPerPass * p.k_cache_row_stride;
+  const int64_t v_pass_stride = Traits::kRowsPerPass * p.v_cache_row_stride;
+  auto load_kv = [&](int n_block, const PageRows& rows, int stage) {
     const uint32_t sK = sKv + static_cast<uint32_t>(stage * Traits::kStageBytes);
     const uint32_t sV = sK + KvTile::kBytes;
-    const int chunk = tid % Traits::kChunks;
-    const bool chunk_valid = chunk < head_chunks;
+    const int block_key = n_block * kBlockN + first_row;
+    auto copy = [&](int i, const Element* k_src, const Element* v_src) {
+      const bool valid = chunk_valid && block_key + i * Traits::kRowsPerPass < seq.len_k;
+      const uint32_t dst = KvTile::chunk_offset(first_row + i * Traits::kRowsPerPass, kv_chunk);
+      cp_async_16(sK + dst, valid ? k_src : k_cache, valid);
+      cp_async_16(sV + dst, valid ? v_src : v_cache, valid);
+    };
+    if (narrow_page_strides) {
+      const auto* k_bytes = reinterpret_cast<const char*>(k_cache);
+      const auto* v_bytes = reinterpret_cast<const char*>(v_cache);
 #pragma unroll
-    for (int i = 0; i < Traits::kLoadPasses; ++i) {
-      const int row = tid / Traits::kChunks + i * Traits::kRowsPerPass;
-      const int key = n_block * kBlockN + row;
-      const bool valid = chunk_valid && key < seq.len_k;
-      CacheRowOffsets offsets{0, 0};
-      if (valid) offsets = cache_row_offsets(p, b, seq, seq.leftpad + key);
-      const uint32_t dst = KvTile::chunk_offset(row, chunk);
-      cp_async_16(sK + dst, k_cache + offsets.k + chunk * 8, valid);
-      cp_async_16(sV + dst, v_cache + offsets.v + chunk * 8, valid);
+      for (int i = 0; i < kLoadPasses; ++i) {
+        const int page = rows.page[i];
+        const int row = rows.row[i];
+        copy(i,
+             reinterpret_cast<const Element*>(k_bytes + static_cast<int64_t>(page) * k_page_bytes +
+                                              static_cast<int64_t>(row) * k_row_bytes),
+             reinterpret_cast<const Element*>(v_bytes + static_cast<int64_t>(page) * v_page_bytes +
+                                              static_cast<int64_t>(row) * v_row_bytes));
+      }
+    } else if (paged) {
+#pragma unroll
+      for (int i = 0; i < kLoadPasses; ++i) {
+        copy(i, k_cache + rows.page[i] * p.k_cache_batch_stride + rows.row[i] * p.k_cache_row_stride,
+             v_cache + rows.page[i] * p.v_cache_batch_stride + rows.row[i] * p.v_cache_row_stride);
+      }
+    } else {
+      const int64_t block_row = static_cast<int64_t>(n_block) * kBlockN;
+      const Element* k_src = k_rows + block_row * p.k_cache_row_stride;
+      const Element* v_src = v_rows + block_row * p.v_cache_row_stride;
+#pragma unroll
+      for (int i = 0; i < kLoadPasses; ++i) {
+        copy(i, k_src, v_src);
+        k_src += k_pass_stride;
+        v_src += v_pass_stride;
+      }
     }
   };
 
+  // The prologue's page lookups all go out before its first copy: one block-table latency, not
+  // one per stage.
+  {
+    PageRows prologue_rows[kStages - 1];
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
-    if (s < split_blocks) load_kv(split_begin + s, s);
-    cp_async_commit();
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < split_blocks) find_pages(split_begin + s, prologue_rows[s]);
+    }
+#pragma unroll
+    for (int s = 0; s < kStages - 1; ++s) {
+      if (s < split_blocks) load_kv(split_begin + s, prologue_rows[s], s);
+      cp_async_commit();
+    }
   }
+  PageRows next_rows;  // of block kStages - 1 + it at the top of iteration it
+  if (kStages - 1 < split_blocks) find_pages(split_begin + kStages - 1, next_rows);
 
   // ---- Q: gathered row by row (each packed row is its own token and head), rotated, swizzled.
   // After the first K/V loads are in flight: these loads wait for their data before the store.
@@ -252,7 +353,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
   for (int it = 0; it < split_blocks; ++it) {
     cp_async_wait<kStages - 2>();
     __syncthreads();
-    if (it + kStages - 1 < split_blocks) load_kv(split_begin + it + kStages - 1, (it + kStages - 1) % kStages);
+    const int ahead = it + kStages - 1;
+    if (ahead < split_blocks) {
+      load_kv(split_begin + ahead, next_rows, ahead % kStages);
+      if (ahead + 1 < split_blocks) find_pages(split_begin + ahead + 1, next_rows);
+    }
     cp_async_commit();
     const uint32_t stage_offset = static_cast<uint32_t>((it % kStages) * Traits::kStageBytes);
     const int n0 = (split_begin + it) * kBlockN;

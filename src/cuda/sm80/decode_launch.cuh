@@ -1,6 +1,7 @@
 // src/cuda/sm80/decode_launch.cuh
-// \brief Host side of the sm80 decode path: append pass, split decode kernel, combine pass, in
-// that order on one stream. Included only by the generated per-(dtype, family) instance files.
+// \brief Host side of the sm80 decode path: append pass, split decode kernel (the shared-SM or
+// the whole-SM pipeline, decode_sm80.h), combine pass, in that order on one stream. Included only
+// by the generated per-(dtype, family) instance files.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -9,6 +10,7 @@
 #include <cstdint>
 #include <string>
 
+#include "cuda/common/programmatic_launch.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/sm80/decode_append.cuh"
 #include "cuda/sm80/decode_combine.cuh"
@@ -25,10 +27,32 @@ template <> struct DecodeElementOf<DType::kFloat16> { using type = __half; };
 // The grid's y and z dimensions are limited to 65,535.
 constexpr int64_t kMaxGridYZ = 65535;
 
+// The shared-memory opt-in of a decode kernel is per device; it is set once per device (a few
+// microseconds per call otherwise, comparable to a small decode step).
+template <typename Traits>
+void opt_in_decode_smem() {
+  static std::atomic<uint64_t> opted_in_devices{0};
+  int device = 0;
+  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
+  const uint64_t device_bit = device < 64 ? uint64_t{1} << device : 0;
+  if (device_bit != 0 && (opted_in_devices.load(std::memory_order_acquire) & device_bit) != 0) return;
+  cuda::check(cudaFuncSetAttribute(decode_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   Traits::kSmemBytes),
+              "cudaFuncSetAttribute(decode_kernel, max dynamic shared memory)");
+  opted_in_devices.fetch_or(device_bit, std::memory_order_release);
+}
+
+template <typename Traits>
+void launch_decode_kernel(const KvcacheProblem& problem, dim3 grid, bool programmatic,
+                          cudaStream_t stream) {
+  opt_in_decode_smem<Traits>();
+  launch_kernel(decode_kernel<Traits>, grid, dim3(Traits::kThreads), Traits::kSmemBytes, stream,
+                programmatic, "sm80 decode_kernel", problem);
+}
+
 template <DType kDType, int kHeadDimFamily>
-void run_decode(const KvcacheProblem& problem, void* stream_ptr) {
+void run_decode(const KvcacheProblem& problem, const DecodeLaunchPlan& plan, void* stream_ptr) {
   using Element = typename DecodeElementOf<kDType>::type;
-  using Traits = DecodeTraits<Element, kHeadDimFamily>;
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
   if (problem.batch > kMaxGridYZ || problem.heads_kv > kMaxGridYZ) {
     throw Error("mha_fwd_kvcache: batch is " + std::to_string(problem.batch) + " and heads_kv " +
@@ -50,29 +74,21 @@ void run_decode(const KvcacheProblem& problem, void* stream_ptr) {
     throw Error("mha_fwd_kvcache: seqlen_q * heads_q / heads_kv * num_splits is too large for one "
                 "launch (" + std::to_string(grid_x) + " CTAs along x)");
   }
-  auto kernel = decode_kernel<Traits>;
-  // The shared-memory opt-in is per device; set it once per device this instance runs on (a few
-  // microseconds per call otherwise, comparable to a small decode step).
-  static std::atomic<uint64_t> opted_in_devices{0};
-  int device = 0;
-  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
-  const uint64_t device_bit = device < 64 ? uint64_t{1} << device : 0;
-  if (device_bit == 0 || (opted_in_devices.load(std::memory_order_acquire) & device_bit) == 0) {
-    cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     Traits::kSmemBytes),
-                "cudaFuncSetAttribute(decode_kernel, max dynamic shared memory)");
-    opted_in_devices.fetch_or(device_bit, std::memory_order_release);
+  const dim3 grid(static_cast<unsigned>(grid_x), problem.heads_kv, problem.batch);
+  if (plan.whole_sm) {
+    launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, true>>(problem, grid, plan.programmatic,
+                                                                      stream);
+  } else {
+    launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, false>>(problem, grid, plan.programmatic,
+                                                                       stream);
   }
-  kernel<<<dim3(static_cast<unsigned>(grid_x), problem.heads_kv, problem.batch), Traits::kThreads,
-           Traits::kSmemBytes, stream>>>(problem);
-  cuda::check_last_launch("sm80 decode_kernel");
 
   if (problem.num_splits > 1) {
     const int64_t rows = static_cast<int64_t>(problem.batch) * problem.heads_q * problem.seqlen_q;
     const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
-    decode_combine_kernel<Element, kHeadDimFamily>
-        <<<static_cast<unsigned>(blocks), kCombineWarps * 32, 0, stream>>>(problem);
-    cuda::check_last_launch("sm80 decode_combine_kernel");
+    launch_kernel(decode_combine_kernel<Element, kHeadDimFamily>, dim3(static_cast<unsigned>(blocks)),
+                  dim3(kCombineWarps * 32), 0, stream, plan.programmatic, "sm80 decode_combine_kernel",
+                  problem);
   }
 }
 

@@ -27,15 +27,24 @@ constexpr int kDecodeRows = 16;
 constexpr int kDecodeBlockN = 64;
 constexpr int kDecodeWarps = kDecodeBlockN / 16;
 
-// Pipeline depth per family: enough K/V bytes in flight per SM to cover HBM latency, while two
-// CTAs still fit in an SM's shared memory at D <= 128 (one at D = 256).
-constexpr int decode_stages(int family) { return family <= 64 ? 4 : (family <= 128 ? 3 : 2); }
-
-constexpr int decode_smem_bytes(int family) {
-  const int q_tile = kDecodeRows * family * 2;
-  const int stage = 2 * kDecodeBlockN * family * 2;  // K and V tiles
-  const int lse_merge = kDecodeWarps * kDecodeRows * 4;
-  return q_tile + decode_stages(family) * stage + lse_merge;
+// Two pipeline depths per family. A decode CTA is memory bound: its speed is the K/V bytes it
+// keeps in flight (kStages - 1 stages) over the loaded HBM latency.
+//   * shared SM: two CTAs fit one SM's 228 KiB at D <= 128 (one at D = 256); for launches with
+//     more CTAs than SMs, where the two CTAs of an SM together keep 2 x 64 KiB in flight at D 128.
+//   * whole SM: as many stages as fit 227 KiB, the most one CTA may take on sm_90, for launches of
+//     at most one CTA per SM (small batches after splitting): 160 KiB in flight per SM at D 128
+//     instead of 64 KiB. Only on devices whose opt-in shared memory per block holds it.
+constexpr int decode_stage_bytes(int family) { return 2 * kDecodeBlockN * family * 2; }  // K and V
+constexpr int decode_fixed_smem_bytes(int family) {
+  return kDecodeRows * family * 2 + kDecodeWarps * kDecodeRows * 4;  // Q tile, per-warp lse
+}
+constexpr int kDecodeWholeSmBytes = 227 * 1024;
+constexpr int decode_stages(int family, bool whole_sm) {
+  return whole_sm ? (kDecodeWholeSmBytes - decode_fixed_smem_bytes(family)) / decode_stage_bytes(family)
+                  : (family <= 64 ? 4 : (family <= 128 ? 3 : 2));
+}
+constexpr int decode_smem_bytes(int family, bool whole_sm) {
+  return decode_fixed_smem_bytes(family) + decode_stages(family, whole_sm) * decode_stage_bytes(family);
 }
 
 // The split workspace: lse partials [splits, batch, heads_q, seqlen_q] fp32, then (256-byte
@@ -55,10 +64,18 @@ constexpr DecodeWorkspaceLayout decode_workspace_layout(const KvcacheProblem& p,
   return {out_offset, out_offset + decode_workspace_align(rows * p.head_dim * sizeof(float))};
 }
 
+// How run_decode launches, chosen by the dispatcher for the device.
+struct DecodeLaunchPlan {
+  bool whole_sm = false;  // the whole-SM pipeline (decode_stages(family, true))
+  // sm_90 and newer: the decode and combine kernels are launched as programmatic dependents of the
+  // kernel before them (PDL), so that their launch and prologue overlap its tail.
+  bool programmatic = false;
+};
+
 // Enqueues append (when k_new is given), the split decode kernel and, for num_splits > 1, the
 // combine kernel on the cudaStream_t `stream`. Device pointers, validated problem, num_splits and
 // workspace set. Instantiated once per (dtype, family) in a generated .cu file.
 template <DType kDType, int kHeadDimFamily>
-void run_decode(const KvcacheProblem& problem, void* stream);
+void run_decode(const KvcacheProblem& problem, const DecodeLaunchPlan& plan, void* stream);
 
 }  // namespace flashkit::sm80
