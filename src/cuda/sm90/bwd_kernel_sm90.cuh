@@ -14,13 +14,17 @@
 //                                                          stores, wgmma reads through the async
 //                                                          proxy)
 //                cp.async the next query block into the other stage
-//                S^T = K_w Q^T, dP^T = V_w dO^T           (wgmma ss, issued together)
-//                softcap / ALiBi / mask; P^T = exp2(S^T log2e - LSE log2e)   (registers)
-//                dS^T = P^T (dP^T - dot) [* softcap derivative]             (registers)
-//                dS^T -> shared memory; proxy fence
-//                dV += P^T dO, dK += dS^T Q               (wgmma rs: the S^T-layout accumulators,
-//                                                          packed to 16 bits, are A fragments; B
-//                                                          = dO, Q read MN-major)
+//                S^T = K_w Q^T, dP^T = V_w dO^T           (wgmma ss, in two halves of the
+//                                                          queries: four groups issued together)
+//                per half, once its S^T and dP^T landed (the other half's still running):
+//                  softcap / ALiBi / mask; P^T = exp2(S^T log2e - LSE log2e)   (registers)
+//                  dS^T = P^T (dP^T - dot) [* softcap derivative]             (registers)
+//                  dS^T -> shared memory
+//                  dV += P^T dO, dK += dS^T Q             (wgmma rs over the half's queries: the
+//                                                          S^T-layout accumulators, packed to 16
+//                                                          bits, are A fragments; B = dO, Q read
+//                                                          MN-major), issued, not waited for
+//                proxy fence
 //                barrier (dS^T complete)
 //                dQ part = dS K                           (wgmma ss: A = dS^T read transposed,
 //                                                          B = K MN-major; warpgroup w computes
@@ -29,8 +33,8 @@
 //   epilogue     dK * scale, dV -> dk, dv (MHA) or the fp32 per-query-head workspace (GQA/MQA)
 //
 // The sm80 kernel's arch-independent pieces are reused as they are: block location, visible query
-// blocks, score transform and masks on S^T fragments (a warp's 16 keys x BlockM queries are
-// exactly an sm80 warp tile of one 16-key row tile), probabilities, score gradients, the dS^T store,
+// blocks, score transform and masks on S^T fragments (a warp's 16 keys x BlockM / 2 queries
+// are exactly an sm80 warp tile of one 16-key row tile), probabilities, score gradients, the dS^T store,
 // the dQ reductions and the dK/dV epilogue. Not covered (the dispatcher keeps them on sm80):
 // deterministic mode, dropout, head-dim families other than 64 and 128.
 #pragma once
@@ -61,9 +65,16 @@ struct BwdKernelTraits {
   static constexpr int kWarpgroups = kBlockN / 64;  // 64 keys (wgmma's M) each
   static constexpr int kThreads = kWarpgroups * kWarpgroupThreads;
 
-  // The shapes the sm80 S^T helpers index: per warp one 16-key tile x kBlockM / 8 query columns.
-  static constexpr int kSKeyTiles = 1;
-  static constexpr int kSQueryTiles = kBlockM / 8;
+  // S^T and dP^T run in two halves of the query block (kHalfM queries each), so that one half's
+  // softmax and dS overlap the other half's products on the tensor cores.
+  static constexpr int kHalfM = kBlockM / 2;
+  // The shapes the sm80 S^T helpers index: per warp one 16-key tile x kHalfM / 8 query columns.
+  struct HalfScores {
+    using Element = Element_;
+    using PTile = Swizzle128Tile<kBlockN_, kBlockM_>;
+    static constexpr int kSKeyTiles = 1;
+    static constexpr int kSQueryTiles = kHalfM / 8;
+  };
   static constexpr int kDTiles = kHeadDim / 8;  // dK, dV columns per thread's fragment row
 
   // dQ (kBlockM x kHeadDim) in 64 x 64 parts, one per warpgroup: kDqQueryParts along the queries.
@@ -111,30 +122,30 @@ __device__ __forceinline__ void pack_a_operand(const float (&x)[1][kTiles][4], u
   }
 }
 
-// acc (64 rows of `a_rows` x kBlockM columns) = A B^T over the head dim: A = K or V rows of this
-// warpgroup, B = Q or dO rows, both K-major. Issued, not waited for.
+// acc (64 rows of `a_rows` x kHalfM columns) = A B^T over the head dim: A = K or V rows of this
+// warpgroup, B = kHalfM Q or dO rows from `b_rows`, both K-major. Issued, not waited for.
 template <typename Traits>
-__device__ __forceinline__ void issue_scores(float* acc, uint32_t a_rows, uint32_t b_tile) {
+__device__ __forceinline__ void issue_scores(float* acc, uint32_t a_rows, uint32_t b_rows) {
   using KvTile = typename Traits::KvTile;
   using QTile = typename Traits::QTile;
 #pragma unroll
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
     const uint64_t a_desc = k_major_descriptor(a_rows + (kk / 4) * KvTile::kColumnBlockBytes + (kk % 4) * 32);
-    const uint64_t b_desc = k_major_descriptor(b_tile + (kk / 4) * QTile::kColumnBlockBytes + (kk % 4) * 32);
-    Wgmma<Traits::kBlockM>::template ss<typename Traits::Element, 0>(acc, a_desc, b_desc, kk > 0 ? 1u : 0u);
+    const uint64_t b_desc = k_major_descriptor(b_rows + (kk / 4) * QTile::kColumnBlockBytes + (kk % 4) * 32);
+    Wgmma<Traits::kHalfM>::template ss<typename Traits::Element, 0>(acc, a_desc, b_desc, kk > 0 ? 1u : 0u);
   }
   wgmma_commit();
 }
 
-// acc (64 keys x kHeadDim) += X B, X from registers (P^T or dS^T), B = dO or Q (queries x head
-// dim, read MN-major). Issued, not committed.
+// acc (64 keys x kHeadDim) += X B over kHalfM queries, X from registers (P^T or dS^T), B = the
+// half's dO or Q rows from `b_rows` (queries x head dim, read MN-major). Issued, not committed.
 template <typename Traits>
-__device__ __forceinline__ void issue_key_gradient(float* acc, const uint32_t (&x)[Traits::kBlockM / 16][4],
-                                                   uint32_t b_tile) {
+__device__ __forceinline__ void issue_key_gradient(float* acc, const uint32_t (&x)[Traits::kHalfM / 16][4],
+                                                   uint32_t b_rows) {
   using QTile = typename Traits::QTile;
 #pragma unroll
-  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk) {
-    const uint64_t b_desc = mn_major_descriptor(b_tile + kk * 16 * 128, QTile::kColumnBlockBytes);
+  for (int kk = 0; kk < Traits::kHalfM / 16; ++kk) {
+    const uint64_t b_desc = mn_major_descriptor(b_rows + kk * 16 * 128, QTile::kColumnBlockBytes);
     Wgmma<Traits::kHeadDim>::template rs<typename Traits::Element, 1>(acc, x[kk], b_desc, 1u);
   }
 }
@@ -148,7 +159,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using PTile = typename Traits::PTile;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
-  constexpr int kSQueryTiles = Traits::kSQueryTiles;
+  constexpr int kHalfM = Traits::kHalfM;
+  using HalfScores = typename Traits::HalfScores;
   constexpr int kDTiles = Traits::kDTiles;
   constexpr float kLog2e = 1.4426950408889634f;
   const FwdProblem& p = bp.fwd;
@@ -234,38 +246,49 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float* dot_rows =
           reinterpret_cast<const float*>(smem_aligned + Traits::kDotOffset + stage * Traits::kRowStatsBytes);
 
-      // S^T = K Q^T and dP^T = V dO^T over this warpgroup's 64 keys x the block's queries.
-      float acc_s[1][kSQueryTiles][4];
-      float acc_dp[1][kSQueryTiles][4];
+      // S^T = K Q^T and dP^T = V dO^T over this warpgroup's 64 keys x the block's queries, as two
+      // halves of kHalfM queries: four groups in flight, S^T and dP^T of half 0 landing first.
+      float acc_s[2][1][kHalfM / 8][4];
+      float acc_dp[2][1][kHalfM / 8][4];
       wgmma_fence();
-      issue_scores<Traits>(&acc_s[0][0][0], k_rows, q_tile);
-      issue_scores<Traits>(&acc_dp[0][0][0], v_rows, do_tile);
-      wgmma_wait<1>();
-      wgmma_fence_registers<kBlockM / 2>(&acc_s[0][0][0]);
-
-      const int first_key = n0 + warp_key0;
-      if (transform) sm80::transform_scores_t<Traits>(acc_s, p, first_key, m0, alibi_slope, diagonal);
-      if (!window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN)) {
-        sm80::mask_scores_t<Traits>(acc_s, window, first_key, m0);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        issue_scores<Traits>(&acc_s[h][0][0][0], k_rows, q_tile + h * kHalfM * 128);
+        issue_scores<Traits>(&acc_dp[h][0][0][0], v_rows, do_tile + h * kHalfM * 128);
       }
-      sm80::probabilities_t<Traits>(acc_s, lse_rows, 0, log2_scale);
-      uint32_t p_frag[kBlockM / 16][4];
-      pack_a_operand<Element>(acc_s, p_frag);
-
-      wgmma_wait<0>();
-      wgmma_fence_registers<kBlockM / 2>(&acc_dp[0][0][0]);
-      sm80::score_gradients_t<Traits>(acc_dp, acc_s, lse_rows, dot_rows, 0, m0, first_key, p, alibi_slope,
-                                      diagonal);
-      uint32_t ds_frag[kBlockM / 16][4];
-      pack_a_operand<Element>(acc_dp, ds_frag);
-      sm80::store_keys_by_queries<Traits>(smem + Traits::kDsOffset, acc_dp, warp_key0, 0);
+      const int first_key = n0 + warp_key0;
+      const bool cut = !window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN);
+      // Per half, once its S^T and dP^T have landed: P^T and dS^T in registers, dS^T to shared
+      // memory, then dV += P^T dO and dK += dS^T Q over the half's queries, issued so that they run
+      // during the next half's softmax (half 0) or the barrier (half 1).
+      uint32_t p_frag[2][kHalfM / 16][4];
+      uint32_t ds_frag[2][kHalfM / 16][4];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (h == 0) {
+          wgmma_wait<2>();  // S^T, dP^T of half 0 (half 1's are still running)
+        } else {
+          wgmma_wait<1>();  // S^T, dP^T of half 1 (dV, dK of half 0 may still run)
+        }
+        wgmma_fence_registers<kHalfM / 2>(&acc_s[h][0][0][0]);
+        wgmma_fence_registers<kHalfM / 2>(&acc_dp[h][0][0][0]);
+        const int first_query = h * kHalfM;  // in the block
+        if (transform) {
+          sm80::transform_scores_t<HalfScores>(acc_s[h], p, first_key, m0 + first_query, alibi_slope, diagonal);
+        }
+        if (cut) sm80::mask_scores_t<HalfScores>(acc_s[h], window, first_key, m0 + first_query);
+        sm80::probabilities_t<HalfScores>(acc_s[h], lse_rows, first_query, log2_scale);
+        sm80::score_gradients_t<HalfScores>(acc_dp[h], acc_s[h], lse_rows, dot_rows, first_query, m0, first_key,
+                                            p, alibi_slope, diagonal);
+        pack_a_operand<Element>(acc_s[h], p_frag[h]);
+        pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
+        sm80::store_keys_by_queries<HalfScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
+        wgmma_fence();
+        issue_key_gradient<Traits>(&acc_dv[0][0][0], p_frag[h], do_tile + first_query * 128);
+        issue_key_gradient<Traits>(&acc_dk[0][0][0], ds_frag[h], q_tile + first_query * 128);
+        wgmma_commit();
+      }
       fence_proxy_async_shared();  // the dS^T stores, before the dQ wgmma reads them
-
-      // dV += P^T dO and dK += dS^T Q.
-      wgmma_fence();
-      issue_key_gradient<Traits>(&acc_dv[0][0][0], p_frag, do_tile);
-      issue_key_gradient<Traits>(&acc_dk[0][0][0], ds_frag, q_tile);
-      wgmma_commit();
       __syncthreads();  // dS^T complete
 
       // dQ part = dS K: A = dS (64 queries x 16 keys per step) read transposed from dS^T, B = K

@@ -4,10 +4,12 @@
 //
 // A CTA owns BlockN = 128 keys of one (batch, query head): two warpgroups of 64 keys each (wgmma's
 // M is 64). Per query block of BlockM queries, warpgroup w computes, for its 64 keys:
-//   S^T  = K_w Q^T    m64 n(BlockM) k16 x D/16       A = K (smem, K-major), B = Q (smem, K-major)
-//   dP^T = V_w dO^T   m64 n(BlockM) k16 x D/16       A = V, B = dO
+//   S^T  = K_w Q^T    2 x m64 n(BlockM/2) k16 x D/16  A = K (smem, K-major), B = Q (smem, K-major)
+//   dP^T = V_w dO^T   2 x m64 n(BlockM/2) k16 x D/16  A = V, B = dO
 //   dV  += P^T dO     m64 n(D) k16 x BlockM/16        A = P^T (registers), B = dO (smem, MN-major)
 //   dK  += dS^T Q     m64 n(D) k16 x BlockM/16        A = dS^T (registers), B = Q (MN-major)
+// (S^T and dP^T in two halves of the queries, so that one half's softmax runs while the other
+// half's products do; dV and dK follow per half.)
 //   dQ   = dS K       m64 n64 k16 x BlockN/16         A = dS (the stored dS^T tile, MN-major),
 //                                                     B = K (MN-major); the two warpgroups split
 //                                                     dQ's BlockM x D into 64 x 64 parts

@@ -162,6 +162,17 @@ struct Wgmma;
     }                                                                                         \
   }
 
+#define FLASHKIT_WGMMA_N32_REGS \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define FLASHKIT_WGMMA_N32_OUT                                                                    \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
+      "+f"(d[15])
+template <>
+struct Wgmma<32> {
+  FLASHKIT_WGMMA_MEMBERS(32, 16, 17, 18, 19, 20, 21, 22)
+};
+
 #define FLASHKIT_WGMMA_N64_REGS                                            \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
   " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -247,6 +258,8 @@ struct Wgmma<256> {
   FLASHKIT_WGMMA_MEMBERS(256, 128, 129, 130, 131, 132, 133, 134)
 };
 
+#undef FLASHKIT_WGMMA_N32_REGS
+#undef FLASHKIT_WGMMA_N32_OUT
 #undef FLASHKIT_WGMMA_N64_REGS
 #undef FLASHKIT_WGMMA_N64_OUT
 #undef FLASHKIT_WGMMA_N80_REGS
