@@ -159,7 +159,8 @@ void run_on_cuda(const char* fn, const char* size_query, const BwdProblem& probl
     if (use_sm90) {
       const sm90::BwdTileConfig tile = sm90::bwd_tile_config(family);
       path = "sm90 backward (wgmma), tile " + std::to_string(tile.block_m) + " queries x " +
-             std::to_string(tile.block_n) + " keys, 2 warpgroups";
+             std::to_string(tile.block_n) + " keys, 2 warpgroups, scores in " +
+             std::to_string(tile.query_parts) + " part(s)";
     } else {
       const std::string why_not_sm90 = requested == BwdPath::kSm80 ? "forced by FLASHKIT_BWD_PATH=sm80"
                                        : arch != 90                ? "compute capability is not 9.0"

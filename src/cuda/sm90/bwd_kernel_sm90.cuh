@@ -14,13 +14,13 @@
 //                                                          stores, wgmma reads through the async
 //                                                          proxy)
 //                cp.async the next query block into the other stage
-//                S^T = K_w Q^T, dP^T = V_w dO^T           (wgmma ss, in two halves of the
-//                                                          queries: four groups issued together)
-//                per half, once its S^T and dP^T landed (the other half's still running):
+//                S^T = K_w Q^T, dP^T = V_w dO^T           (wgmma ss, in one or two parts of the
+//                                                          queries (tile config): issued together)
+//                per part, once its S^T and dP^T landed (the next part's still running):
 //                  softcap / ALiBi / mask; P^T = exp2(S^T log2e - LSE log2e)   (registers)
 //                  dS^T = P^T (dP^T - dot) [* softcap derivative]             (registers)
 //                  dS^T -> shared memory
-//                  dV += P^T dO, dK += dS^T Q             (wgmma rs over the half's queries: the
+//                  dV += P^T dO, dK += dS^T Q             (wgmma rs over the part's queries: the
 //                                                          S^T-layout accumulators, packed to 16
 //                                                          bits, are A fragments; B = dO, Q read
 //                                                          MN-major), issued, not waited for
@@ -33,7 +33,7 @@
 //   epilogue     dK * scale, dV -> dk, dv (MHA) or the fp32 per-query-head workspace (GQA/MQA)
 //
 // The sm80 kernel's arch-independent pieces are reused as they are: block location, visible query
-// blocks, score transform and masks on S^T fragments (a warp's 16 keys x BlockM / 2 queries
+// blocks, score transform and masks on S^T fragments (a warp's 16 keys x the part's queries
 // are exactly an sm80 warp tile of one 16-key row tile), probabilities, score gradients, the dS^T store,
 // the dQ reductions and the dK/dV epilogue. Not covered (the dispatcher keeps them on sm80):
 // deterministic mode, dropout, head-dim families other than 64 and 128.
@@ -56,7 +56,7 @@
 
 namespace flashkit::sm90 {
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kQueryParts_>
 struct BwdKernelTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
@@ -65,15 +65,16 @@ struct BwdKernelTraits {
   static constexpr int kWarpgroups = kBlockN / 64;  // 64 keys (wgmma's M) each
   static constexpr int kThreads = kWarpgroups * kWarpgroupThreads;
 
-  // S^T and dP^T run in two halves of the query block (kHalfM queries each), so that one half's
-  // softmax and dS overlap the other half's products on the tensor cores.
-  static constexpr int kHalfM = kBlockM / 2;
-  // The shapes the sm80 S^T helpers index: per warp one 16-key tile x kHalfM / 8 query columns.
-  struct HalfScores {
+  // S^T and dP^T run in kQueryParts parts of the query block (kPartM queries each); with two,
+  // one part's softmax and dS overlap the other part's products on the tensor cores.
+  static constexpr int kQueryParts = kQueryParts_;
+  static constexpr int kPartM = kBlockM / kQueryParts;
+  // The shapes the sm80 S^T helpers index: per warp one 16-key tile x kPartM / 8 query columns.
+  struct PartScores {
     using Element = Element_;
     using PTile = Swizzle128Tile<kBlockN_, kBlockM_>;
     static constexpr int kSKeyTiles = 1;
-    static constexpr int kSQueryTiles = kHalfM / 8;
+    static constexpr int kSQueryTiles = kPartM / 8;
   };
   static constexpr int kDTiles = kHeadDim / 8;  // dK, dV columns per thread's fragment row
 
@@ -103,11 +104,25 @@ struct BwdKernelTraits {
 
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 64 == 0,
                 "whole wgmma M tiles and 64-column swizzle atoms");
+  static_assert((kQueryParts == 1 || kQueryParts == 2) && kPartM % 16 == 0, "one or two query parts");
   static_assert(kDqQueryParts * (kHeadDim / kDqColumns) == kWarpgroups,
                 "the dQ parts are one per warpgroup");
   static_assert(2 * kBlockM <= kThreads, "one thread per LSE / dot row copy");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
 };
+
+// wgmma_wait with a count known only after unrolling (a loop index): 0 to 3 groups in flight.
+__device__ __forceinline__ void wgmma_wait_dynamic(int in_flight) {
+  if (in_flight >= 3) {
+    wgmma_wait<3>();
+  } else if (in_flight == 2) {
+    wgmma_wait<2>();
+  } else if (in_flight == 1) {
+    wgmma_wait<1>();
+  } else {
+    wgmma_wait<0>();
+  }
+}
 
 // The S^T-layout fragments of a warp (16 keys x kTiles 8-query groups), packed to 16 bits, as the
 // A operand of kTiles / 2 k-steps of 16 queries.
@@ -122,8 +137,8 @@ __device__ __forceinline__ void pack_a_operand(const float (&x)[1][kTiles][4], u
   }
 }
 
-// acc (64 rows of `a_rows` x kHalfM columns) = A B^T over the head dim: A = K or V rows of this
-// warpgroup, B = kHalfM Q or dO rows from `b_rows`, both K-major. Issued, not waited for.
+// acc (64 rows of `a_rows` x kPartM columns) = A B^T over the head dim: A = K or V rows of this
+// warpgroup, B = kPartM Q or dO rows from `b_rows`, both K-major. Issued, not waited for.
 template <typename Traits>
 __device__ __forceinline__ void issue_scores(float* acc, uint32_t a_rows, uint32_t b_rows) {
   using KvTile = typename Traits::KvTile;
@@ -132,19 +147,19 @@ __device__ __forceinline__ void issue_scores(float* acc, uint32_t a_rows, uint32
   for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
     const uint64_t a_desc = k_major_descriptor(a_rows + (kk / 4) * KvTile::kColumnBlockBytes + (kk % 4) * 32);
     const uint64_t b_desc = k_major_descriptor(b_rows + (kk / 4) * QTile::kColumnBlockBytes + (kk % 4) * 32);
-    Wgmma<Traits::kHalfM>::template ss<typename Traits::Element, 0>(acc, a_desc, b_desc, kk > 0 ? 1u : 0u);
+    Wgmma<Traits::kPartM>::template ss<typename Traits::Element, 0>(acc, a_desc, b_desc, kk > 0 ? 1u : 0u);
   }
   wgmma_commit();
 }
 
-// acc (64 keys x kHeadDim) += X B over kHalfM queries, X from registers (P^T or dS^T), B = the
-// half's dO or Q rows from `b_rows` (queries x head dim, read MN-major). Issued, not committed.
+// acc (64 keys x kHeadDim) += X B over kPartM queries, X from registers (P^T or dS^T), B = the
+// part's dO or Q rows from `b_rows` (queries x head dim, read MN-major). Issued, not committed.
 template <typename Traits>
-__device__ __forceinline__ void issue_key_gradient(float* acc, const uint32_t (&x)[Traits::kHalfM / 16][4],
+__device__ __forceinline__ void issue_key_gradient(float* acc, const uint32_t (&x)[Traits::kPartM / 16][4],
                                                    uint32_t b_rows) {
   using QTile = typename Traits::QTile;
 #pragma unroll
-  for (int kk = 0; kk < Traits::kHalfM / 16; ++kk) {
+  for (int kk = 0; kk < Traits::kPartM / 16; ++kk) {
     const uint64_t b_desc = mn_major_descriptor(b_rows + kk * 16 * 128, QTile::kColumnBlockBytes);
     Wgmma<Traits::kHeadDim>::template rs<typename Traits::Element, 1>(acc, x[kk], b_desc, 1u);
   }
@@ -159,8 +174,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   using PTile = typename Traits::PTile;
   constexpr int kBlockM = Traits::kBlockM;
   constexpr int kBlockN = Traits::kBlockN;
-  constexpr int kHalfM = Traits::kHalfM;
-  using HalfScores = typename Traits::HalfScores;
+  constexpr int kQueryParts = Traits::kQueryParts;
+  constexpr int kPartM = Traits::kPartM;
+  using PartScores = typename Traits::PartScores;
   constexpr int kDTiles = Traits::kDTiles;
   constexpr float kLog2e = 1.4426950408889634f;
   const FwdProblem& p = bp.fwd;
@@ -246,43 +262,43 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float* dot_rows =
           reinterpret_cast<const float*>(smem_aligned + Traits::kDotOffset + stage * Traits::kRowStatsBytes);
 
-      // S^T = K Q^T and dP^T = V dO^T over this warpgroup's 64 keys x the block's queries, as two
-      // halves of kHalfM queries: four groups in flight, S^T and dP^T of half 0 landing first.
-      float acc_s[2][1][kHalfM / 8][4];
-      float acc_dp[2][1][kHalfM / 8][4];
+      // S^T = K Q^T and dP^T = V dO^T over this warpgroup's 64 keys x the block's queries, in
+      // kQueryParts parts of kPartM queries: 2 x kQueryParts groups in flight, part 0's first.
+      float acc_s[kQueryParts][1][kPartM / 8][4];
+      float acc_dp[kQueryParts][1][kPartM / 8][4];
       wgmma_fence();
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        issue_scores<Traits>(&acc_s[h][0][0][0], k_rows, q_tile + h * kHalfM * 128);
-        issue_scores<Traits>(&acc_dp[h][0][0][0], v_rows, do_tile + h * kHalfM * 128);
+      for (int h = 0; h < kQueryParts; ++h) {
+        issue_scores<Traits>(&acc_s[h][0][0][0], k_rows, q_tile + h * kPartM * 128);
+        issue_scores<Traits>(&acc_dp[h][0][0][0], v_rows, do_tile + h * kPartM * 128);
       }
       const int first_key = n0 + warp_key0;
       const bool cut = !window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN);
-      // Per half, once its S^T and dP^T have landed: P^T and dS^T in registers, dS^T to shared
-      // memory, then dV += P^T dO and dK += dS^T Q over the half's queries, issued so that they run
-      // during the next half's softmax (half 0) or the barrier (half 1).
-      uint32_t p_frag[2][kHalfM / 16][4];
-      uint32_t ds_frag[2][kHalfM / 16][4];
+      // Per part, once its S^T and dP^T have landed: P^T and dS^T in registers, dS^T to shared
+      // memory, then dV += P^T dO and dK += dS^T Q over the part's queries, issued so that they run
+      // during the next part's softmax or the barrier.
+      uint32_t p_frag[kQueryParts][kPartM / 16][4];
+      uint32_t ds_frag[kQueryParts][kPartM / 16][4];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (h == 0) {
-          wgmma_wait<2>();  // S^T, dP^T of half 0 (half 1's are still running)
-        } else {
-          wgmma_wait<1>();  // S^T, dP^T of half 1 (dV, dK of half 0 may still run)
-        }
-        wgmma_fence_registers<kHalfM / 2>(&acc_s[h][0][0][0]);
-        wgmma_fence_registers<kHalfM / 2>(&acc_dp[h][0][0][0]);
-        const int first_query = h * kHalfM;  // in the block
+      for (int h = 0; h < kQueryParts; ++h) {
+        // Committed so far: 2 x kQueryParts products of scores (S^T_0, dP^T_0, S^T_1, ...) and h
+        // of key gradients; groups land in order. P^T needs S^T_h (2h + 1 groups landed) and runs
+        // while dP^T_h may still be computed; dS^T needs dP^T_h (2h + 2 landed).
+        wgmma_wait_dynamic(2 * kQueryParts - h - 1);
+        wgmma_fence_registers<kPartM / 2>(&acc_s[h][0][0][0]);
+        const int first_query = h * kPartM;  // in the block
         if (transform) {
-          sm80::transform_scores_t<HalfScores>(acc_s[h], p, first_key, m0 + first_query, alibi_slope, diagonal);
+          sm80::transform_scores_t<PartScores>(acc_s[h], p, first_key, m0 + first_query, alibi_slope, diagonal);
         }
-        if (cut) sm80::mask_scores_t<HalfScores>(acc_s[h], window, first_key, m0 + first_query);
-        sm80::probabilities_t<HalfScores>(acc_s[h], lse_rows, first_query, log2_scale);
-        sm80::score_gradients_t<HalfScores>(acc_dp[h], acc_s[h], lse_rows, dot_rows, first_query, m0, first_key,
+        if (cut) sm80::mask_scores_t<PartScores>(acc_s[h], window, first_key, m0 + first_query);
+        sm80::probabilities_t<PartScores>(acc_s[h], lse_rows, first_query, log2_scale);
+        wgmma_wait_dynamic(2 * kQueryParts - h - 2);
+        wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
+        sm80::score_gradients_t<PartScores>(acc_dp[h], acc_s[h], lse_rows, dot_rows, first_query, m0, first_key,
                                             p, alibi_slope, diagonal);
         pack_a_operand<Element>(acc_s[h], p_frag[h]);
         pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
-        sm80::store_keys_by_queries<HalfScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
+        sm80::store_keys_by_queries<PartScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
         wgmma_fence();
         issue_key_gradient<Traits>(&acc_dv[0][0][0], p_frag[h], do_tile + first_query * 128);
         issue_key_gradient<Traits>(&acc_dk[0][0][0], ds_frag[h], q_tile + first_query * 128);

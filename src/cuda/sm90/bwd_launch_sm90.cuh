@@ -21,7 +21,7 @@ void run_bwd(const BwdProblem& problem, void* stream) {
   constexpr BwdTileConfig kTile = bwd_tile_config(kHeadDimFamily);
   static_assert(kTile.block_m > 0, "no sm90 backward tile for this head-dim family");
   using Element = typename sm80::ElementOf<kDType>::type;
-  using Traits = BwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n>;
+  using Traits = BwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.query_parts>;
   auto* s = static_cast<cudaStream_t>(stream);
   const sm80::BwdWorkspacePointers ws = sm80::BwdWorkspacePointers::of(problem);
 
