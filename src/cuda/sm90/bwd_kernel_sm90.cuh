@@ -283,9 +283,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int h = 0; h < kQueryParts; ++h) {
         // Committed so far: 2 x kQueryParts products of scores (S^T_0, dP^T_0, S^T_1, ...) and h
         // of key gradients; groups land in order. P^T needs S^T_h (2h + 1 groups landed), dS^T
-        // needs dP^T_h (2h + 2 landed). With one part, P^T is computed while dP^T lands (d128: +4%
-        // over waiting for both); with two, the next part's products already overlap and the
-        // extra wait measured 3% slower (d64), so one wait serves both.
+        // needs dP^T_h (2h + 2 landed). With one part, P^T is computed while dP^T lands; with two,
+        // the next part's products already overlap, and waiting twice measured 2-3% slower (d64),
+        // so one wait serves both.
         constexpr bool kProbabilitiesFirst = kQueryParts == 1;
         wgmma_wait_dynamic(2 * kQueryParts - h - (kProbabilitiesFirst ? 1 : 2));
         wgmma_fence_registers<kPartM / 2>(&acc_s[h][0][0][0]);
