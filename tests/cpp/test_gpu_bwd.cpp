@@ -617,8 +617,12 @@ TEST_F(GpuBwdTest, UnbuiltBackwardKernelIsRejected) {
 bool sm90_bwd_runs([[maybe_unused]] DType dtype, int head_dim) {
   cudaDeviceProp prop;
   FK_CUDA_CHECK(cudaGetDeviceProperties(&prop, current_device()));
-  [[maybe_unused]] const int family = head_dim <= 32 ? 32 : head_dim <= 64 ? 64 : head_dim <= 96 ? 96
-                                      : head_dim <= 128 ? 128 : 0;
+  // The sm80 backward's families (32, 64, 96, 128, ...); sm90 has 64 and 128 of them.
+  [[maybe_unused]] const int family = head_dim <= 32    ? 32
+                                      : head_dim <= 64  ? 64
+                                      : head_dim <= 96  ? 96
+                                      : head_dim <= 128 ? 128
+                                                        : 0;
   bool built = false;
 #define FLASHKIT_SM90_BWD_INSTANCE(kDType, kFamily) \
   built = built || (dtype == DType::kDType && family == kFamily);

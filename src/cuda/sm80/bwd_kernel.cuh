@@ -26,6 +26,11 @@
 //
 // The scale (and softcap's chain rule) is applied to dS by the end users: dK here, dQ in the
 // convert kernel. Rows with no visible key have LSE = -inf, read as +inf, so their P is 0.
+//
+// The arch-independent pieces (BwdBlockLocation, VisibleQueryBlocks, the S^T-fragment helpers
+// transform/mask/probabilities/score_gradients, store_keys_by_queries, add_dq_rows,
+// store_key_gradients) are shared with the sm90 backward (src/cuda/sm90/bwd_kernel_sm90.cuh),
+// whose warps hold S^T in the same fragment layout.
 #pragma once
 
 #include <cuda_bf16.h>
