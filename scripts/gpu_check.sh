@@ -10,8 +10,10 @@
 #   build      cmake --build <preset dir> -j $FLASHKIT_JOBS (default: all cores), timed
 #   gpu_tests  flashkit_gpu_tests [--gtest_filter=$FLASHKIT_GTEST_FILTER]
 #   gpu_tests_sm80  the forward GPU suite again with FLASHKIT_FWD_PATH=sm80, so that on a Hopper GPU
-#              both forward paths run it (gpu_tests takes the automatic choice, sm90 there); skipped
-#              with FLASHKIT_SKIP_SM80_RERUN=1
+#              both forward paths run it (gpu_tests takes the automatic choice, sm90 there)
+#   gpu_tests_bwd_sm80  the backward GPU suite again with FLASHKIT_BWD_PATH=sm80, likewise
+#              The two reruns are skipped with FLASHKIT_SKIP_SM80_RERUN=1; FLASHKIT_SM80_RERUNS
+#              (default "fwd bwd") picks which of them run.
 #   cpu_tests  flashkit_cpu_tests
 #   python_tests  tests/python (pytest) against the extension the build staged in <build>/python
 #              (FLASHKIT_PYTHON=AUTO builds it where python3 imports torch), on the GPU;
@@ -142,6 +144,10 @@ step_gpu_tests_sm80() {
   FLASHKIT_FWD_PATH=sm80 "$BUILD_DIR/tests/cpp/flashkit_gpu_tests" "--gtest_filter=*GpuFwd*"
 }
 
+step_gpu_tests_bwd_sm80() {
+  FLASHKIT_BWD_PATH=sm80 "$BUILD_DIR/tests/cpp/flashkit_gpu_tests" "--gtest_filter=*GpuBwd*"
+}
+
 step_cpu_tests() {
   "$BUILD_DIR/tests/cpp/flashkit_cpu_tests"
 }
@@ -187,7 +193,8 @@ step_report() {
   python3 bench/report.py --out-dir "$OUT" "${inputs[@]}"
 }
 
-export -f step_env step_configure step_build step_gpu_tests step_gpu_tests_sm80 step_cpu_tests \
+export -f step_env step_configure step_build step_gpu_tests step_gpu_tests_sm80 \
+  step_gpu_tests_bwd_sm80 step_cpu_tests \
   step_python_tests \
   sanitize step_memcheck \
   step_racecheck step_bench step_peers step_report
@@ -249,10 +256,15 @@ run_step env
 run_step configure
 if ok configure; then run_step build; else skip_step build "configure failed"; fi
 
-for t in gpu_tests gpu_tests_sm80 cpu_tests python_tests; do
+SM80_RERUNS=" ${FLASHKIT_SM80_RERUNS:-fwd bwd} "
+for t in gpu_tests gpu_tests_sm80 gpu_tests_bwd_sm80 cpu_tests python_tests; do
   if [ "${FLASHKIT_SKIP_TESTS:-0}" = 1 ]; then skip_step $t "FLASHKIT_SKIP_TESTS=1"
-  elif [ $t = gpu_tests_sm80 ] && [ "${FLASHKIT_SKIP_SM80_RERUN:-0}" = 1 ]; then
+  elif [[ $t = gpu_tests*sm80 ]] && [ "${FLASHKIT_SKIP_SM80_RERUN:-0}" = 1 ]; then
     skip_step $t "FLASHKIT_SKIP_SM80_RERUN=1"
+  elif [ $t = gpu_tests_sm80 ] && [[ $SM80_RERUNS != *" fwd "* ]]; then
+    skip_step $t "not in FLASHKIT_SM80_RERUNS"
+  elif [ $t = gpu_tests_bwd_sm80 ] && [[ $SM80_RERUNS != *" bwd "* ]]; then
+    skip_step $t "not in FLASHKIT_SM80_RERUNS"
   elif ok build; then run_step $t
   else skip_step $t "no build"; fi
 done
@@ -324,7 +336,7 @@ summary() {
   printf '%-10s %-32s %s\n' step result seconds
   for s in "${STEPS[@]}"; do printf '%-10s %-32s %s\n' "$s" "${RESULT[$s]}" "${SECS[$s]}"; done
   if ok build; then echo "build time: $(cat "$OUT/build_time.txt") s with -j $JOBS$INCREMENTAL"; fi
-  for t in gpu_tests gpu_tests_sm80 cpu_tests; do
+  for t in gpu_tests gpu_tests_sm80 gpu_tests_bwd_sm80 cpu_tests; do
     if [ -e "$SCRATCH/$t.log" ]; then echo "$t: $(test_counts "$SCRATCH/$t.log")"; fi
   done
   last_line python_tests ' in [0-9.]*s'

@@ -22,12 +22,14 @@
 //                         offsets past 2^31 elements (q / dout / dq batches, k / dk rows, v / dv
 //                         heads), more than 65,535 (batch x heads), a created stream, workspace
 //                         and bad-input errors on real device memory, a kernel left out of the
-//                         build
+//                         build, forced paths (FLASHKIT_BWD_PATH)
 // About a quarter of the grid cases (names ending in _det) run in deterministic mode.
 //
 // A case whose (dtype, head dim) this build has no backward kernel for is skipped, not failed.
 // Without a GPU every test skips itself. FLASHKIT_TEST_VERBOSE=1 prints the errors measured for
-// passing cases too.
+// passing cases too. On a Hopper GPU the automatic path runs the sm90 backward where it covers a
+// case (not deterministic, head-dim families 64 and 128); run the suite again with
+// FLASHKIT_BWD_PATH=sm80 for the sm80 kernel (scripts/gpu_check.sh does: step gpu_tests_bwd_sm80).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -41,6 +43,7 @@
 #include <utility>
 #include <vector>
 
+#include "build_config.h"
 #include "expect_error.h"
 #include "flashkit/flashkit.h"
 #include "gpu_bwd_test_util.h"
@@ -607,6 +610,57 @@ TEST_F(GpuBwdTest, UnbuiltBackwardKernelIsRejected) {
     }
   }
   GTEST_SKIP() << "this build has every backward (dtype, head dim)";
+}
+
+// Whether FLASHKIT_BWD_PATH=sm90 can run a non-deterministic (dtype, head dim) here: a compute
+// capability 9.0 device and the sm90 backward of its family (64 or 128) in this build.
+bool sm90_bwd_runs([[maybe_unused]] DType dtype, int head_dim) {
+  cudaDeviceProp prop;
+  FK_CUDA_CHECK(cudaGetDeviceProperties(&prop, current_device()));
+  // The sm80 backward's families (32, 64, 96, 128, ...); sm90 has 64 and 128 of them.
+  [[maybe_unused]] const int family = head_dim <= 32    ? 32
+                                      : head_dim <= 64  ? 64
+                                      : head_dim <= 96  ? 96
+                                      : head_dim <= 128 ? 128
+                                                        : 0;
+  bool built = false;
+#define FLASHKIT_SM90_BWD_INSTANCE(kDType, kFamily) \
+  built = built || (dtype == DType::kDType && family == kFamily);
+  FLASHKIT_SM90_BWD_INSTANCES
+#undef FLASHKIT_SM90_BWD_INSTANCE
+  return built && prop.major == 9 && prop.minor == 0;
+}
+
+// Each forced path either runs and matches the oracle or, where it cannot run, is refused with an
+// error naming FLASHKIT_BWD_PATH before any launch; an unknown path is refused the same way, and
+// so is sm90 in deterministic mode (which only the sm80 backward has).
+TEST_F(GpuBwdTest, ForcedBwdPaths) {
+  const int d = built_bwd_head_dim(64);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 4, 2, 2, 65, 97);
+  c.causal = true;
+  c.name = "forcedPath";
+  c.seed = 403;
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  BackwardCase host(c);
+  const BwdOracle oracle = run_bwd_oracle(host);
+  DeviceBwdProblem dev(host, contiguous_bwd_layout(c));
+  dev.upload(nullptr);
+  for (const char* path : {"sm80", "sm90", "auto", "sm75"}) {
+    SCOPED_TRACE(path);
+    const ScopedEnv forced("FLASHKIT_BWD_PATH", path);
+    const std::string name(path);
+    const bool runs = name == "sm80" || name == "auto" || (name == "sm90" && sm90_bwd_runs(c.dtype, c.head_dim));
+    dev.poison_gradients(nullptr);
+    if (runs) {
+      dev.launch(nullptr, false);
+      report(check_gradients(host, oracle, dev.download(nullptr)));
+    } else {
+      EXPECT_ERROR_MENTIONS(dev.launch(nullptr, false), "FLASHKIT_BWD_PATH");
+    }
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  }
+  const ScopedEnv forced("FLASHKIT_BWD_PATH", "sm90");
+  EXPECT_ERROR_MENTIONS(dev.launch(nullptr, true), "FLASHKIT_BWD_PATH=sm90", "deterministic");
 }
 
 }  // namespace

@@ -26,6 +26,11 @@
 //
 // The scale (and softcap's chain rule) is applied to dS by the end users: dK here, dQ in the
 // convert kernel. Rows with no visible key have LSE = -inf, read as +inf, so their P is 0.
+//
+// The arch-independent pieces (BwdBlockLocation, VisibleQueryBlocks, the S^T-fragment helpers
+// transform/mask/probabilities/score_gradients, store_keys_by_queries, add_dq_rows,
+// store_key_gradients) are shared with the sm90 backward (src/cuda/sm90/bwd_kernel_sm90.cuh),
+// whose warps hold S^T in the same fragment layout.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -308,6 +313,179 @@ __device__ __forceinline__ void store_keys_by_queries(
   }
 }
 
+// The query blocks whose forward pass visits key block `n_block` (the forward's block-level test
+// with this tiling): [begin, end), empty when begin >= end. Both bounds of a query block's key range
+// grow with the block, so they form one run.
+template <int kBlockM, int kBlockN>
+struct VisibleQueryBlocks {
+  int begin;
+  int end;
+
+  // One past the last key block that query block `m_block` sees.
+  __device__ __forceinline__ static int key_block_end(const KeyWindow& window, int m_block) {
+    return (window.key_end(min(m_block * kBlockM + kBlockM, window.len_q) - 1) + kBlockN - 1) / kBlockN;
+  }
+
+  __device__ __forceinline__ static VisibleQueryBlocks of(const KeyWindow& window, int n_block) {
+    const int num_m_blocks = (window.len_q + kBlockM - 1) / kBlockM;
+    VisibleQueryBlocks r{num_m_blocks, 0};
+    for (int m_block = 0; m_block < num_m_blocks; ++m_block) {
+      const int m0 = m_block * kBlockM;
+      const int key_lo = window.key_begin(m0);
+      const int key_hi = window.key_end(min(m0 + kBlockM, window.len_q) - 1);
+      if (key_hi > key_lo && key_lo / kBlockN <= n_block && n_block < key_block_end(window, m_block)) {
+        r.begin = min(r.begin, m_block);
+        r.end = m_block + 1;
+      }
+    }
+    return r;
+  }
+};
+
+// P^T = exp2(S^T * log2_scale - LSE * log2e) in place, on a warp's S^T fragments whose first query
+// column is `first_query` of the block (LSE rows indexed by the block's query). A row without keys
+// has LSE = -inf: read as +inf, it gives P = 0.
+template <typename Traits>
+__device__ __forceinline__ void probabilities_t(float (&s)[Traits::kSKeyTiles][Traits::kSQueryTiles][4],
+                                                const float* lse_rows, int first_query, float log2_scale) {
+  constexpr float kLog2e = 1.4426950408889634f;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
+    const float2 lse = *reinterpret_cast<const float2*>(lse_rows + first_query + nt * 8 + (lane % 4) * 2);
+    const float lse2[2] = {lse.x == -INFINITY ? INFINITY : lse.x * kLog2e,
+                           lse.y == -INFINITY ? INFINITY : lse.y * kLog2e};
+#pragma unroll
+    for (int kt = 0; kt < Traits::kSKeyTiles; ++kt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[kt][nt][i] = exp2f(s[kt][nt][i] * log2_scale - lse2[i % 2]);
+    }
+  }
+}
+
+// dS^T = P^T (dP^T - dot), in place of dP^T. With softcap the score is softcap * tanh(u) (+
+// ALiBi); its derivative 1 - tanh(u)^2 comes from the score recovered from P: ln P + LSE.
+// One uniform branch, so the common path's loop carries no per-element test. `first_query` is the
+// warp's first column within the block, `m0` the block's first query, `first_key` the warp's
+// first key.
+template <typename Traits>
+__device__ __forceinline__ void score_gradients_t(
+    float (&dp)[Traits::kSKeyTiles][Traits::kSQueryTiles][4],
+    const float (&prob)[Traits::kSKeyTiles][Traits::kSQueryTiles][4], const float* lse_rows,
+    const float* dot_rows, int first_query, int m0, int first_key, const FwdProblem& p,
+    float alibi_slope, int diagonal) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  if (p.softcap > 0.0f) {
+#pragma unroll
+    for (int kt = 0; kt < Traits::kSKeyTiles; ++kt) {
+#pragma unroll
+      for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
+        const int column = first_query + nt * 8 + (lane % 4) * 2;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float pr = prob[kt][nt][i];
+          const int query = m0 + column + i % 2;
+          const int key = first_key + kt * 16 + lane / 4 + (i / 2) * 8;
+          const float bias = alibi_slope != 0.0f ? alibi_bias(alibi_slope, query, key, diagonal) : 0.0f;
+          const float tanh_u = (__logf(pr) + lse_rows[column + i % 2] - bias) / p.softcap;
+          const float ds = pr * (dp[kt][nt][i] - dot_rows[column + i % 2]);
+          dp[kt][nt][i] = pr > 0.0f ? ds * (1.0f - tanh_u * tanh_u) : 0.0f;
+        }
+      }
+    }
+  } else {
+#pragma unroll
+    for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
+      const float2 dot = *reinterpret_cast<const float2*>(dot_rows + first_query + nt * 8 + (lane % 4) * 2);
+#pragma unroll
+      for (int kt = 0; kt < Traits::kSKeyTiles; ++kt) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          dp[kt][nt][i] = prob[kt][nt][i] * (dp[kt][nt][i] - (i % 2 == 0 ? dot.x : dot.y));
+        }
+      }
+    }
+  }
+}
+
+// dQ accumulator += a warp's 16-row dQ fragments (kTiles 8-column tiles; rows from `first_row`,
+// columns from `first_col`; rows past len_q and columns past head_dim are dropped). Lanes 2u and
+// 2u + 1 of a quad swap halves so that each holds four consecutive columns of one row (even lane:
+// row g, odd lane: row g + 8): one 16-byte atomic per lane and tile.
+template <int kTiles>
+__device__ __forceinline__ void add_dq_rows(float* dq_accum, int64_t row_stride, const float (&acc)[kTiles][4],
+                                            int first_row, int first_col, int len_q, int head_dim) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const bool odd = lane % 2 == 1;
+  const int row = first_row + lane / 4 + (odd ? 8 : 0);
+#pragma unroll
+  for (int dt = 0; dt < kTiles; ++dt) {
+    const float* c = acc[dt];
+    const float send0 = odd ? c[0] : c[2];
+    const float send1 = odd ? c[1] : c[3];
+    const float recv0 = __shfl_xor_sync(0xffffffffu, send0, 1);
+    const float recv1 = __shfl_xor_sync(0xffffffffu, send1, 1);
+    const int col = first_col + dt * 8 + (lane % 4 - (odd ? 1 : 0)) * 2;
+    if (row < len_q && col < head_dim) {
+      float* dst = dq_accum + row * row_stride + col;
+      if (odd) {
+        atomic_add_x4(dst, recv0, recv1, c[2], c[3]);
+      } else {
+        atomic_add_x4(dst, c[0], c[1], recv0, recv1);
+      }
+    }
+  }
+}
+
+// Epilogue: a warp's dK (times the scale) and dV fragments (kKeyTiles 16-key tiles from
+// `first_key`, kTiles 8-column tiles from `first_col`). MHA writes the gradients; GQA/MQA writes
+// this query head's share to the fp32 workspace for the group sum. Keys past seqused_k got P = 0
+// and are written as zeros.
+template <typename Element, int kKeyTiles, int kTiles>
+__device__ __forceinline__ void store_key_gradients(const BwdProblem& bp, const BwdWorkspacePointers& ws,
+                                                    const BwdBlockLocation<Element>& loc,
+                                                    const float (&acc_dk)[kKeyTiles][kTiles][4],
+                                                    const float (&acc_dv)[kKeyTiles][kTiles][4],
+                                                    int first_key, int first_col) {
+  const FwdProblem& p = bp.fwd;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const bool grouped = p.heads_q != p.heads_kv;
+  const int kv_head = loc.head / (p.heads_q / p.heads_kv);
+  const int64_t b = loc.batch;
+  const int64_t k_token = p.cu_seqlens_k != nullptr ? loc.k_flat : 0;
+  Element* dk = static_cast<Element*>(bp.dk) + b * bp.dk_batch_stride + k_token * bp.dk_row_stride +
+                kv_head * bp.dk_head_stride;
+  Element* dv = static_cast<Element*>(bp.dv) + b * bp.dv_batch_stride + k_token * bp.dv_row_stride +
+                kv_head * bp.dv_head_stride;
+  const int64_t expanded_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
+  const int64_t expanded_base = loc.k_flat * expanded_row_stride + static_cast<int64_t>(loc.head) * p.head_dim;
+#pragma unroll
+  for (int kt = 0; kt < kKeyTiles; ++kt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int key = first_key + kt * 16 + lane / 4 + half * 8;
+      if (key >= loc.len_k_rows) continue;
+#pragma unroll
+      for (int dt = 0; dt < kTiles; ++dt) {
+        const int col = first_col + dt * 8 + (lane % 4) * 2;
+        if (col >= p.head_dim) continue;
+        const float dk0 = acc_dk[kt][dt][2 * half] * p.softmax_scale;
+        const float dk1 = acc_dk[kt][dt][2 * half + 1] * p.softmax_scale;
+        const float dv0 = acc_dv[kt][dt][2 * half];
+        const float dv1 = acc_dv[kt][dt][2 * half + 1];
+        if (grouped) {
+          const int64_t offset = expanded_base + key * expanded_row_stride + col;
+          *reinterpret_cast<float2*>(ws.dk_expanded + offset) = make_float2(dk0, dk1);
+          *reinterpret_cast<float2*>(ws.dv_expanded + offset) = make_float2(dv0, dv1);
+        } else {
+          *reinterpret_cast<uint32_t*>(dk + key * bp.dk_row_stride + col) = pack2<Element>(dk0, dk1);
+          *reinterpret_cast<uint32_t*>(dv + key * bp.dv_row_stride + col) = pack2<Element>(dv0, dv1);
+        }
+      }
+    }
+  }
+}
+
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     bwd_kernel(const __grid_constant__ BwdProblem bp, const BwdWorkspacePointers ws) {
@@ -356,25 +534,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const int head_chunks = p.head_dim / 8;
 
   const KeyWindow window{loc.len_q, loc.len_k, p.window_left, p.window_right};
-  // The query blocks whose forward pass visits this key block (forward's test with this tiling).
-  // Both bounds of a query block's key range grow with the block, so they form one run.
-  const int num_m_blocks = (loc.len_q + kBlockM - 1) / kBlockM;
-  auto key_block_end = [&](int m_block) {  // one past the last key block query block m sees
-    return (window.key_end(min(m_block * kBlockM + kBlockM, loc.len_q) - 1) + kBlockN - 1) / kBlockN;
-  };
-  auto sees_this_block = [&](int m_block) {
-    const int m0 = m_block * kBlockM;
-    const int key_lo = window.key_begin(m0);
-    const int key_hi = window.key_end(min(m0 + kBlockM, loc.len_q) - 1);
-    return key_hi > key_lo && key_lo / kBlockN <= loc.n_block && loc.n_block < key_block_end(m_block);
-  };
-  int m_begin = num_m_blocks, m_end = 0;
-  for (int m_block = 0; m_block < num_m_blocks; ++m_block) {
-    if (sees_this_block(m_block)) {
-      m_begin = min(m_begin, m_block);
-      m_end = m_block + 1;
-    }
-  }
+  using QueryBlocks = VisibleQueryBlocks<kBlockM, kBlockN>;
+  const QueryBlocks visible = QueryBlocks::of(window, loc.n_block);
+  const int m_begin = visible.begin, m_end = visible.end;
 
   float acc_dk[kKvKeyTiles][kKvTiles][4];
   float acc_dv[kKvKeyTiles][kKvTiles][4];
@@ -519,18 +681,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       if (!window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN)) {
         mask_scores_t<Traits>(acc_s, window, first_key, first_query);
       }
-      // P^T = exp2(S^T * log2_scale - LSE * log2e). A row without keys has LSE = -inf: +inf gives P = 0.
-#pragma unroll
-      for (int nt = 0; nt < kSQueryTiles; ++nt) {
-        const float2 lse = *reinterpret_cast<const float2*>(lse_rows + s_first_query + nt * 8 + (lane % 4) * 2);
-        const float lse2[2] = {lse.x == -INFINITY ? INFINITY : lse.x * kLog2e,
-                               lse.y == -INFINITY ? INFINITY : lse.y * kLog2e};
-#pragma unroll
-        for (int kt = 0; kt < kSKeyTiles; ++kt) {
-#pragma unroll
-          for (int i = 0; i < 4; ++i) acc_s[kt][nt][i] = exp2f(acc_s[kt][nt][i] * log2_scale - lse2[i % 2]);
-        }
-      }
+      probabilities_t<Traits>(acc_s, lse_rows, s_first_query, log2_scale);
       if constexpr (Traits::kPInRegisters) {
         accumulate_from_registers(acc_dv, acc_s, Traits::kDoOffset + q_stage);  // dV += P^T dO
       } else {
@@ -555,40 +706,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
       }
 
-      // dS^T = P^T (dP^T - dot), in place of dP^T. With softcap the score is softcap * tanh(u) (+
-      // ALiBi); its derivative 1 - tanh(u)^2 comes from the score recovered from P: ln P + LSE.
-      // One uniform branch, so the common path's loop carries no per-element test.
-      if (p.softcap > 0.0f) {
-#pragma unroll
-        for (int kt = 0; kt < kSKeyTiles; ++kt) {
-#pragma unroll
-          for (int nt = 0; nt < kSQueryTiles; ++nt) {
-            const int column = s_first_query + nt * 8 + (lane % 4) * 2;
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float prob = acc_s[kt][nt][i];
-              const int query = m0 + column + i % 2;
-              const int key = first_key + kt * 16 + lane / 4 + (i / 2) * 8;
-              const float bias = alibi_slope != 0.0f ? alibi_bias(alibi_slope, query, key, diagonal) : 0.0f;
-              const float tanh_u = (__logf(prob) + lse_rows[column + i % 2] - bias) / p.softcap;
-              const float ds = prob * (acc_dp[kt][nt][i] - dot_rows[column + i % 2]);
-              acc_dp[kt][nt][i] = prob > 0.0f ? ds * (1.0f - tanh_u * tanh_u) : 0.0f;
-            }
-          }
-        }
-      } else {
-#pragma unroll
-        for (int nt = 0; nt < kSQueryTiles; ++nt) {
-          const float2 dot = *reinterpret_cast<const float2*>(dot_rows + s_first_query + nt * 8 + (lane % 4) * 2);
-#pragma unroll
-          for (int kt = 0; kt < kSKeyTiles; ++kt) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              acc_dp[kt][nt][i] = acc_s[kt][nt][i] * (acc_dp[kt][nt][i] - (i % 2 == 0 ? dot.x : dot.y));
-            }
-          }
-        }
-      }
+      score_gradients_t<Traits>(acc_dp, acc_s, lse_rows, dot_rows, s_first_query, m0, first_key, p,
+                                alibi_slope, diagonal);
       if constexpr (Traits::kPInRegisters) {
         accumulate_from_registers(acc_dk, acc_dp, Traits::kQOffset + q_stage);  // dK += dS^T Q
       }
@@ -626,7 +745,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         const int64_t m_blocks_max = (p.seqlen_q + kBlockM - 1) / kBlockM;
         semaphore = ws.semaphores + (static_cast<int64_t>(loc.batch) * p.heads_q + loc.head) * m_blocks_max + m_block;
         if (tid == 0) {
-          const int expected = key_block_end(m_block) - 1 - loc.n_block;
+          const int expected = QueryBlocks::key_block_end(window, m_block) - 1 - loc.n_block;
           while (load_acquire(semaphore) != expected) {
           }
         }
@@ -634,27 +753,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
       const int64_t dq_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
       float* dq_accum = ws.dq_accum + loc.q_flat * dq_row_stride + static_cast<int64_t>(loc.head) * p.head_dim;
-      // Lanes 2u and 2u + 1 of a quad swap halves so that each holds four consecutive columns of
-      // one row (even lane: row g, odd lane: row g + 8): one 16-byte atomic per lane and tile.
-      const bool odd = lane % 2 == 1;
-      const int row = m0 + dq_rows * 16 + lane / 4 + (odd ? 8 : 0);
-#pragma unroll
-      for (int dt = 0; dt < kDqTiles; ++dt) {
-        const float* c = acc_dq[0][dt];
-        const float send0 = odd ? c[0] : c[2];
-        const float send1 = odd ? c[1] : c[3];
-        const float recv0 = __shfl_xor_sync(0xffffffffu, send0, 1);
-        const float recv1 = __shfl_xor_sync(0xffffffffu, send1, 1);
-        const int col = (dq_cols * kDqTiles + dt) * 8 + (lane % 4 - (odd ? 1 : 0)) * 2;
-        if (row < loc.len_q && col < p.head_dim) {
-          float* dst = dq_accum + row * dq_row_stride + col;
-          if (odd) {
-            atomic_add_x4(dst, recv0, recv1, c[2], c[3]);
-          } else {
-            atomic_add_x4(dst, c[0], c[1], recv0, recv1);
-          }
-        }
-      }
+      add_dq_rows<kDqTiles>(dq_accum, dq_row_stride, acc_dq[0], m0 + dq_rows * 16, dq_cols * kDqTiles * 8,
+                            loc.len_q, p.head_dim);
       // Published during the next iteration (or after the loop) instead of behind a fence here:
       // a fence right after the adds waits for them to reach L2 on every query block.
       unpublished = semaphore;
@@ -668,44 +768,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     }
   }
 
-  // Epilogue: dK (times the scale) and dV of the warp's keys and columns. MHA writes the gradients;
-  // GQA/MQA writes this query head's share to the fp32 workspace for the group sum. Keys past
-  // seqused_k got P = 0 and are written as zeros.
-  const bool grouped = p.heads_q != p.heads_kv;
-  const int kv_head = loc.head / (p.heads_q / p.heads_kv);
-  const int64_t b = loc.batch;
-  const int64_t k_token = p.cu_seqlens_k != nullptr ? loc.k_flat : 0;
-  Element* dk = static_cast<Element*>(bp.dk) + b * bp.dk_batch_stride + k_token * bp.dk_row_stride +
-                kv_head * bp.dk_head_stride;
-  Element* dv = static_cast<Element*>(bp.dv) + b * bp.dv_batch_stride + k_token * bp.dv_row_stride +
-                kv_head * bp.dv_head_stride;
-  const int64_t expanded_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
-  const int64_t expanded_base = loc.k_flat * expanded_row_stride + static_cast<int64_t>(loc.head) * p.head_dim;
-#pragma unroll
-  for (int kt = 0; kt < kKvKeyTiles; ++kt) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int key = n0 + kv_first_key + kt * 16 + lane / 4 + half * 8;
-      if (key >= loc.len_k_rows) continue;
-#pragma unroll
-      for (int dt = 0; dt < kKvTiles; ++dt) {
-        const int col = (kv_dim_part * kKvTiles + dt) * 8 + (lane % 4) * 2;
-        if (col >= p.head_dim) continue;
-        const float dk0 = acc_dk[kt][dt][2 * half] * p.softmax_scale;
-        const float dk1 = acc_dk[kt][dt][2 * half + 1] * p.softmax_scale;
-        const float dv0 = acc_dv[kt][dt][2 * half];
-        const float dv1 = acc_dv[kt][dt][2 * half + 1];
-        if (grouped) {
-          const int64_t offset = expanded_base + key * expanded_row_stride + col;
-          *reinterpret_cast<float2*>(ws.dk_expanded + offset) = make_float2(dk0, dk1);
-          *reinterpret_cast<float2*>(ws.dv_expanded + offset) = make_float2(dv0, dv1);
-        } else {
-          *reinterpret_cast<uint32_t*>(dk + key * bp.dk_row_stride + col) = pack2<Element>(dk0, dk1);
-          *reinterpret_cast<uint32_t*>(dv + key * bp.dv_row_stride + col) = pack2<Element>(dv0, dv1);
-        }
-      }
-    }
-  }
+  store_key_gradients<Element, kKvKeyTiles, kKvTiles>(bp, ws, loc, acc_dk, acc_dv, n0 + kv_first_key,
+                                                     kv_dim_part * kKvTiles * 8);
 }
 
 }  // namespace flashkit::sm80

@@ -1,7 +1,7 @@
 // src/cuda/sm80/bwd_launch.cuh
 // \brief Host side of the sm80 backward: tile choice for a family, the four launches (preprocess,
 // main kernel, dq convert, GQA/MQA group sum) on one stream. Included only by the generated
-// per-(dtype, family) instance files.
+// per-(dtype, family) instance files (the sm90 backward's too: it shares the row kernels' launches).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,6 +30,51 @@ inline unsigned row_kernel_blocks(int64_t rows, const char* what) {
   return static_cast<unsigned>(blocks);
 }
 
+// Launches before the main kernel: the deterministic mode's semaphores cleared, then dot(dO, O)
+// per query row (which also zeroes the dq accumulator). Shared by the sm80 and sm90 backward.
+template <typename Element>
+void launch_bwd_preprocess(const BwdProblem& problem, const BwdWorkspacePointers& ws, cudaStream_t s) {
+  const FwdProblem& p = problem.fwd;
+  if (problem.deterministic) {
+    const BwdWorkspaceLayout layout = BwdWorkspaceLayout::of(problem);
+    cuda::check(cudaMemsetAsync(ws.semaphores, 0, layout.total - layout.semaphores, s),
+                "cudaMemsetAsync(backward semaphores)");
+  }
+  const int64_t q_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
+  if (q_rows > 0) {
+    bwd_preprocess_kernel<Element><<<row_kernel_blocks(q_rows, "query"), kRowKernelWarps * 32, 0, s>>>(problem, ws);
+    cuda::check_last_launch("bwd_preprocess_kernel");
+  }
+}
+
+// Launches after the main kernel: dq from its fp32 accumulator, and the GQA/MQA group sum of dk, dv.
+template <typename Element>
+void launch_bwd_postprocess(const BwdProblem& problem, const BwdWorkspacePointers& ws, cudaStream_t s) {
+  const FwdProblem& p = problem.fwd;
+  constexpr int kRowThreads = kRowKernelWarps * 32;
+  const int64_t q_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
+  if (q_rows > 0) {
+    bwd_dq_convert_kernel<Element><<<row_kernel_blocks(q_rows, "query"), kRowThreads, 0, s>>>(problem, ws);
+    cuda::check_last_launch("bwd_dq_convert_kernel");
+  }
+  const int64_t kv_rows = static_cast<int64_t>(p.batch) * p.heads_kv * p.seqlen_k;
+  if (p.heads_q != p.heads_kv && kv_rows > 0) {
+    bwd_group_sum_kernel<Element><<<row_kernel_blocks(kv_rows, "key"), kRowThreads, 0, s>>>(problem, ws);
+    cuda::check_last_launch("bwd_group_sum_kernel");
+  }
+}
+
+// CTAs of a main kernel with one CTA per (key block of block_n, query head, batch).
+inline int64_t bwd_main_grid(const FwdProblem& p, int block_n) {
+  const int64_t num_n_blocks = (p.seqlen_k + block_n - 1) / block_n;
+  const int64_t num_blocks = num_n_blocks * p.batch * p.heads_q;
+  if (num_blocks > INT32_MAX) {
+    throw Error("mha_bwd: batch * heads_q * ceil(seqlen_k / " + std::to_string(block_n) + ") = " +
+                std::to_string(num_blocks) + " exceeds the 2^31 - 1 CTAs one launch can run");
+  }
+  return num_blocks;
+}
+
 template <DType kDType, int kHeadDimFamily>
 void run_bwd(const BwdProblem& problem, void* stream) {
   constexpr BwdTileConfig kTile = bwd_tile_config(kHeadDimFamily);
@@ -37,28 +82,11 @@ void run_bwd(const BwdProblem& problem, void* stream) {
   using Element = typename ElementOf<kDType>::type;
   using Traits = BwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.warps,
                                  kTile.s_key_warps, kTile.kv_key_warps, kTile.min_blocks_per_sm>;
-  const FwdProblem& p = problem.fwd;
   auto* s = static_cast<cudaStream_t>(stream);
-  const BwdWorkspaceLayout layout = BwdWorkspaceLayout::of(problem);
   const BwdWorkspacePointers ws = BwdWorkspacePointers::of(problem);
-  constexpr int kRowThreads = kRowKernelWarps * 32;
 
-  if (problem.deterministic) {
-    cuda::check(cudaMemsetAsync(ws.semaphores, 0, layout.total - layout.semaphores, s),
-                "cudaMemsetAsync(backward semaphores)");
-  }
-  const int64_t q_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
-  if (q_rows > 0) {
-    bwd_preprocess_kernel<Element><<<row_kernel_blocks(q_rows, "query"), kRowThreads, 0, s>>>(problem, ws);
-    cuda::check_last_launch("sm80 bwd_preprocess_kernel");
-  }
-
-  const int64_t num_n_blocks = (p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
-  const int64_t num_blocks = num_n_blocks * p.batch * p.heads_q;
-  if (num_blocks > INT32_MAX) {
-    throw Error("mha_bwd: batch * heads_q * ceil(seqlen_k / " + std::to_string(Traits::kBlockN) +
-                ") = " + std::to_string(num_blocks) + " exceeds the 2^31 - 1 CTAs one launch can run");
-  }
+  launch_bwd_preprocess<Element>(problem, ws, s);
+  const int64_t num_blocks = bwd_main_grid(problem.fwd, Traits::kBlockN);
   if (num_blocks > 0) {
     auto kernel = bwd_kernel<Traits>;
     cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes),
@@ -66,16 +94,7 @@ void run_bwd(const BwdProblem& problem, void* stream) {
     kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes, s>>>(problem, ws);
     cuda::check_last_launch("sm80 bwd_kernel");
   }
-
-  if (q_rows > 0) {
-    bwd_dq_convert_kernel<Element><<<row_kernel_blocks(q_rows, "query"), kRowThreads, 0, s>>>(problem, ws);
-    cuda::check_last_launch("sm80 bwd_dq_convert_kernel");
-  }
-  const int64_t kv_rows = static_cast<int64_t>(p.batch) * p.heads_kv * p.seqlen_k;
-  if (p.heads_q != p.heads_kv && kv_rows > 0) {
-    bwd_group_sum_kernel<Element><<<row_kernel_blocks(kv_rows, "key"), kRowThreads, 0, s>>>(problem, ws);
-    cuda::check_last_launch("sm80 bwd_group_sum_kernel");
-  }
+  launch_bwd_postprocess<Element>(problem, ws, s);
 }
 
 }  // namespace flashkit::sm80

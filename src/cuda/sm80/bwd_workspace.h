@@ -1,6 +1,6 @@
 // src/cuda/sm80/bwd_workspace.h
-// \brief How the sm80 backward carves up the caller's workspace; plain C++ (the dispatcher sizes
-// the workspace before any CUDA call).
+// \brief How the sm80 backward carves up the caller's workspace (the sm90 backward uses the same
+// layout); plain C++ (the dispatcher sizes the workspace before any CUDA call).
 //
 // Regions, each starting on a 256-byte boundary, in this order:
 //   dq_accum    fp32 [total_q][heads_q][head_dim]  dQ accumulated over key blocks (atomics), then

@@ -44,6 +44,10 @@ struct Swizzle128Tile {
   static constexpr int kColumnBlocks = kCols / 64;
   static constexpr int kColumnBlockBytes = kRows * 128;
   static constexpr int kBytes = kColumnBlocks * kColumnBlockBytes;
+  // For the generic 16-byte-chunk copy loops (sm80::load_tile_async): chunks per row, and bytes from
+  // a row to the next within a column block (8-row steps keep the swizzle pattern).
+  static constexpr int kChunksPerRow = kCols / 8;
+  static constexpr int kRowBytes = 128;
 
   // Byte offset of the 16-byte chunk `chunk` (8 elements) of row `row`.
   __device__ __forceinline__ static uint32_t chunk_offset(int row, int chunk) {
@@ -104,6 +108,8 @@ struct WgmmaType<__half> {
 // D (64 x N fp32, N / 2 registers per thread) += A (64 x 16) * B (16 x N) for one k-step.
 //   ss: A and B from shared memory (descriptors); rs: A from registers (the warp's 16 x 16 slice).
 //   kTransposeB = 0: B is K-major ([N x 16] rows in memory); 1: MN-major.
+//   kTransposeA (ss only) = 0: A is K-major ([64 x 16] rows); 1: MN-major ([16 x 64] rows, e.g. the
+//     transpose of a stored keys x queries tile; described like an MN-major B).
 //   accumulate = 0 overwrites D (the first k-step of a product), 1 adds.
 // Inline assembly takes no variadic register lists, so each N spells its accumulator list
 // "{%0, ..., %(N/2 - 1)}" and its N/2 read-write operands once (FLASHKIT_WGMMA_N<N>_REGS / _OUT,
@@ -116,13 +122,13 @@ struct Wgmma;
 #define FLASHKIT_WGMMA_STR(x) #x
 
 // One wgmma with A and B from shared memory; kType is "bf16" or "f16".
-#define FLASHKIT_WGMMA_SS(kN, kType, m0, m1, m2, m3) \
+#define FLASHKIT_WGMMA_SS(kN, kType, m0, m1, m2, m3, m4) \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" FLASHKIT_WGMMA_STR(m2) ", 0;\n"          \
                "wgmma.mma_async.sync.aligned.m64n" FLASHKIT_WGMMA_STR(kN) "k16.f32." kType "." \
                kType " " FLASHKIT_WGMMA_N##kN##_REGS ", %" FLASHKIT_WGMMA_STR(m0) ", %" FLASHKIT_WGMMA_STR(m1)        \
-               ", p, 1, 1, 0, %" FLASHKIT_WGMMA_STR(m3) ";\n}\n"                              \
+               ", p, 1, 1, %" FLASHKIT_WGMMA_STR(m4) ", %" FLASHKIT_WGMMA_STR(m3) ";\n}\n"     \
                : FLASHKIT_WGMMA_N##kN##_OUT                                                     \
-               : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransposeB))
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate), "n"(kTransposeB), "n"(kTransposeA))
 
 // One wgmma with A from registers and B from shared memory.
 #define FLASHKIT_WGMMA_RS(kN, kType, m0, m1, m2, m3, m4, m5, m6) \
@@ -137,13 +143,13 @@ struct Wgmma;
 
 // The body of Wgmma<kN>: ss and rs, each for bf16 and fp16.
 #define FLASHKIT_WGMMA_MEMBERS(kN, m0, m1, m2, m3, m4, m5, m6)                                \
-  template <typename Element, int kTransposeB>                                                \
+  template <typename Element, int kTransposeB, int kTransposeA = 0>                            \
   __device__ __forceinline__ static void ss(float* d, uint64_t desc_a, uint64_t desc_b,       \
                                             uint32_t accumulate) {                            \
     if constexpr (WgmmaType<Element>::kIsBf16) {                                              \
-      FLASHKIT_WGMMA_SS(kN, "bf16", m0, m1, m2, m3);                                          \
+      FLASHKIT_WGMMA_SS(kN, "bf16", m0, m1, m2, m3, m4);                                      \
     } else {                                                                                  \
-      FLASHKIT_WGMMA_SS(kN, "f16", m0, m1, m2, m3);                                           \
+      FLASHKIT_WGMMA_SS(kN, "f16", m0, m1, m2, m3, m4);                                       \
     }                                                                                         \
   }                                                                                           \
   template <typename Element, int kTransposeB>                                                \
@@ -155,6 +161,17 @@ struct Wgmma;
       FLASHKIT_WGMMA_RS(kN, "f16", m0, m1, m2, m3, m4, m5, m6);                               \
     }                                                                                         \
   }
+
+#define FLASHKIT_WGMMA_N32_REGS \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define FLASHKIT_WGMMA_N32_OUT                                                                    \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), \
+      "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]),    \
+      "+f"(d[15])
+template <>
+struct Wgmma<32> {
+  FLASHKIT_WGMMA_MEMBERS(32, 16, 17, 18, 19, 20, 21, 22)
+};
 
 #define FLASHKIT_WGMMA_N64_REGS                                            \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15," \
@@ -241,6 +258,8 @@ struct Wgmma<256> {
   FLASHKIT_WGMMA_MEMBERS(256, 128, 129, 130, 131, 132, 133, 134)
 };
 
+#undef FLASHKIT_WGMMA_N32_REGS
+#undef FLASHKIT_WGMMA_N32_OUT
 #undef FLASHKIT_WGMMA_N64_REGS
 #undef FLASHKIT_WGMMA_N64_OUT
 #undef FLASHKIT_WGMMA_N80_REGS

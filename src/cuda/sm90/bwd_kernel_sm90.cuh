@@ -1,0 +1,341 @@
+// src/cuda/sm90/bwd_kernel_sm90.cuh
+// \brief The backward kernel on wgmma (sm_90a, Hopper): the sm80 kernel's algorithm with its five
+// matrix products on warpgroup MMAs (bwd_tile_config_sm90.h has the shapes and the counts).
+//
+// One CTA owns BlockN = 128 keys of one (batch, query head): two warpgroups, 64 keys each, hold
+// their dK and dV in registers and walk the query blocks whose forward pass visited the key block
+// (sm80::VisibleQueryBlocks, the same test and skips as the sm80 kernel). K and V stay in shared
+// memory; Q, dO and the rows' LSE and dot(dO, O) are double-buffered with cp.async, each query
+// block's loads landing during the previous block's compute (this first cut has no producer warp
+// and no TMA):
+//
+//   prologue     cp.async K, V, then Q, dO, LSE, dot of the first query block into stage 0
+//   per block    wait for stage s; proxy fence; barrier   (cp.async writes are generic-proxy
+//                                                          stores, wgmma reads through the async
+//                                                          proxy)
+//                cp.async the next query block into the other stage
+//                S^T = K_w Q^T, dP^T = V_w dO^T           (wgmma ss, in one or two parts of the
+//                                                          queries (tile config): issued together)
+//                per part, once its S^T and dP^T landed (the next part's still running):
+//                  softcap / ALiBi / mask; P^T = exp2(S^T log2e - LSE log2e)   (registers)
+//                  dS^T = P^T (dP^T - dot) [* softcap derivative]             (registers)
+//                  dS^T -> shared memory
+//                  dV += P^T dO, dK += dS^T Q             (wgmma rs over the part's queries: the
+//                                                          S^T-layout accumulators, packed to 16
+//                                                          bits, are A fragments; B = dO, Q read
+//                                                          MN-major), issued, not waited for
+//                proxy fence
+//                barrier (dS^T complete)
+//                dQ part = dS K                           (wgmma ss: A = dS^T read transposed,
+//                                                          B = K MN-major; warpgroup w computes
+//                                                          one 64 x 64 part of BlockM x D)
+//                dQ accumulator += dQ part                (fp32 vector reductions, as sm80)
+//   epilogue     dK * scale, dV -> dk, dv (MHA) or the fp32 per-query-head workspace (GQA/MQA)
+//
+// The sm80 kernel's arch-independent pieces are reused as they are: block location, visible query
+// blocks, score transform and masks on S^T fragments (a warp's 16 keys x the part's queries
+// are exactly an sm80 warp tile of one 16-key row tile), probabilities, score gradients, the dS^T store,
+// the dQ reductions and the dK/dV epilogue. Not covered (the dispatcher keeps them on sm80):
+// deterministic mode, dropout, head-dim families other than 64 and 128.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "common/bwd_problem.h"
+#include "cuda/common/attention_mask.cuh"
+#include "cuda/common/mma_sm80.cuh"
+#include "cuda/sm80/bwd_kernel.cuh"
+#include "cuda/sm80/bwd_workspace_pointers.cuh"
+#include "cuda/sm80/fwd_kernel.cuh"
+#include "cuda/sm90/mbarrier.cuh"
+#include "cuda/sm90/warpgroup.cuh"
+#include "cuda/sm90/wgmma.cuh"
+
+namespace flashkit::sm90 {
+
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kQueryParts_>
+struct BwdKernelTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = kBlockM_;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kWarpgroups = kBlockN / 64;  // 64 keys (wgmma's M) each
+  static constexpr int kThreads = kWarpgroups * kWarpgroupThreads;
+
+  // S^T and dP^T run in kQueryParts parts of the query block (kPartM queries each); with two,
+  // one part's softmax and dS overlap the other part's products on the tensor cores.
+  static constexpr int kQueryParts = kQueryParts_;
+  static constexpr int kPartM = kBlockM / kQueryParts;
+  // The shapes the sm80 S^T helpers index: per warp one 16-key tile x kPartM / 8 query columns.
+  struct PartScores {
+    using Element = Element_;
+    using PTile = Swizzle128Tile<kBlockN_, kBlockM_>;
+    static constexpr int kSKeyTiles = 1;
+    static constexpr int kSQueryTiles = kPartM / 8;
+  };
+  static constexpr int kDTiles = kHeadDim / 8;  // dK, dV columns per thread's fragment row
+
+  // dQ (kBlockM x kHeadDim) in 64 x 64 parts, one per warpgroup: kDqQueryParts along the queries.
+  static constexpr int kDqQueryParts = kBlockM / 64;
+  static constexpr int kDqColumns = 64;
+  static constexpr int kDqTiles = kDqColumns / 8;
+
+  using KvTile = Swizzle128Tile<kBlockN, kHeadDim>;  // K, V
+  using QTile = Swizzle128Tile<kBlockM, kHeadDim>;   // Q, dO
+  using PTile = Swizzle128Tile<kBlockN, kBlockM>;    // dS^T: keys x queries
+
+  // Shared-memory plan, byte offsets from a 1024-byte aligned base:
+  //   [ K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | dS^T | LSE x 2 | dot x 2 ]
+  static constexpr int kStages = 2;
+  static constexpr int kKOffset = 0;
+  static constexpr int kVOffset = kKOffset + KvTile::kBytes;
+  static constexpr int kQOffset = kVOffset + KvTile::kBytes;
+  static constexpr int kDoOffset = kQOffset + QTile::kBytes;
+  static constexpr int kStageBytes = 2 * QTile::kBytes;
+  static constexpr int kDsOffset = kQOffset + kStages * kStageBytes;
+  static constexpr int kRowStatsBytes = kBlockM * static_cast<int>(sizeof(float));
+  static constexpr int kLseOffset = kDsOffset + PTile::kBytes;
+  static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
+  // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
+  static constexpr int kSmemBytes = kDotOffset + kStages * kRowStatsBytes + 1024;
+
+  static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 64 == 0,
+                "whole wgmma M tiles and 64-column swizzle atoms");
+  static_assert((kQueryParts == 1 || kQueryParts == 2) && kPartM % 16 == 0, "one or two query parts");
+  static_assert(kDqQueryParts * (kHeadDim / kDqColumns) == kWarpgroups,
+                "the dQ parts are one per warpgroup");
+  static_assert(2 * kBlockM <= kThreads, "one thread per LSE / dot row copy");
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
+};
+
+// wgmma_wait with a count known only after unrolling (a loop index): 0 to 3 groups in flight.
+__device__ __forceinline__ void wgmma_wait_dynamic(int in_flight) {
+  if (in_flight >= 3) {
+    wgmma_wait<3>();
+  } else if (in_flight == 2) {
+    wgmma_wait<2>();
+  } else if (in_flight == 1) {
+    wgmma_wait<1>();
+  } else {
+    wgmma_wait<0>();
+  }
+}
+
+// The S^T-layout fragments of a warp (16 keys x kTiles 8-query groups), packed to 16 bits, as the
+// A operand of kTiles / 2 k-steps of 16 queries.
+template <typename Element, int kTiles>
+__device__ __forceinline__ void pack_a_operand(const float (&x)[1][kTiles][4], uint32_t (&a)[kTiles / 2][4]) {
+#pragma unroll
+  for (int kk = 0; kk < kTiles / 2; ++kk) {
+    a[kk][0] = sm80::pack2<Element>(x[0][2 * kk][0], x[0][2 * kk][1]);
+    a[kk][1] = sm80::pack2<Element>(x[0][2 * kk][2], x[0][2 * kk][3]);
+    a[kk][2] = sm80::pack2<Element>(x[0][2 * kk + 1][0], x[0][2 * kk + 1][1]);
+    a[kk][3] = sm80::pack2<Element>(x[0][2 * kk + 1][2], x[0][2 * kk + 1][3]);
+  }
+}
+
+// acc (64 rows of `a_rows` x kPartM columns) = A B^T over the head dim: A = K or V rows of this
+// warpgroup, B = kPartM Q or dO rows from `b_rows`, both K-major. Issued, not waited for.
+template <typename Traits>
+__device__ __forceinline__ void issue_scores(float* acc, uint32_t a_rows, uint32_t b_rows) {
+  using KvTile = typename Traits::KvTile;
+  using QTile = typename Traits::QTile;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
+    const uint64_t a_desc = k_major_descriptor(a_rows + (kk / 4) * KvTile::kColumnBlockBytes + (kk % 4) * 32);
+    const uint64_t b_desc = k_major_descriptor(b_rows + (kk / 4) * QTile::kColumnBlockBytes + (kk % 4) * 32);
+    Wgmma<Traits::kPartM>::template ss<typename Traits::Element, 0>(acc, a_desc, b_desc, kk > 0 ? 1u : 0u);
+  }
+  wgmma_commit();
+}
+
+// acc (64 keys x kHeadDim) += X B over kPartM queries, X from registers (P^T or dS^T), B = the
+// part's dO or Q rows from `b_rows` (queries x head dim, read MN-major). Issued, not committed.
+template <typename Traits>
+__device__ __forceinline__ void issue_key_gradient(float* acc, const uint32_t (&x)[Traits::kPartM / 16][4],
+                                                   uint32_t b_rows) {
+  using QTile = typename Traits::QTile;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kPartM / 16; ++kk) {
+    const uint64_t b_desc = mn_major_descriptor(b_rows + kk * 16 * 128, QTile::kColumnBlockBytes);
+    Wgmma<Traits::kHeadDim>::template rs<typename Traits::Element, 1>(acc, x[kk], b_desc, 1u);
+  }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads, 1)
+    bwd_kernel(const __grid_constant__ BwdProblem bp, const sm80::BwdWorkspacePointers ws) {
+  using Element = typename Traits::Element;
+  using KvTile = typename Traits::KvTile;
+  using QTile = typename Traits::QTile;
+  using PTile = typename Traits::PTile;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kQueryParts = Traits::kQueryParts;
+  constexpr int kPartM = Traits::kPartM;
+  using PartScores = typename Traits::PartScores;
+  constexpr int kDTiles = Traits::kDTiles;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const FwdProblem& p = bp.fwd;
+
+  extern __shared__ unsigned char smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t smem = (raw + 1023u) & ~1023u;
+  const unsigned char* smem_aligned = smem_raw + (smem - raw);
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int warpgroup = tid / kWarpgroupThreads;
+  const int warp = (tid / 32) % 4;  // within the warpgroup
+  const int wg_key0 = warpgroup * 64;          // this warpgroup's first key in the block
+  const int warp_key0 = wg_key0 + warp * 16;   // this warp's first key (its 16 accumulator rows)
+  // This warpgroup's dQ part: 64 queries x 64 columns.
+  const int dq_query_part = warpgroup % Traits::kDqQueryParts;
+  const int dq_column_part = warpgroup / Traits::kDqQueryParts;
+
+  const sm80::BwdBlockLocation<Element> loc = sm80::BwdBlockLocation<Element>::locate(bp, ws.dot, kBlockN);
+  const int n0 = loc.n_block * kBlockN;
+  if (n0 >= loc.len_k_rows) return;  // varlen: this sequence is shorter than max_seqlen_k
+  const int head_chunks = p.head_dim / 8;
+
+  const sm80::KeyWindow window{loc.len_q, loc.len_k, p.window_left, p.window_right};
+  const auto visible = sm80::VisibleQueryBlocks<kBlockM, kBlockN>::of(window, loc.n_block);
+
+  float acc_dk[1][kDTiles][4];
+  float acc_dv[1][kDTiles][4];
+  sm80::zero_accumulators(acc_dk);
+  sm80::zero_accumulators(acc_dv);
+
+  const float alibi_slope =
+      p.alibi_slopes != nullptr ? p.alibi_slopes[loc.batch * p.alibi_batch_stride + loc.head] : 0.0f;
+  const bool transform = p.softcap > 0.0f || alibi_slope != 0.0f;
+  const int diagonal = window.diagonal_offset();
+  const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
+
+  if (visible.begin < visible.end) {
+    sm80::load_tile_async<Traits, KvTile>(smem + Traits::kKOffset,
+                                          loc.k + static_cast<int64_t>(n0) * p.k_row_stride,
+                                          p.k_row_stride, loc.len_k - n0, head_chunks);
+    sm80::load_tile_async<Traits, KvTile>(smem + Traits::kVOffset,
+                                          loc.v + static_cast<int64_t>(n0) * p.v_row_stride,
+                                          p.v_row_stride, loc.len_k - n0, head_chunks);
+    // Q, dO, LSE and dot of query block m into pipeline stage `stage`.
+    auto load_query_block = [&](int m_block, int stage) {
+      const int m0 = m_block * kBlockM;
+      const uint32_t stage_offset = static_cast<uint32_t>(stage * Traits::kStageBytes);
+      sm80::load_tile_async<Traits, QTile>(smem + Traits::kQOffset + stage_offset,
+                                           loc.q + static_cast<int64_t>(m0) * p.q_row_stride,
+                                           p.q_row_stride, loc.len_q - m0, head_chunks);
+      sm80::load_tile_async<Traits, QTile>(smem + Traits::kDoOffset + stage_offset,
+                                           loc.dout + static_cast<int64_t>(m0) * bp.dout_row_stride,
+                                           bp.dout_row_stride, loc.len_q - m0, head_chunks);
+      if (tid < 2 * kBlockM) {
+        const int row = tid % kBlockM;
+        const bool is_lse = tid < kBlockM;
+        const uint32_t dst = smem + (is_lse ? Traits::kLseOffset : Traits::kDotOffset) +
+                             static_cast<uint32_t>(stage * Traits::kRowStatsBytes + row * 4);
+        const float* rows = is_lse ? loc.lse : loc.dot;
+        const bool valid = m0 + row < loc.len_q;
+        sm80::cp_async_4(dst, valid ? rows + m0 + row : rows, valid);
+      }
+      sm80::cp_async_commit();
+    };
+    load_query_block(visible.begin, 0);
+
+    const int64_t dq_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
+    float* dq_accum = ws.dq_accum + loc.q_flat * dq_row_stride + static_cast<int64_t>(loc.head) * p.head_dim;
+    const uint32_t k_rows = smem + Traits::kKOffset + wg_key0 * 128;
+    const uint32_t v_rows = smem + Traits::kVOffset + wg_key0 * 128;
+
+    for (int m_block = visible.begin, stage = 0; m_block < visible.end; ++m_block, stage ^= 1) {
+      const int m0 = m_block * kBlockM;
+      sm80::cp_async_wait<0>();
+      fence_proxy_async_shared();  // this thread's copies, before wgmma reads them
+      __syncthreads();
+      if (m_block + 1 < visible.end) load_query_block(m_block + 1, stage ^ 1);
+      const uint32_t q_tile = smem + Traits::kQOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
+      const uint32_t do_tile = smem + Traits::kDoOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
+      const float* lse_rows =
+          reinterpret_cast<const float*>(smem_aligned + Traits::kLseOffset + stage * Traits::kRowStatsBytes);
+      const float* dot_rows =
+          reinterpret_cast<const float*>(smem_aligned + Traits::kDotOffset + stage * Traits::kRowStatsBytes);
+
+      // S^T = K Q^T and dP^T = V dO^T over this warpgroup's 64 keys x the block's queries, in
+      // kQueryParts parts of kPartM queries: 2 x kQueryParts groups in flight, part 0's first.
+      float acc_s[kQueryParts][1][kPartM / 8][4];
+      float acc_dp[kQueryParts][1][kPartM / 8][4];
+      wgmma_fence();
+#pragma unroll
+      for (int h = 0; h < kQueryParts; ++h) {
+        issue_scores<Traits>(&acc_s[h][0][0][0], k_rows, q_tile + h * kPartM * 128);
+        issue_scores<Traits>(&acc_dp[h][0][0][0], v_rows, do_tile + h * kPartM * 128);
+      }
+      const int first_key = n0 + warp_key0;
+      const bool cut = !window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN);
+      // Per part, once its S^T and dP^T have landed: P^T and dS^T in registers, dS^T to shared
+      // memory, then dV += P^T dO and dK += dS^T Q over the part's queries, issued so that they run
+      // during the next part's softmax or the barrier.
+      uint32_t p_frag[kQueryParts][kPartM / 16][4];
+      uint32_t ds_frag[kQueryParts][kPartM / 16][4];
+#pragma unroll
+      for (int h = 0; h < kQueryParts; ++h) {
+        // Committed so far: 2 x kQueryParts products of scores (S^T_0, dP^T_0, S^T_1, ...) and h
+        // of key gradients; groups land in order. P^T needs S^T_h (2h + 1 groups landed), dS^T
+        // needs dP^T_h (2h + 2 landed). With one part, P^T is computed while dP^T lands; with two,
+        // the next part's products already overlap, and waiting twice measured 2-3% slower (d64),
+        // so one wait serves both.
+        constexpr bool kProbabilitiesFirst = kQueryParts == 1;
+        wgmma_wait_dynamic(2 * kQueryParts - h - (kProbabilitiesFirst ? 1 : 2));
+        wgmma_fence_registers<kPartM / 2>(&acc_s[h][0][0][0]);
+        if (!kProbabilitiesFirst) wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
+        const int first_query = h * kPartM;  // in the block
+        if (transform) {
+          sm80::transform_scores_t<PartScores>(acc_s[h], p, first_key, m0 + first_query, alibi_slope, diagonal);
+        }
+        if (cut) sm80::mask_scores_t<PartScores>(acc_s[h], window, first_key, m0 + first_query);
+        sm80::probabilities_t<PartScores>(acc_s[h], lse_rows, first_query, log2_scale);
+        if (kProbabilitiesFirst) {
+          wgmma_wait_dynamic(2 * kQueryParts - h - 2);
+          wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
+        }
+        sm80::score_gradients_t<PartScores>(acc_dp[h], acc_s[h], lse_rows, dot_rows, first_query, m0, first_key,
+                                            p, alibi_slope, diagonal);
+        pack_a_operand<Element>(acc_s[h], p_frag[h]);
+        pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
+        sm80::store_keys_by_queries<PartScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
+        wgmma_fence();
+        issue_key_gradient<Traits>(&acc_dv[0][0][0], p_frag[h], do_tile + first_query * 128);
+        issue_key_gradient<Traits>(&acc_dk[0][0][0], ds_frag[h], q_tile + first_query * 128);
+        wgmma_commit();
+      }
+      fence_proxy_async_shared();  // the dS^T stores, before the dQ wgmma reads them
+      __syncthreads();  // dS^T complete
+
+      // dQ part = dS K: A = dS (64 queries x 16 keys per step) read transposed from dS^T, B = K
+      // (16 keys x 64 columns) read MN-major.
+      float acc_dq[Traits::kDqTiles][4];
+      const uint32_t ds_columns = smem + Traits::kDsOffset + dq_query_part * PTile::kColumnBlockBytes;
+      const uint32_t k_columns = smem + Traits::kKOffset + dq_column_part * KvTile::kColumnBlockBytes;
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        const uint64_t a_desc = mn_major_descriptor(ds_columns + kk * 16 * 128, PTile::kColumnBlockBytes);
+        const uint64_t b_desc = mn_major_descriptor(k_columns + kk * 16 * 128, KvTile::kColumnBlockBytes);
+        Wgmma<Traits::kDqColumns>::template ss<Element, 1, 1>(&acc_dq[0][0], a_desc, b_desc, kk > 0 ? 1u : 0u);
+      }
+      wgmma_commit();
+      wgmma_wait<0>();
+      wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
+      wgmma_fence_registers<Traits::kHeadDim / 2>(&acc_dk[0][0][0]);
+      wgmma_fence_registers<Traits::kHeadDim / 2>(&acc_dv[0][0][0]);
+
+      sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, m0 + dq_query_part * 64 + warp * 16,
+                                          dq_column_part * Traits::kDqColumns, loc.len_q, p.head_dim);
+    }
+  }
+
+  sm80::store_key_gradients<Element, 1, kDTiles>(bp, ws, loc, acc_dk, acc_dv, n0 + warp_key0, 0);
+}
+
+}  // namespace flashkit::sm90

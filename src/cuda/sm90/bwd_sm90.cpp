@@ -1,0 +1,26 @@
+// src/cuda/sm90/bwd_sm90.cpp
+// \brief Which problems the sm90 backward kernels cover (see bwd_sm90.h). Plain C++: the dispatcher
+// asks before choosing a path.
+#include "cuda/sm90/bwd_sm90.h"
+
+#include <string>
+
+#include "cuda/sm80/fwd_sm80.h"
+
+namespace flashkit::sm90 {
+
+std::string bwd_unsupported_reason(const BwdProblem& problem) {
+  const FwdProblem& p = problem.fwd;
+  const int family = sm80::fwd_head_dim_family(p.head_dim);
+  bool covered = false;
+  for (int f : kBwdHeadDimFamilies) covered |= f == family;
+  if (!covered) {
+    return "head dim " + std::to_string(p.head_dim) + " (family " + std::to_string(family) +
+           ") is not one of the sm90 backward's families 64 and 128";
+  }
+  if (problem.deterministic) return "deterministic mode runs on the sm80 backward";
+  if (p.dropout_p > 0.0f) return "dropout is not implemented on the sm90 backward";
+  return "";
+}
+
+}  // namespace flashkit::sm90
