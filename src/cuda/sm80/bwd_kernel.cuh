@@ -29,8 +29,9 @@
 //
 // The arch-independent pieces (BwdBlockLocation, VisibleQueryBlocks, the S^T-fragment helpers
 // transform/mask/probabilities/score_gradients, store_keys_by_queries, add_dq_rows,
-// store_key_gradients) are shared with the sm90 backward (src/cuda/sm90/bwd_kernel_sm90.cuh),
-// whose warps hold S^T in the same fragment layout.
+// store_key_gradients, deterministic mode's DqAddTurn and publish_dq_adds) are shared with the
+// sm90 backward (src/cuda/sm90/bwd_kernel_sm90.cuh), whose warps hold S^T in the same fragment
+// layout.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -341,6 +342,51 @@ struct VisibleQueryBlocks {
     return r;
   }
 };
+
+// Deterministic mode: each query block's dQ takes its key blocks' adds in descending key-block
+// order. The query block's semaphore in the workspace (zeroed before the main kernel) counts the
+// key blocks that have published their adds; key block n adds when all later key blocks that see
+// the query block have. The grid runs backwards (BwdBlockLocation::locate), so the CTAs waited
+// for started earlier and never wait for the waiter: no deadlock.
+template <int kBlockM, int kBlockN>
+struct DqAddTurn {
+  int* semaphore;
+  int turn;  // the count at which this key block adds
+
+  __device__ __forceinline__ static DqAddTurn of(const BwdProblem& bp, const BwdWorkspacePointers& ws,
+                                                 int batch, int head, const KeyWindow& window,
+                                                 int m_block, int n_block) {
+    const FwdProblem& p = bp.fwd;
+    const int64_t m_blocks_max = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    return {ws.semaphores + (static_cast<int64_t>(batch) * p.heads_q + head) * m_blocks_max + m_block,
+            VisibleQueryBlocks<kBlockM, kBlockN>::key_block_end(window, m_block) - 1 - n_block};
+  }
+
+  // The semaphore's count now, read with acquire semantics: adds issued after a read that shows
+  // this key block's turn are ordered after the earlier key blocks' adds. Issue it early to hide
+  // the round trip, then pass the count to wait().
+  __device__ __forceinline__ int poll() const { return load_acquire(semaphore); }
+
+  // Returns once this key block's turn has come, `seen` being a count that poll() returned.
+  __device__ __forceinline__ void wait(int seen) const {
+    while (seen != turn) seen = poll();
+  }
+
+  // The same, polling from the start.
+  __device__ __forceinline__ void wait() const {
+    while (poll() != turn) {
+    }
+  }
+};
+
+// Publishes a query block's dQ adds, made by every thread of the CTA before a barrier that the
+// caller passed since: the fence is cumulative over what the barrier ordered before it. (A single
+// red.release.gpu would do as well, but it moved the sm80 kernels' register allocation: d128 spill
+// stores 36 -> 52 bytes.)
+__device__ __forceinline__ void publish_dq_adds(int* semaphore) {
+  __threadfence();
+  atomicAdd(semaphore, 1);
+}
 
 // P^T = exp2(S^T * log2_scale - LSE * log2e) in place, on a warp's S^T fragments whose first query
 // column is `first_query` of the block (LSE rows indexed by the block's query). A row without keys
@@ -669,10 +715,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       // Deterministic mode: publish the previous query block's dQ adds. The barrier at the top of
       // this iteration ordered every thread's adds before thread 0's (cumulative) fence, and the
       // GEMM above gave them time to land, so the fence rarely waits.
-      if (unpublished != nullptr && tid == 0) {
-        __threadfence();
-        atomicAdd(unpublished, 1);
-      }
+      if (unpublished != nullptr && tid == 0) publish_dq_adds(unpublished);
       unpublished = nullptr;
 
       const int first_key = n0 + s_first_key;
@@ -735,20 +778,13 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
       }
 
-      // Deterministic mode: add in descending key-block order. The last key block that this query
-      // block sees adds first; each CTA waits until all later ones have published their adds.
-      // Under a causal mask the later key blocks reach a query block in fewer steps, so they are
-      // rarely waited for. A CTA waits only on CTAs of lower block index (the grid runs backwards),
-      // which started earlier and never wait on it: no deadlock.
+      // Deterministic mode: add in descending key-block order (DqAddTurn). Under a causal mask the
+      // later key blocks reach a query block in fewer steps, so they are rarely waited for.
       int* semaphore = nullptr;
       if (bp.deterministic) {
-        const int64_t m_blocks_max = (p.seqlen_q + kBlockM - 1) / kBlockM;
-        semaphore = ws.semaphores + (static_cast<int64_t>(loc.batch) * p.heads_q + loc.head) * m_blocks_max + m_block;
-        if (tid == 0) {
-          const int expected = QueryBlocks::key_block_end(window, m_block) - 1 - loc.n_block;
-          while (load_acquire(semaphore) != expected) {
-          }
-        }
+        const auto dq_turn = DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block);
+        semaphore = dq_turn.semaphore;
+        if (tid == 0) dq_turn.wait();
         __syncthreads();
       }
       const int64_t dq_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
@@ -761,10 +797,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     }
     if (unpublished != nullptr) {
       __syncthreads();
-      if (tid == 0) {
-        __threadfence();
-        atomicAdd(unpublished, 1);
-      }
+      if (tid == 0) publish_dq_adds(unpublished);
     }
   }
 

@@ -29,14 +29,24 @@
 //                dQ part = dS K                           (wgmma ss: A = dS^T read transposed,
 //                                                          B = K MN-major; warpgroup w computes
 //                                                          one 64 x 64 part of BlockM x D)
-//                dQ accumulator += dQ part                (fp32 vector reductions, as sm80)
+//                dQ accumulator += dQ part                (fp32 vector reductions, as sm80;
+//                                                          deterministic mode: in key-block
+//                                                          order, below)
 //   epilogue     dK * scale, dV -> dk, dv (MHA) or the fp32 per-query-head workspace (GQA/MQA)
 //
 // The sm80 kernel's arch-independent pieces are reused as they are: block location, visible query
 // blocks, score transform and masks on S^T fragments (a warp's 16 keys x the part's queries
 // are exactly an sm80 warp tile of one 16-key row tile), probabilities, score gradients, the dS^T store,
 // the dQ reductions and the dK/dV epilogue. Not covered (the dispatcher keeps them on sm80):
-// deterministic mode, dropout, head-dim families other than 64 and 128.
+// dropout, head-dim families other than 64 and 128.
+//
+// Deterministic mode (Traits::kDeterministic) is the sm80 kernel's: each query block's dQ takes
+// the key blocks' adds in descending key-block order behind a semaphore per query block
+// (sm80::DqAddTurn; the grid runs backwards, so a CTA waits only for CTAs that started before it).
+// Every thread reads the semaphore itself (acquire), the first read issued with the dQ product so
+// that its round trip is hidden, and spins before its adds only if the turn has not come: no
+// barrier of its own. Thread 0 publishes a block's adds after the next block's first barrier, once
+// the next products are issued (its fence waits while the tensor cores work).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -56,9 +66,12 @@
 
 namespace flashkit::sm90 {
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kQueryParts_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kQueryParts_, bool kDeterministic_>
 struct BwdKernelTraits {
   using Element = Element_;
+  // The instance that adds dQ in key-block order (deterministic mode): its own kernel, so that the
+  // default one carries none of its code.
+  static constexpr bool kDeterministic = kDeterministic_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -249,6 +262,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const uint32_t k_rows = smem + Traits::kKOffset + wg_key0 * 128;
     const uint32_t v_rows = smem + Traits::kVOffset + wg_key0 * 128;
 
+    // Deterministic mode: the semaphore of the query block whose dQ adds this CTA made last and has
+    // not published yet.
+    [[maybe_unused]] int* unpublished = nullptr;
     for (int m_block = visible.begin, stage = 0; m_block < visible.end; ++m_block, stage ^= 1) {
       const int m0 = m_block * kBlockM;
       sm80::cp_async_wait<0>();
@@ -271,6 +287,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       for (int h = 0; h < kQueryParts; ++h) {
         issue_scores<Traits>(&acc_s[h][0][0][0], k_rows, q_tile + h * kPartM * 128);
         issue_scores<Traits>(&acc_dp[h][0][0][0], v_rows, do_tile + h * kPartM * 128);
+      }
+      if constexpr (Traits::kDeterministic) {
+        // The barrier above ordered every thread's adds of the previous query block before this.
+        if (unpublished != nullptr && tid == 0) sm80::publish_dq_adds(unpublished);
+        unpublished = nullptr;
       }
       const int first_key = n0 + warp_key0;
       const bool cut = !window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN);
@@ -313,6 +334,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_proxy_async_shared();  // the dS^T stores, before the dQ wgmma reads them
       __syncthreads();  // dS^T complete
 
+      [[maybe_unused]] const auto dq_turn =
+          sm80::DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block);
       // dQ part = dS K: A = dS (64 queries x 16 keys per step) read transposed from dS^T, B = K
       // (16 keys x 64 columns) read MN-major.
       float acc_dq[Traits::kDqTiles][4];
@@ -325,13 +348,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Wgmma<Traits::kDqColumns>::template ss<Element, 1, 1>(&acc_dq[0][0], a_desc, b_desc, kk > 0 ? 1u : 0u);
       }
       wgmma_commit();
+      // Deterministic mode: the first read of the semaphore travels while dQ is computed.
+      [[maybe_unused]] int dq_turn_seen = 0;
+      if constexpr (Traits::kDeterministic) dq_turn_seen = dq_turn.poll();
       wgmma_wait<0>();
       wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
       wgmma_fence_registers<Traits::kHeadDim / 2>(&acc_dk[0][0][0]);
       wgmma_fence_registers<Traits::kHeadDim / 2>(&acc_dv[0][0][0]);
 
+      if constexpr (Traits::kDeterministic) {
+        dq_turn.wait(dq_turn_seen);
+        unpublished = dq_turn.semaphore;
+      }
       sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, m0 + dq_query_part * 64 + warp * 16,
                                           dq_column_part * Traits::kDqColumns, loc.len_q, p.head_dim);
+    }
+    if constexpr (Traits::kDeterministic) {
+      if (unpublished != nullptr) {
+        __syncthreads();
+        if (tid == 0) sm80::publish_dq_adds(unpublished);
+      }
     }
   }
 

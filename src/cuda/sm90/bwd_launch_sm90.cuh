@@ -16,19 +16,31 @@
 
 namespace flashkit::sm90 {
 
+// The traits of a family's kernel, in deterministic mode or not: the same tiles.
+template <DType kDType, int kHeadDimFamily, bool kDeterministic>
+using BwdTraitsOf = BwdKernelTraits<typename sm80::ElementOf<kDType>::type, kHeadDimFamily,
+                                    bwd_tile_config(kHeadDimFamily).block_m, bwd_tile_config(kHeadDimFamily).block_n,
+                                    bwd_tile_config(kHeadDimFamily).query_parts, kDeterministic>;
+
 template <DType kDType, int kHeadDimFamily>
 void run_bwd(const BwdProblem& problem, void* stream) {
   constexpr BwdTileConfig kTile = bwd_tile_config(kHeadDimFamily);
   static_assert(kTile.block_m > 0, "no sm90 backward tile for this head-dim family");
+  // The workspace (sm80::bwd_workspace_bytes, whatever path runs) holds one deterministic-mode
+  // semaphore per sm80 query block; this kernel's query blocks are as large or larger.
+  static_assert(kTile.block_m >= sm80::bwd_tile_config(kHeadDimFamily).block_m,
+                "the workspace's semaphores cover this kernel's query blocks");
   using Element = typename sm80::ElementOf<kDType>::type;
-  using Traits = BwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.query_parts>;
+  using Traits = BwdTraitsOf<kDType, kHeadDimFamily, false>;
   auto* s = static_cast<cudaStream_t>(stream);
   const sm80::BwdWorkspacePointers ws = sm80::BwdWorkspacePointers::of(problem);
 
   sm80::launch_bwd_preprocess<Element>(problem, ws, s);
   const int64_t num_blocks = sm80::bwd_main_grid(problem.fwd, Traits::kBlockN);
   if (num_blocks > 0) {
-    auto kernel = bwd_kernel<Traits>;
+    // Two instances with the same tiles and shared memory: deterministic mode's, and the default.
+    auto kernel = problem.deterministic ? bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true>>
+                                        : bwd_kernel<Traits>;
     cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes),
                 "cudaFuncSetAttribute(sm90 bwd_kernel, max dynamic shared memory)");
     kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes, s>>>(problem, ws);
