@@ -3,14 +3,13 @@
 // oracle, which regenerates the Philox mask from the same seed and offset; the return_softmax
 // output (attn_probs) against the CPU backend's, bit for bit in the signs (the mask) and the zeros,
 // to the dtype's rounding in the magnitudes; seed / offset semantics; p = 0 bitwise identical to
-// the call without dropout; and the CUDA backward's clear refusal of dropout (it is not there yet).
+// the call without dropout. The backward with dropout is tested in test_gpu_bwd.cpp (Dropout/*).
 //
 // The suites:
 //   Grid/*            dtype x head dim (40 ... 256) x mask (none, causal, local, ALiBi, softcap)
 //                     x GQA (6/6, 6/2, 6/1) x {fixed, varlen} x odd lengths x p in {0.1, 0.5}:
 //                     out and lse by the error-ratio rule of DESIGN.md, attn_probs checked too
 //   GpuDropoutTest.*  determinism, offsets and seeds, p = 0, the kept fraction of a large tile
-//   DropoutBackward.* the CUDA backward's error (runs without a GPU: rejected before any launch)
 //
 // The oracle runs on the whole problem, not on the (batch, head) pieces of run_oracle: a piece is
 // renumbered to batch 0, head 0, and the mask is addressed by batch * heads_q + head.
@@ -27,7 +26,6 @@
 #include <vector>
 
 #include "cpu/reference_common.h"
-#include "expect_error.h"
 #include "flashkit/flashkit.h"
 #include "gpu_case_builders.h"
 #include "gpu_test_util.h"
@@ -346,26 +344,6 @@ TEST_F(GpuDropoutTest, KeptFractionOfALargeTile) {
     const CheckReport r = check_against_oracle(c, oracle, run.kernel, run.out_gaps_written);
     EXPECT_TRUE(r.ok) << r.text;
   }
-}
-
-// ------------------------------------------------------------------------------------------------
-// The CUDA backward refuses dropout, before any CUDA call (so this runs without a GPU too)
-// ------------------------------------------------------------------------------------------------
-
-TEST(DropoutBackward, CudaBackwardRejectsDropoutWithAClearError) {
-  FwdCase s = fixed_case(DType::kBFloat16, 64, 2, 2, 1, 9, 9);
-  s.name = "bwd";
-  BackwardCase c(s);
-  MhaBwdParams p = c.bwd_params();
-  for (TensorView* view :
-       {&p.dout, &p.q, &p.k, &p.v, &p.out, &p.softmax_lse, &p.dq, &p.dk, &p.dv}) {
-    view->device = Device{DeviceKind::kCuda, 0};
-  }
-  p.dropout = {0.1f, 1, 2};
-  EXPECT_ERROR_MENTIONS(mha_bwd(p), "mha_bwd: dropout.p is 0.1",
-                        "CUDA backward does not support dropout");
-  EXPECT_ERROR_MENTIONS(mha_bwd_workspace_size(p), "dropout.p is 0.1",
-                        "CUDA backward does not support dropout");
 }
 
 }  // namespace

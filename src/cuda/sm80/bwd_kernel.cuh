@@ -26,15 +26,25 @@
 //
 // The scale (and softcap's chain rule) is applied to dS by the end users: dK here, dQ in the
 // convert kernel. Rows with no visible key have LSE = -inf, read as +inf, so their P is 0.
+//
+// Dropout (Traits::kDropout, its own instance so that the p = 0 kernel is compiled exactly as
+// without it, as in the forward) regenerates the forward's Philox mask Z in {0, 1/(1-p)} (the
+// reference backward's m_ij) for the warp's S^T tile right after P^T and marks dropped entries by
+// flipping their sign. dV += (P o Z)^T dO takes max(P^T, 0) (the conversion to 16 bits clamps for
+// free) and the 1/(1-p) once in the epilogue; after dP^T = V dO^T, dP^T becomes dP^T o Z and P^T
+// |P^T|, so dS^T = P^T (dP^T o Z - dot) is the unchanged code below. dot = rowsum(dO o O) needs
+// nothing: O is the dropped output.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/bwd_problem.h"
 #include "cuda/common/attention_mask.cuh"
+#include "cuda/common/dropout_mask.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/common/score_mods.cuh"
 #include "cuda/common/swizzled_tile.cuh"
@@ -44,9 +54,10 @@
 namespace flashkit::sm80 {
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kSKeyWarps_,
-          int kKvKeyWarps_, int kMinBlocksPerSm_>
+          int kKvKeyWarps_, int kMinBlocksPerSm_, bool kDropout_>
 struct BwdKernelTraits {
   using Element = Element_;
+  static constexpr bool kDropout = kDropout_;  // the instance that regenerates the mask (p > 0)
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -285,8 +296,9 @@ __device__ __forceinline__ void mask_scores_t(float (&s)[Traits::kSKeyTiles][Tra
 
 // Packs a warp's fp32 S^T-layout fragments to 16 bits and stores them into a keys x queries tile
 // (P^T or dS^T) at the warp's key and query offsets. Each 8-query column tile is one 16-byte
-// chunk of a row; the swizzle keeps the 8 rows of a store in distinct bank groups.
-template <typename Traits>
+// chunk of a row; the swizzle keeps the 8 rows of a store in distinct bank groups. kKeptOnly
+// stores max(x, 0): the kept entries of a sign-marked P^T (dropout).
+template <typename Traits, bool kKeptOnly = false>
 __device__ __forceinline__ void store_keys_by_queries(
     uint32_t tile, const float (&x)[Traits::kSKeyTiles][Traits::kSQueryTiles][4], int first_key_row,
     int first_query_chunk) {
@@ -300,7 +312,8 @@ __device__ __forceinline__ void store_keys_by_queries(
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = first_key_row + kt * 16 + lane / 4 + half * 8;
-        const uint32_t value = pack2<Element>(x[kt][nt][2 * half], x[kt][nt][2 * half + 1]);
+        const float lo = x[kt][nt][2 * half], hi = x[kt][nt][2 * half + 1];
+        const uint32_t value = kKeptOnly ? pack2_relu<Element>(lo, hi) : pack2<Element>(lo, hi);
         const uint32_t addr = tile + PTile::chunk_offset(row, first_query_chunk + nt) + (lane % 4) * 4;
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
       }
@@ -438,17 +451,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
     };
     // kPInRegisters: acc += X B, X the warp's S^T-layout fragments (P^T or dS^T) packed into A
-    // fragments, B (Q or dO, queries x head dim) read transposed from `b_tile`.
-    auto accumulate_from_registers = [&](auto& acc, const auto& x, uint32_t b_tile) {
+    // fragments, B (Q or dO, queries x head dim) read transposed from `b_tile`. kept_only
+    // (std::true_type) packs max(X, 0), the kept entries of a sign-marked P^T.
+    auto accumulate_from_registers = [&](auto& acc, const auto& x, uint32_t b_tile, auto kept_only) {
+      auto pack = [](float lo, float hi) {
+        return decltype(kept_only)::value ? pack2_relu<Element>(lo, hi) : pack2<Element>(lo, hi);
+      };
 #pragma unroll
       for (int kk = 0; kk < Traits::kQuerySteps; ++kk) {
         uint32_t a[kSKeyTiles][4];
 #pragma unroll
         for (int kt = 0; kt < kSKeyTiles; ++kt) {
-          a[kt][0] = pack2<Element>(x[kt][2 * kk][0], x[kt][2 * kk][1]);
-          a[kt][1] = pack2<Element>(x[kt][2 * kk][2], x[kt][2 * kk][3]);
-          a[kt][2] = pack2<Element>(x[kt][2 * kk + 1][0], x[kt][2 * kk + 1][1]);
-          a[kt][3] = pack2<Element>(x[kt][2 * kk + 1][2], x[kt][2 * kk + 1][3]);
+          a[kt][0] = pack(x[kt][2 * kk][0], x[kt][2 * kk][1]);
+          a[kt][1] = pack(x[kt][2 * kk][2], x[kt][2 * kk][3]);
+          a[kt][2] = pack(x[kt][2 * kk + 1][0], x[kt][2 * kk + 1][1]);
+          a[kt][3] = pack(x[kt][2 * kk + 1][2], x[kt][2 * kk + 1][3]);
         }
 #pragma unroll
         for (int dp = 0; dp < kKvTiles / 2; ++dp) {
@@ -531,10 +548,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           for (int i = 0; i < 4; ++i) acc_s[kt][nt][i] = exp2f(acc_s[kt][nt][i] * log2_scale - lse2[i % 2]);
         }
       }
-      if constexpr (Traits::kPInRegisters) {
-        accumulate_from_registers(acc_dv, acc_s, Traits::kDoOffset + q_stage);  // dV += P^T dO
+      if constexpr (Traits::kDropout) {
+        mark_dropped_transposed(acc_s, p.dropout_mask(),
+                                static_cast<uint32_t>(loc.batch * p.heads_q + loc.head), first_key,
+                                first_query);
+      }
+      if constexpr (Traits::kPInRegisters) {  // dV += P^T dO
+        accumulate_from_registers(acc_dv, acc_s, Traits::kDoOffset + q_stage,
+                                  std::bool_constant<Traits::kDropout>{});
       } else {
-        store_keys_by_queries<Traits>(smem_base + Traits::kPOffset, acc_s, s_first_key, s_first_query / 8);
+        store_keys_by_queries<Traits, Traits::kDropout>(smem_base + Traits::kPOffset, acc_s,
+                                                        s_first_key, s_first_query / 8);
       }
 
       // dP^T = V dO^T.
@@ -552,6 +576,22 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
           uint32_t b[4];
           ldmatrix_x4(b, col_addr.at(np * 16, kk) + Traits::kDoOffset + q_stage + s_query_bytes);
           mma_column_pair<Element>(acc_dp, a, b, np);
+        }
+      }
+
+      if constexpr (Traits::kDropout) {  // dP^T o Z, and P^T without the marks
+        const float keep_scale = 1.0f / (1.0f - p.dropout_p);
+#pragma unroll
+        for (int kt = 0; kt < kSKeyTiles; ++kt) {
+#pragma unroll
+          for (int nt = 0; nt < kSQueryTiles; ++nt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float marked = acc_s[kt][nt][i];
+              acc_dp[kt][nt][i] = marked >= 0.0f ? acc_dp[kt][nt][i] * keep_scale : 0.0f;
+              acc_s[kt][nt][i] = fabsf(marked);
+            }
+          }
         }
       }
 
@@ -590,7 +630,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
       }
       if constexpr (Traits::kPInRegisters) {
-        accumulate_from_registers(acc_dk, acc_dp, Traits::kQOffset + q_stage);  // dK += dS^T Q
+        accumulate_from_registers(acc_dk, acc_dp, Traits::kQOffset + q_stage,  // dK += dS^T Q
+                                  std::false_type{});
       }
       store_keys_by_queries<Traits>(smem_base + Traits::kDsOffset, acc_dp, s_first_key, s_first_query / 8);
       __syncthreads();  // P^T and dS^T complete
@@ -681,6 +722,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
                 kv_head * bp.dv_head_stride;
   const int64_t expanded_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
   const int64_t expanded_base = loc.k_flat * expanded_row_stride + static_cast<int64_t>(loc.head) * p.head_dim;
+  // dV summed the kept P; the forward scaled those by 1/(1-p) (1 without dropout: folded away).
+  const float dv_scale = Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f;
 #pragma unroll
   for (int kt = 0; kt < kKvKeyTiles; ++kt) {
 #pragma unroll
@@ -693,8 +736,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         if (col >= p.head_dim) continue;
         const float dk0 = acc_dk[kt][dt][2 * half] * p.softmax_scale;
         const float dk1 = acc_dk[kt][dt][2 * half + 1] * p.softmax_scale;
-        const float dv0 = acc_dv[kt][dt][2 * half];
-        const float dv1 = acc_dv[kt][dt][2 * half + 1];
+        const float dv0 = acc_dv[kt][dt][2 * half] * dv_scale;
+        const float dv1 = acc_dv[kt][dt][2 * half + 1] * dv_scale;
         if (grouped) {
           const int64_t offset = expanded_base + key * expanded_row_stride + col;
           *reinterpret_cast<float2*>(ws.dk_expanded + offset) = make_float2(dk0, dk1);
