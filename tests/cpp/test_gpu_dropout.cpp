@@ -9,6 +9,8 @@
 //   Grid/*            dtype x head dim (40 ... 256) x mask (none, causal, local, ALiBi, softcap)
 //                     x GQA (6/6, 6/2, 6/1) x {fixed, varlen} x odd lengths x p in {0.1, 0.5}:
 //                     out and lse by the error-ratio rule of DESIGN.md, attn_probs checked too
+//                     (a call with attn_probs runs the sm80 kernel), and again without attn_probs
+//                     on the automatic path (the sm90 kernel on Hopper where it covers the case)
 //   GpuDropoutTest.*  determinism, offsets and seeds, p = 0, the kept fraction of a large tile
 //
 // The oracle runs on the whole problem, not on the (batch, head) pieces of run_oracle: a piece is
@@ -245,6 +247,18 @@ TEST_P(GpuDropoutCaseTest, MatchesOracleAndTheHostMask) {
   expect_probs_match(c, in, run.probs, cpu_attn_probs(c));
 }
 
+// The same case without attn_probs, on the path the dispatcher picks for it.
+TEST_P(GpuDropoutCaseTest, MatchesOracleOnTheAutomaticPath) {
+  const FwdCase& c = GetParam();
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const DropoutRun run = run_on_gpu(c, in, false);
+  const CheckReport r = check_against_oracle(c, run_dropout_oracle(c, in), run.kernel,
+                                             run.out_gaps_written);
+  EXPECT_TRUE(r.ok) << r.text;
+  if (r.ok && verbose()) std::cout << r.text << "\n";
+}
+
 INSTANTIATE_TEST_SUITE_P(Grid, GpuDropoutCaseTest, ::testing::ValuesIn(grid_cases()), param_name);
 
 // ------------------------------------------------------------------------------------------------
@@ -269,7 +283,8 @@ int built_head_dim(DType dtype) {
 }
 
 // Same seed and offset: identical bytes (out, lse, attn_probs), on the default and on a created
-// stream. Another offset or seed: another output and mask, the same lse.
+// stream, with attn_probs (sm80) and without (the automatic path). Another offset or seed: another
+// output and mask, the same lse.
 TEST_F(GpuDropoutTest, SeedAndOffsetDecideTheBytes) {
   const int d = built_head_dim(DType::kBFloat16);
   if (d == 0) GTEST_SKIP() << "no bf16 forward kernel in this build";
@@ -281,6 +296,10 @@ TEST_F(GpuDropoutTest, SeedAndOffsetDecideTheBytes) {
   EXPECT_EQ(first.kernel.out, again.kernel.out);
   EXPECT_EQ(first.kernel.lse, again.kernel.lse);
   EXPECT_EQ(first.probs, again.probs);
+  const DropoutRun automatic = run_on_gpu(c, in, false);
+  const DropoutRun automatic_again = run_on_gpu(c, in, false, stream.get());
+  EXPECT_EQ(automatic.kernel.out, automatic_again.kernel.out);
+  EXPECT_EQ(automatic.kernel.lse, automatic_again.kernel.lse);
   for (DropoutSpec other : {DropoutSpec{c.dropout.p, c.dropout.seed, c.dropout.offset + 1},
                             DropoutSpec{c.dropout.p, c.dropout.seed + 1, c.dropout.offset}}) {
     FwdCase changed = c;
