@@ -34,13 +34,11 @@
 //   runs while the other's products occupy the tensor cores.
 //
 // Dropout (Traits::kDropout, its own instance: the p = 0 kernel is compiled exactly as without it)
-// zeroes the dropped probabilities of the packed P operand, after the row sums (the normaliser and
-// the LSE are those of the undropped P, as in the reference) and before P V, with the Philox mask of
-// common/philox.h: the m64nN accumulator is the mma.sync layout for each warp's 16 rows, addressed
-// as the sm80 kernel does (one call per lane per 16 rows x 32 keys, 16 decisions). The RNG does not
-// depend on the scores, so a block's drop marks are drawn right after its S = Q K^T is issued, while
-// the warpgroup would otherwise wait for it: the softmax's own path gains only two instructions per
-// two probabilities (sm80::drop_packed_pairs). The 1/(1-p) scales O once in the epilogue.
+// zeroes the dropped probabilities in the consumer's registers after the row sums (the normaliser
+// and the LSE are those of the undropped P, as in the reference) and before P is packed for P V,
+// with the Philox mask of common/philox.h: the m64nN accumulator is the mma.sync layout for each
+// warp's 16 rows, so sm80::apply_dropout addresses it as the sm80 kernel does (one call per lane per
+// 16 rows x 32 keys, 16 decisions); the 1/(1-p) scales O once in the epilogue.
 //
 // Blocks are visited from the last to the first, as in the sm80 kernel, so the blocks the causal
 // diagonal or the sequence end cut come first. Rows and keys past a sequence's end are read (TMA
@@ -352,12 +350,10 @@ __device__ __forceinline__ void issue_pv(float* acc_o, const uint32_t (&p_frag)[
   wgmma_commit();
 }
 
-// The probabilities of two adjacent 8-key groups, packed to 16 bits, are one k-step of the A
-// operand; with dropout, the dropped ones (drop_marks of the block) are zeroed.
+// The probabilities of two adjacent 8-key groups, packed to 16 bits, are one k-step of the A operand.
 template <typename Traits>
 __device__ __forceinline__ void pack_probabilities(const float (&s)[1][Traits::kNTiles][4],
-                                                   uint32_t (&p_frag)[Traits::kBlockN / 16][4],
-                                                   const uint32_t (&drop_marks)[Traits::kBlockN / 32][4]) {
+                                                   uint32_t (&p_frag)[Traits::kBlockN / 16][4]) {
   using Element = typename Traits::Element;
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
@@ -366,7 +362,6 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[1][Traits::k
     p_frag[kk][2] = sm80::pack2<Element>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
     p_frag[kk][3] = sm80::pack2<Element>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
   }
-  if constexpr (Traits::kDropout) sm80::drop_packed_pairs(p_frag, drop_marks);
 }
 
 // kPipelined: the schedule of the header (one block of software pipelining + ping-pong). Otherwise
@@ -430,22 +425,12 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       }
       const bool any = softmax.advance_max(acc_s, log2_scale, rescale);
       softmax.exponentiate(acc_s, log2_scale);
-      return any;
-    };
-    // Dropout: the drop marks of the block at key n0, for pack_probabilities (unused otherwise).
-    // Drawn after the turn's pass, while S is being computed. The test of p, always true in this
-    // instance, gives the RNG a basic block of its own: without it the compiler hoisted the RNG
-    // among the wgmma issues, ahead of the pass, and so delayed the other warpgroup's turn
-    // (measured 6% slower than drawing after the wait for S; bench/NOTES.md).
-    uint32_t drop_marks[kBlockN / 32][4];
-    auto draw_drop_marks = [&](int n0) {
       if constexpr (Traits::kDropout) {
-        if (p.dropout_p > 0.0f) {
-          sm80::draw_drop_marks(drop_marks, p.dropout_mask(),
-                                static_cast<uint32_t>(tile.batch * p.heads_q + tile.head),
-                                m0 + warp_row0, n0);
-        }
+        sm80::apply_dropout(acc_s, p.dropout_mask(),
+                            static_cast<uint32_t>(tile.batch * p.heads_q + tile.head),
+                            m0 + warp_row0, n0);
       }
+      return any;
     };
 
     if (tile.has_keys()) {
@@ -459,12 +444,11 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           mbarrier_wait(smem_u32(&bars.k_full[ring.stage]), ring.phase);
           wgmma_fence();
           issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(ring));
-          draw_drop_marks(n_block * kBlockN);
           wgmma_wait<0>();
           wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
           release(bars.k_empty[ring.stage]);
           if (softmax_block(acc_s, n_block * kBlockN, rescale)) softmax.rescale_output(acc_o, rescale);
-          pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
+          pack_probabilities<Traits>(acc_s, p_frag);
           mbarrier_wait(smem_u32(&bars.v_full[ring.stage]), ring.phase);
           wgmma_fence();
           issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(ring));
@@ -485,12 +469,11 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         wgmma_fence();
         issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
         turn.pass();
-        draw_drop_marks(n_block * kBlockN);
         wgmma_wait<0>();
         wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
         release(bars.k_empty[cursor.stage]);
         softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
-        pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
+        pack_probabilities<Traits>(acc_s, p_frag);
 
         for (--n_block; n_block >= tile.n_begin; --n_block) {
           previous = cursor;
@@ -502,7 +485,6 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
           issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(previous));
           turn.pass();
-          draw_drop_marks(n_block * kBlockN);
           wgmma_wait<1>();  // S of this block (issued first) has landed; P V may still run
           wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
           release(bars.k_empty[cursor.stage]);
@@ -511,7 +493,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
           release(bars.v_empty[previous.stage]);
           if (any_rescale) softmax.rescale_output(acc_o, rescale);
-          pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
+          pack_probabilities<Traits>(acc_s, p_frag);
         }
         release(bars.q_empty);  // every S of the tile has completed
 
