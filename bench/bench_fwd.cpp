@@ -66,8 +66,9 @@ const char* const kUsage =
     "  batch = 16384 / seqlen and heads = 2048 / hdim.\n"
     "  --quick     bf16, hdim 64 and 128, seqlen 2k and 8k (explicit flags still override)\n"
     "  --json      write the results (docs/DESIGN.md format) to PATH\n"
-    "  --dropout P the forward with dropout.p = P (--op fwd only; results get \"dropout\": P and\n"
-    "              skip the CPU spot check, whose sub-problems would draw another mask)\n"
+    "  --dropout P every op with dropout.p = P (the backward regenerates the forward's mask;\n"
+    "              results get \"dropout\": P and skip the forward's CPU spot check, whose\n"
+    "              sub-problems would draw another mask)\n"
     "  Lists are comma-separated; seqlens take a k suffix (2k = 2048).\n"
     "  Environment: FLASHKIT_GIT_COMMIT, FLASHKIT_DRIVER (nvidia-smi's driver version) for the\n"
     "  JSON.\n";
@@ -191,13 +192,6 @@ Options parse_options(int argc, char** argv) {
     }
     if (used == 0 || used != dropout.size() || !(opt.dropout >= 0.0f && opt.dropout < 1.0f)) {
       throw std::invalid_argument("--dropout takes a probability in [0, 1), not '" + dropout + "'");
-    }
-    for (Op op : opt.ops) {
-      if (op != Op::kFwd && opt.dropout > 0.0f) {
-        throw std::invalid_argument(
-            "--dropout runs the forward only (--op fwd): the CUDA backward does not support "
-            "dropout yet");
-      }
     }
   }
   return opt;

@@ -54,7 +54,7 @@ struct Case {
   int head_dim;
   bool causal;
   bool deterministic;  // the backward's deterministic mode (bwd, fwd_bwd)
-  float dropout = 0.0f;  // dropout.p of the forward (fwd only, see --dropout)
+  float dropout = 0.0f;  // dropout.p (see --dropout)
 
   int64_t tensor_elems() const { return int64_t(batch) * seqlen * heads * head_dim; }
   double flops() const {

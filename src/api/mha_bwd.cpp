@@ -11,8 +11,7 @@
 // (tests, bug hunts); forcing sm90 where it cannot run is an error, not a fallback. Everything that
 // can be rejected without the GPU is rejected before the first CUDA runtime call.
 //
-// Dropout (dropout.p > 0) runs on the CPU backend only for now: the sm80 backward kernel does not
-// regenerate the mask yet, so a CUDA call with dropout is rejected before anything is launched.
+// Dropout (dropout.p > 0) runs on the sm80 backward, which regenerates the forward's Philox mask.
 //
 // A problem without query rows or without keys still runs: its gradients are zeros (dk / dv of
 // keys no query sees, dq of rows that see no key), and the backend writes them.
@@ -61,14 +60,8 @@ RunBwd find_sm80_bwd([[maybe_unused]] DType dtype, [[maybe_unused]] int family) 
   return nullptr;
 }
 
-// The kernel of `problem`, or an error naming the flags of a build that has it (or saying that
-// no CUDA backward covers dropout yet).
+// The kernel of `problem`, or an error naming the flags of a build that has it.
 RunBwd sm80_bwd_or_throw(const char* fn, const FwdProblem& problem) {
-  if (problem.dropout_p > 0.0f) {
-    api::fail(fn, "dropout.p is ", problem.dropout_p,
-              "; the CUDA backward does not support dropout yet (the CPU backend does, and the "
-              "CUDA forward does): pass dropout.p = 0 or CPU tensors");
-  }
   const int family = bwd_head_dim_family(problem.head_dim);
   if (const RunBwd run = find_sm80_bwd(problem.dtype, family)) return run;
   bool family_built = false;

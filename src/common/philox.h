@@ -19,9 +19,10 @@
 //   byte               ((i % 16) / 8) * 8 + ((j % 32) / 8) * 2 + j % 2
 //                      (of word byte / 4, bits 8 * (byte % 4) and up)
 // so a lane holding S = Q K^T in that layout makes one call per 16 x 32 block and uses all 16
-// bytes (a kernel holding S^T, keys as rows, does not: its lane needs four calls per 16 bytes, or a
-// transposing exchange). Row and key indices are those within the sequence (varlen: relative to the
-// sequence's first token), so a sequence's mask does not depend on how the batch was packed.
+// bytes. A kernel holding S^T (keys as rows) gets the same count with one exchange of two words
+// between lane pairs (cuda/common/dropout_mask.cuh, mark_dropped_transposed). Row and key indices
+// are those within the sequence (varlen: relative to the sequence's first token), so a sequence's
+// mask does not depend on how the batch was packed.
 //
 // Offset. A call's counters use the low 64-bit words offset .. offset + ceil(seqlen_k / 32) - 1; a
 // caller that wants independent masks for two calls with the same seed advances the offset by at
@@ -118,7 +119,12 @@ struct DropoutMask {
   // the byte compares against the threshold placed there; the bytes below it matter only when the
   // two are equal, and then the element is dropped either way. A threshold of 256 keeps all.
   FLASHKIT_HOST_DEVICE bool keeps(const PhiloxBlock& bits, int byte) const {
-    const uint32_t top = bits.word[byte / 4] << (24 - 8 * (byte % 4));
+    return keeps_byte(bits.word[byte / 4], byte % 4);
+  }
+
+  // The same test on byte `byte` (0..3) of one word (a kernel that regroups the bytes of its calls).
+  FLASHKIT_HOST_DEVICE bool keeps_byte(uint32_t word, int byte) const {
+    const uint32_t top = word << (24 - 8 * byte);
     return top < (keep_threshold << 24) || keep_threshold >= 256u;
   }
 

@@ -315,6 +315,7 @@ class DeviceBwdProblem {
     b.softmax_scale = c_.softmax_scale;
     b.softcap = c_.softcap;
     b.mask = MaskSpec{c_.causal, c_.window_left, c_.window_right};
+    b.dropout = c_.dropout;
     b.deterministic = deterministic;
   }
 

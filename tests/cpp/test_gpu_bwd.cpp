@@ -18,17 +18,23 @@
 //   VarlenEdges/*         zero-length sequences, max_seqlen_q == 1, seqused_k, tails
 //   EmptyRows/*           masks that leave query rows without keys or keys without rows
 //   NoKeysNoQueries/*     seqlen_k == 0 (dq zero) and seqlen_q == 0 (dk, dv zero)
+//   Dropout/*             the DtypeHeadDimMask grid and one draw of the ShapesGqaVarlen grid with
+//                         dropout (p 0.1 / 0.5, seed and offset drawn per case): the oracle
+//                         regenerates the forward's Philox mask
 //   GpuBwdTest.*          layout invariance (bitwise), 50 deterministic runs bitwise equal,
 //                         offsets past 2^31 elements (q / dout / dq batches, k / dk rows, v / dv
 //                         heads), more than 65,535 (batch x heads), a created stream, workspace
 //                         and bad-input errors on real device memory, a kernel left out of the
-//                         build, forced paths (FLASHKIT_BWD_PATH)
+//                         build, forced paths (FLASHKIT_BWD_PATH); with dropout: 50
+//                         deterministic runs bitwise equal, the same seed and offset giving the
+//                         same bytes and another seed or offset other gradients, p = 0 bitwise
+//                         the call without dropout
 // About a quarter of the grid cases (names ending in _det) run in deterministic mode.
 //
 // A case whose (dtype, head dim) this build has no backward kernel for is skipped, not failed.
 // Without a GPU every test skips itself. FLASHKIT_TEST_VERBOSE=1 prints the errors measured for
 // passing cases too. On a Hopper GPU the automatic path runs the sm90 backward where it covers a
-// case (head-dim families 64 and 128, deterministic mode included); run the suite again with
+// case (no dropout, head-dim families 64 and 128; deterministic mode included); run the suite again with
 // FLASHKIT_BWD_PATH=sm80 for the sm80 kernel (scripts/gpu_check.sh does: step gpu_tests_bwd_sm80).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -100,6 +106,26 @@ std::vector<BwdCase> varlen_edge_cases() {
 }
 
 std::vector<BwdCase> empty_row_cases() { return as_bwd_cases(finish(empty_row_grid(), 0x15000)); }
+
+// Each case with dropout: p alternating 0.1 and 0.5, seed and offset drawn; "_p10" / "_p50".
+std::vector<FwdCase> with_dropout(std::vector<FwdCase> cases, uint64_t seed) {
+  Rng rng(seed);
+  for (size_t i = 0; i < cases.size(); ++i) {
+    FwdCase& c = cases[i];
+    c.dropout = {i % 2 == 0 ? 0.1f : 0.5f, rng.next(), rng.next() >> 8};
+    c.name += i % 2 == 0 ? "_p10" : "_p50";
+  }
+  return cases;
+}
+
+// 2 x 7 x 8 + 8 x 2 x 3 = 160 cases: every head-dim family, mask, GQA/MQA, varlen and odd length.
+std::vector<BwdCase> dropout_cases() {
+  std::vector<FwdCase> cases = dtype_head_dim_mask_grid(kBwdHeadDims, 0xD0B7E4D);
+  for (FwdCase& c : shape_grid(kBwdHeadDims, {{6, 6}, {6, 2}, {6, 1}}, 1, 0xD0B5A4E)) {
+    cases.push_back(c);
+  }
+  return as_bwd_cases(finish(with_dropout(cases, 0xD0D0), 0x17000));
+}
 
 // seqlen_k == 0: every dq row is zero. seqlen_q == 0: every dk / dv row is zero.
 std::vector<BwdCase> no_key_no_query_cases() {
@@ -192,6 +218,8 @@ INSTANTIATE_TEST_SUITE_P(EmptyRows, GpuBwdCaseTest, ::testing::ValuesIn(empty_ro
                          bwd_param_name);
 INSTANTIATE_TEST_SUITE_P(NoKeysNoQueries, GpuBwdCaseTest,
                          ::testing::ValuesIn(no_key_no_query_cases()), bwd_param_name);
+INSTANTIATE_TEST_SUITE_P(Dropout, GpuBwdCaseTest, ::testing::ValuesIn(dropout_cases()),
+                         bwd_param_name);
 
 // ------------------------------------------------------------------------------------------------
 // Layout invariance: the same values through other strides give bitwise the same gradients
@@ -347,6 +375,57 @@ TEST_F(GpuBwdTest, DeterministicVarlenMqaAlibiSoftcap) {
   c.name = "deterministicVarlen";
   c.seed = 202;
   expect_deterministic(c, 50);
+}
+
+// With dropout: the mask is a function of (seed, offset), so the gradients are too.
+TEST_F(GpuBwdTest, DeterministicDropoutVarlenGqaCausal) {
+  const int d = built_bwd_head_dim(128);
+  FwdCase c = varlen_case(built_bwd_dtype(d), d, 8, 2, {513, 1, 300}, {1025, 33, 300});
+  c.causal = true;
+  c.dropout = {0.2f, 0xD0D0D0D0D0ULL, 12345};
+  c.name = "deterministicDropout";
+  c.seed = 203;
+  expect_deterministic(c, 50);
+}
+
+// The same seed and offset give the same bytes, another seed or offset other gradients, and p = 0
+// with any seed and offset is bitwise the call without dropout (deterministic mode, so that dq's
+// adds run in one order and all three gradients compare bitwise).
+TEST_F(GpuBwdTest, DropoutSeedAndOffsetDecideTheGradients) {
+  const int d = built_bwd_head_dim(64);
+  FwdCase c = fixed_case(built_bwd_dtype(d), d, 4, 4, 2, 300, 517);
+  c.dropout = {0.25f, 0x5eed5eed5eedULL, 1000};
+  c.name = "dropoutSeedOffset";
+  c.seed = 204;
+  if (const std::string why = bwd_case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  auto run = [](const FwdCase& fc) {
+    BackwardCase host(fc);
+    DeviceBwdProblem dev(host, contiguous_bwd_layout(fc));
+    dev.upload(nullptr);
+    dev.poison_gradients(nullptr);
+    dev.launch(nullptr, true);
+    return dev.download(nullptr);
+  };
+  const BwdKernelOut first = run(c);
+  const BwdKernelOut again = run(c);
+  for (int t = 0; t < 3; ++t) EXPECT_EQ(first.grad[t], again.grad[t]) << "gradient " << t;
+  for (DropoutSpec other : {DropoutSpec{c.dropout.p, c.dropout.seed, c.dropout.offset + 1},
+                            DropoutSpec{c.dropout.p, c.dropout.seed + 1, c.dropout.offset}}) {
+    FwdCase changed = c;
+    changed.dropout = other;
+    const BwdKernelOut run_other = run(changed);
+    for (int t = 0; t < 3; ++t) {
+      EXPECT_NE(run_other.grad[t], first.grad[t]) << "gradient " << t << ", offset "
+                                                  << other.offset << ", seed " << other.seed;
+    }
+  }
+  FwdCase zero = c;
+  zero.dropout = {0.0f, 12345, 678};
+  FwdCase without = c;
+  without.dropout = {};
+  const BwdKernelOut with_zero = run(zero);
+  const BwdKernelOut plain = run(without);
+  for (int t = 0; t < 3; ++t) EXPECT_EQ(with_zero.grad[t], plain.grad[t]) << "gradient " << t;
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -3,14 +3,16 @@
 // oracle, which regenerates the Philox mask from the same seed and offset; the return_softmax
 // output (attn_probs) against the CPU backend's, bit for bit in the signs (the mask) and the zeros,
 // to the dtype's rounding in the magnitudes; seed / offset semantics; p = 0 bitwise identical to
-// the call without dropout; and the CUDA backward's clear refusal of dropout (it is not there yet).
+// the call without dropout. The backward with dropout is tested in test_gpu_bwd.cpp (Dropout/*).
 //
 // The suites:
 //   Grid/*            dtype x head dim (40 ... 256) x mask (none, causal, local, ALiBi, softcap)
 //                     x GQA (6/6, 6/2, 6/1) x {fixed, varlen} x odd lengths x p in {0.1, 0.5}:
 //                     out and lse by the error-ratio rule of DESIGN.md, attn_probs checked too
-//   GpuDropoutTest.*  determinism, offsets and seeds, p = 0, the kept fraction of a large tile
-//   DropoutBackward.* the CUDA backward's error (runs without a GPU: rejected before any launch)
+//                     (a call with attn_probs runs the sm80 kernel), and again without attn_probs
+//                     on the automatic path (the sm90 kernel on Hopper where it covers the case)
+//   GpuDropoutTest.*  determinism, offsets and seeds, a key in device memory (rng_state), p = 0,
+//                     the kept fraction of a large tile
 //
 // The oracle runs on the whole problem, not on the (batch, head) pieces of run_oracle: a piece is
 // renumbered to batch 0, head 0, and the mask is addressed by batch * heads_q + head.
@@ -27,7 +29,6 @@
 #include <vector>
 
 #include "cpu/reference_common.h"
-#include "expect_error.h"
 #include "flashkit/flashkit.h"
 #include "gpu_case_builders.h"
 #include "gpu_test_util.h"
@@ -247,6 +248,18 @@ TEST_P(GpuDropoutCaseTest, MatchesOracleAndTheHostMask) {
   expect_probs_match(c, in, run.probs, cpu_attn_probs(c));
 }
 
+// The same case without attn_probs, on the path the dispatcher picks for it.
+TEST_P(GpuDropoutCaseTest, MatchesOracleOnTheAutomaticPath) {
+  const FwdCase& c = GetParam();
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const DropoutRun run = run_on_gpu(c, in, false);
+  const CheckReport r = check_against_oracle(c, run_dropout_oracle(c, in), run.kernel,
+                                             run.out_gaps_written);
+  EXPECT_TRUE(r.ok) << r.text;
+  if (r.ok && verbose()) std::cout << r.text << "\n";
+}
+
 INSTANTIATE_TEST_SUITE_P(Grid, GpuDropoutCaseTest, ::testing::ValuesIn(grid_cases()), param_name);
 
 // ------------------------------------------------------------------------------------------------
@@ -271,7 +284,8 @@ int built_head_dim(DType dtype) {
 }
 
 // Same seed and offset: identical bytes (out, lse, attn_probs), on the default and on a created
-// stream. Another offset or seed: another output and mask, the same lse.
+// stream, with attn_probs (sm80) and without (the automatic path). Another offset or seed: another
+// output and mask, the same lse.
 TEST_F(GpuDropoutTest, SeedAndOffsetDecideTheBytes) {
   const int d = built_head_dim(DType::kBFloat16);
   if (d == 0) GTEST_SKIP() << "no bf16 forward kernel in this build";
@@ -283,6 +297,10 @@ TEST_F(GpuDropoutTest, SeedAndOffsetDecideTheBytes) {
   EXPECT_EQ(first.kernel.out, again.kernel.out);
   EXPECT_EQ(first.kernel.lse, again.kernel.lse);
   EXPECT_EQ(first.probs, again.probs);
+  const DropoutRun automatic = run_on_gpu(c, in, false);
+  const DropoutRun automatic_again = run_on_gpu(c, in, false, stream.get());
+  EXPECT_EQ(automatic.kernel.out, automatic_again.kernel.out);
+  EXPECT_EQ(automatic.kernel.lse, automatic_again.kernel.lse);
   for (DropoutSpec other : {DropoutSpec{c.dropout.p, c.dropout.seed, c.dropout.offset + 1},
                             DropoutSpec{c.dropout.p, c.dropout.seed + 1, c.dropout.offset}}) {
     FwdCase changed = c;
@@ -295,6 +313,31 @@ TEST_F(GpuDropoutTest, SeedAndOffsetDecideTheBytes) {
       sign_changes += (run.probs[n] & 0x8000) != (first.probs[n] & 0x8000);
     }
     EXPECT_GT(sign_changes, 1000) << "offset " << other.offset << ", seed " << other.seed;
+  }
+}
+
+// A key in device memory (DropoutSpec::rng_state, what a captured CUDA graph passes) is the same
+// key as host values: seed = rng_state[0], offset = rng_state[1] + dropout.offset, and the host
+// seed is ignored. Without attn_probs (the sm90 path on Hopper) and with it (sm80).
+TEST_F(GpuDropoutTest, DeviceRngStateIsTheSameKey) {
+  const int d = built_head_dim(DType::kBFloat16);
+  if (d == 0) GTEST_SKIP() << "no bf16 forward kernel in this build";
+  const FwdCase c = medium_case(DType::kBFloat16, d);
+  const HostInputs in = make_inputs(c);
+  constexpr uint64_t kOffsetOnHost = 7;
+  const int64_t key[2] = {static_cast<int64_t>(c.dropout.seed),
+                          static_cast<int64_t>(c.dropout.offset - kOffsetOnHost)};
+  DeviceBuffer rng_state(sizeof key);
+  FK_CUDA_CHECK(cudaMemcpy(rng_state.get(), key, sizeof key, cudaMemcpyHostToDevice));
+  FwdCase device_key = c;
+  device_key.dropout = {c.dropout.p, c.dropout.seed + 1, kOffsetOnHost,
+                        static_cast<const int64_t*>(rng_state.get())};
+  for (bool with_probs : {false, true}) {
+    const DropoutRun host = run_on_gpu(c, in, with_probs);
+    const DropoutRun device = run_on_gpu(device_key, in, with_probs);
+    EXPECT_EQ(device.kernel.out, host.kernel.out) << "probs " << with_probs;
+    EXPECT_EQ(device.kernel.lse, host.kernel.lse) << "probs " << with_probs;
+    EXPECT_EQ(device.probs, host.probs) << "probs " << with_probs;
   }
 }
 
@@ -346,26 +389,6 @@ TEST_F(GpuDropoutTest, KeptFractionOfALargeTile) {
     const CheckReport r = check_against_oracle(c, oracle, run.kernel, run.out_gaps_written);
     EXPECT_TRUE(r.ok) << r.text;
   }
-}
-
-// ------------------------------------------------------------------------------------------------
-// The CUDA backward refuses dropout, before any CUDA call (so this runs without a GPU too)
-// ------------------------------------------------------------------------------------------------
-
-TEST(DropoutBackward, CudaBackwardRejectsDropoutWithAClearError) {
-  FwdCase s = fixed_case(DType::kBFloat16, 64, 2, 2, 1, 9, 9);
-  s.name = "bwd";
-  BackwardCase c(s);
-  MhaBwdParams p = c.bwd_params();
-  for (TensorView* view :
-       {&p.dout, &p.q, &p.k, &p.v, &p.out, &p.softmax_lse, &p.dq, &p.dk, &p.dv}) {
-    view->device = Device{DeviceKind::kCuda, 0};
-  }
-  p.dropout = {0.1f, 1, 2};
-  EXPECT_ERROR_MENTIONS(mha_bwd(p), "mha_bwd: dropout.p is 0.1",
-                        "CUDA backward does not support dropout");
-  EXPECT_ERROR_MENTIONS(mha_bwd_workspace_size(p), "dropout.p is 0.1",
-                        "CUDA backward does not support dropout");
 }
 
 }  // namespace

@@ -422,5 +422,16 @@ TEST(Sm90Coverage, BroadcastKeysRunOnSm80AndNoKeysRunOnSm90) {
   EXPECT_EQ(fwd_unsupported_reason(one_head), "");
 }
 
+// Dropout runs on sm90; return_softmax (attn_probs) stays on the sm80 path, which writes it.
+TEST(Sm90Coverage, DropoutRunsOnSm90AndAttnProbsOnSm80) {
+  FwdProblem dropout = contiguous_problem(2, 300, 500, 4, 128);
+  dropout.dropout_p = 0.1f;
+  EXPECT_EQ(fwd_unsupported_reason(dropout), "");
+  uint16_t probs = 0;
+  dropout.attn_probs = &probs;
+  EXPECT_NE(fwd_unsupported_reason(dropout).find("attn_probs"), std::string::npos)
+      << fwd_unsupported_reason(dropout);
+}
+
 }  // namespace
 }  // namespace flashkit::sm90

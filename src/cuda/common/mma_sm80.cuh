@@ -113,4 +113,16 @@ __device__ __forceinline__ uint32_t pack2(float lo, float hi) {
   }
 }
 
+// pack2 of max(lo, 0) and max(hi, 0), in the same one conversion instruction (cvt.rn.relu).
+template <typename Element>
+__device__ __forceinline__ uint32_t pack2_relu(float lo, float hi) {
+  uint32_t packed;
+  if constexpr (MmaType<Element>::kIsBf16) {
+    asm("cvt.rn.relu.bf16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+  } else {
+    asm("cvt.rn.relu.f16x2.f32 %0, %1, %2;\n" : "=r"(packed) : "f"(hi), "f"(lo));
+  }
+  return packed;
+}
+
 }  // namespace flashkit::sm80

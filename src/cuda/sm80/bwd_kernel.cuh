@@ -32,15 +32,25 @@
 // store_key_gradients, deterministic mode's DqAddTurn and publish_dq_adds) are shared with the
 // sm90 backward (src/cuda/sm90/bwd_kernel_sm90.cuh), whose warps hold S^T in the same fragment
 // layout.
+//
+// Dropout (Traits::kDropout, its own instance so that the p = 0 kernel is compiled exactly as
+// without it, as in the forward) regenerates the forward's Philox mask Z in {0, 1/(1-p)} (the
+// reference backward's m_ij) for the warp's S^T tile right after P^T and marks dropped entries by
+// flipping their sign. dV += (P o Z)^T dO takes max(P^T, 0) (the conversion to 16 bits clamps for
+// free) and the 1/(1-p) once in the epilogue; after dP^T = V dO^T, dP^T becomes dP^T o Z and P^T
+// |P^T|, so dS^T = P^T (dP^T o Z - dot) is the unchanged code below. dot = rowsum(dO o O) needs
+// nothing: O is the dropped output.
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "common/bwd_problem.h"
 #include "cuda/common/attention_mask.cuh"
+#include "cuda/common/dropout_mask.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/common/score_mods.cuh"
 #include "cuda/common/swizzled_tile.cuh"
@@ -50,9 +60,10 @@
 namespace flashkit::sm80 {
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kWarps_, int kSKeyWarps_,
-          int kKvKeyWarps_, int kMinBlocksPerSm_>
+          int kKvKeyWarps_, int kMinBlocksPerSm_, bool kDropout_>
 struct BwdKernelTraits {
   using Element = Element_;
+  static constexpr bool kDropout = kDropout_;  // the instance that regenerates the mask (p > 0)
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -291,8 +302,9 @@ __device__ __forceinline__ void mask_scores_t(float (&s)[Traits::kSKeyTiles][Tra
 
 // Packs a warp's fp32 S^T-layout fragments to 16 bits and stores them into a keys x queries tile
 // (P^T or dS^T) at the warp's key and query offsets. Each 8-query column tile is one 16-byte
-// chunk of a row; the swizzle keeps the 8 rows of a store in distinct bank groups.
-template <typename Traits>
+// chunk of a row; the swizzle keeps the 8 rows of a store in distinct bank groups. kKeptOnly
+// stores max(x, 0): the kept entries of a sign-marked P^T (dropout).
+template <typename Traits, bool kKeptOnly = false>
 __device__ __forceinline__ void store_keys_by_queries(
     uint32_t tile, const float (&x)[Traits::kSKeyTiles][Traits::kSQueryTiles][4], int first_key_row,
     int first_query_chunk) {
@@ -306,7 +318,8 @@ __device__ __forceinline__ void store_keys_by_queries(
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = first_key_row + kt * 16 + lane / 4 + half * 8;
-        const uint32_t value = pack2<Element>(x[kt][nt][2 * half], x[kt][nt][2 * half + 1]);
+        const float lo = x[kt][nt][2 * half], hi = x[kt][nt][2 * half + 1];
+        const uint32_t value = kKeptOnly ? pack2_relu<Element>(lo, hi) : pack2<Element>(lo, hi);
         const uint32_t addr = tile + PTile::chunk_offset(row, first_query_chunk + nt) + (lane % 4) * 4;
         asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(addr), "r"(value));
       }
@@ -486,13 +499,15 @@ __device__ __forceinline__ void add_dq_rows(float* dq_accum, int64_t row_stride,
 // Epilogue: a warp's dK (times the scale) and dV fragments (kKeyTiles 16-key tiles from
 // `first_key`, kTiles 8-column tiles from `first_col`). MHA writes the gradients; GQA/MQA writes
 // this query head's share to the fp32 workspace for the group sum. Keys past seqused_k got P = 0
-// and are written as zeros.
+// and are written as zeros. dv_scale multiplies dV: dropout's 1 / (1 - p), since dV summed the kept
+// P and the forward scaled those (1 without dropout: folded away).
 template <typename Element, int kKeyTiles, int kTiles>
 __device__ __forceinline__ void store_key_gradients(const BwdProblem& bp, const BwdWorkspacePointers& ws,
                                                     const BwdBlockLocation<Element>& loc,
                                                     const float (&acc_dk)[kKeyTiles][kTiles][4],
                                                     const float (&acc_dv)[kKeyTiles][kTiles][4],
-                                                    int first_key, int first_col) {
+                                                    int first_key, int first_col,
+                                                    float dv_scale = 1.0f) {
   const FwdProblem& p = bp.fwd;
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const bool grouped = p.heads_q != p.heads_kv;
@@ -517,8 +532,8 @@ __device__ __forceinline__ void store_key_gradients(const BwdProblem& bp, const 
         if (col >= p.head_dim) continue;
         const float dk0 = acc_dk[kt][dt][2 * half] * p.softmax_scale;
         const float dk1 = acc_dk[kt][dt][2 * half + 1] * p.softmax_scale;
-        const float dv0 = acc_dv[kt][dt][2 * half];
-        const float dv1 = acc_dv[kt][dt][2 * half + 1];
+        const float dv0 = acc_dv[kt][dt][2 * half] * dv_scale;
+        const float dv1 = acc_dv[kt][dt][2 * half + 1] * dv_scale;
         if (grouped) {
           const int64_t offset = expanded_base + key * expanded_row_stride + col;
           *reinterpret_cast<float2*>(ws.dk_expanded + offset) = make_float2(dk0, dk1);
@@ -595,6 +610,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const bool transform = p.softcap > 0.0f || alibi_slope != 0.0f;
   const int diagonal = window.diagonal_offset();
   const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
+  // Read once: with a device rng_state the dropout key is in global memory.
+  const DropoutMask dropout_mask = Traits::kDropout ? p.dropout_mask() : DropoutMask{};
 
   if (m_begin < m_end) {
     load_tile_async<Traits, KvTile>(smem_base + Traits::kKOffset,
@@ -646,17 +663,21 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
     };
     // kPInRegisters: acc += X B, X the warp's S^T-layout fragments (P^T or dS^T) packed into A
-    // fragments, B (Q or dO, queries x head dim) read transposed from `b_tile`.
-    auto accumulate_from_registers = [&](auto& acc, const auto& x, uint32_t b_tile) {
+    // fragments, B (Q or dO, queries x head dim) read transposed from `b_tile`. kept_only
+    // (std::true_type) packs max(X, 0), the kept entries of a sign-marked P^T.
+    auto accumulate_from_registers = [&](auto& acc, const auto& x, uint32_t b_tile, auto kept_only) {
+      auto pack = [](float lo, float hi) {
+        return decltype(kept_only)::value ? pack2_relu<Element>(lo, hi) : pack2<Element>(lo, hi);
+      };
 #pragma unroll
       for (int kk = 0; kk < Traits::kQuerySteps; ++kk) {
         uint32_t a[kSKeyTiles][4];
 #pragma unroll
         for (int kt = 0; kt < kSKeyTiles; ++kt) {
-          a[kt][0] = pack2<Element>(x[kt][2 * kk][0], x[kt][2 * kk][1]);
-          a[kt][1] = pack2<Element>(x[kt][2 * kk][2], x[kt][2 * kk][3]);
-          a[kt][2] = pack2<Element>(x[kt][2 * kk + 1][0], x[kt][2 * kk + 1][1]);
-          a[kt][3] = pack2<Element>(x[kt][2 * kk + 1][2], x[kt][2 * kk + 1][3]);
+          a[kt][0] = pack(x[kt][2 * kk][0], x[kt][2 * kk][1]);
+          a[kt][1] = pack(x[kt][2 * kk][2], x[kt][2 * kk][3]);
+          a[kt][2] = pack(x[kt][2 * kk + 1][0], x[kt][2 * kk + 1][1]);
+          a[kt][3] = pack(x[kt][2 * kk + 1][2], x[kt][2 * kk + 1][3]);
         }
 #pragma unroll
         for (int dp = 0; dp < kKvTiles / 2; ++dp) {
@@ -725,10 +746,17 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         mask_scores_t<Traits>(acc_s, window, first_key, first_query);
       }
       probabilities_t<Traits>(acc_s, lse_rows, s_first_query, log2_scale);
-      if constexpr (Traits::kPInRegisters) {
-        accumulate_from_registers(acc_dv, acc_s, Traits::kDoOffset + q_stage);  // dV += P^T dO
+      if constexpr (Traits::kDropout) {
+        mark_dropped_transposed(acc_s, dropout_mask,
+                                static_cast<uint32_t>(loc.batch * p.heads_q + loc.head), first_key,
+                                first_query);
+      }
+      if constexpr (Traits::kPInRegisters) {  // dV += P^T dO
+        accumulate_from_registers(acc_dv, acc_s, Traits::kDoOffset + q_stage,
+                                  std::bool_constant<Traits::kDropout>{});
       } else {
-        store_keys_by_queries<Traits>(smem_base + Traits::kPOffset, acc_s, s_first_key, s_first_query / 8);
+        store_keys_by_queries<Traits, Traits::kDropout>(smem_base + Traits::kPOffset, acc_s,
+                                                        s_first_key, s_first_query / 8);
       }
 
       // dP^T = V dO^T.
@@ -749,10 +777,26 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
       }
 
+      if constexpr (Traits::kDropout) {  // dP^T o Z, and P^T without the marks
+        const float keep_scale = 1.0f / (1.0f - p.dropout_p);
+#pragma unroll
+        for (int kt = 0; kt < kSKeyTiles; ++kt) {
+#pragma unroll
+          for (int nt = 0; nt < kSQueryTiles; ++nt) {
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              const float marked = acc_s[kt][nt][i];
+              acc_dp[kt][nt][i] = marked >= 0.0f ? acc_dp[kt][nt][i] * keep_scale : 0.0f;
+              acc_s[kt][nt][i] = fabsf(marked);
+            }
+          }
+        }
+      }
       score_gradients_t<Traits>(acc_dp, acc_s, lse_rows, dot_rows, s_first_query, m0, first_key, p,
                                 alibi_slope, diagonal);
       if constexpr (Traits::kPInRegisters) {
-        accumulate_from_registers(acc_dk, acc_dp, Traits::kQOffset + q_stage);  // dK += dS^T Q
+        accumulate_from_registers(acc_dk, acc_dp, Traits::kQOffset + q_stage,  // dK += dS^T Q
+                                  std::false_type{});
       }
       store_keys_by_queries<Traits>(smem_base + Traits::kDsOffset, acc_dp, s_first_key, s_first_query / 8);
       __syncthreads();  // P^T and dS^T complete
@@ -801,8 +845,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     }
   }
 
-  store_key_gradients<Element, kKvKeyTiles, kKvTiles>(bp, ws, loc, acc_dk, acc_dv, n0 + kv_first_key,
-                                                     kv_dim_part * kKvTiles * 8);
+  store_key_gradients<Element, kKvKeyTiles, kKvTiles>(
+      bp, ws, loc, acc_dk, acc_dv, n0 + kv_first_key, kv_dim_part * kKvTiles * 8,
+      Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
 }
 
 }  // namespace flashkit::sm80

@@ -75,20 +75,31 @@ inline int64_t bwd_main_grid(const FwdProblem& p, int block_n) {
   return num_blocks;
 }
 
+// The traits of a family's kernel, with (kDropout) or without dropout: the same tiles.
+template <DType kDType, int kHeadDimFamily, bool kDropout>
+using BwdTraitsOf =
+    BwdKernelTraits<typename ElementOf<kDType>::type, kHeadDimFamily,
+                    bwd_tile_config(kHeadDimFamily).block_m, bwd_tile_config(kHeadDimFamily).block_n,
+                    bwd_tile_config(kHeadDimFamily).warps, bwd_tile_config(kHeadDimFamily).s_key_warps,
+                    bwd_tile_config(kHeadDimFamily).kv_key_warps,
+                    bwd_tile_config(kHeadDimFamily).min_blocks_per_sm, kDropout>;
+
 template <DType kDType, int kHeadDimFamily>
 void run_bwd(const BwdProblem& problem, void* stream) {
-  constexpr BwdTileConfig kTile = bwd_tile_config(kHeadDimFamily);
-  static_assert(kTile.block_m > 0, "no tile configuration for this head-dim family");
+  static_assert(bwd_tile_config(kHeadDimFamily).block_m > 0,
+                "no tile configuration for this head-dim family");
   using Element = typename ElementOf<kDType>::type;
-  using Traits = BwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.warps,
-                                 kTile.s_key_warps, kTile.kv_key_warps, kTile.min_blocks_per_sm>;
+  using Traits = BwdTraitsOf<kDType, kHeadDimFamily, false>;
+  const FwdProblem& p = problem.fwd;
   auto* s = static_cast<cudaStream_t>(stream);
   const BwdWorkspacePointers ws = BwdWorkspacePointers::of(problem);
 
   launch_bwd_preprocess<Element>(problem, ws, s);
   const int64_t num_blocks = bwd_main_grid(problem.fwd, Traits::kBlockN);
   if (num_blocks > 0) {
-    auto kernel = bwd_kernel<Traits>;
+    // Two instances: with dropout, and without it (the p = 0 path, untouched by dropout's code).
+    auto kernel = p.dropout_p > 0.0f ? bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true>>
+                                     : bwd_kernel<Traits>;
     cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes),
                 "cudaFuncSetAttribute(bwd_kernel, max dynamic shared memory)");
     kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes, s>>>(problem, ws);

@@ -33,6 +33,13 @@
 //   issues its matrix products only after the other has issued its own, so one warpgroup's softmax
 //   runs while the other's products occupy the tensor cores.
 //
+// Dropout (Traits::kDropout, its own instance: the p = 0 kernel is compiled exactly as without it)
+// zeroes the dropped probabilities in the consumer's registers after the row sums (the normaliser
+// and the LSE are those of the undropped P, as in the reference) and before P is packed for P V,
+// with the Philox mask of common/philox.h: the m64nN accumulator is the mma.sync layout for each
+// warp's 16 rows, so sm80::apply_dropout addresses it as the sm80 kernel does (one call per lane per
+// 16 rows x 32 keys, 16 decisions); the 1/(1-p) scales O once in the epilogue.
+//
 // Blocks are visited from the last to the first, as in the sm80 kernel, so the blocks the causal
 // diagonal or the sequence end cut come first. Rows and keys past a sequence's end are read (TMA
 // zero-fills past the tensor, and in a packed varlen tensor reads the next sequence) but masked,
@@ -48,6 +55,7 @@
 
 #include "common/fwd_problem.h"
 #include "cuda/common/attention_mask.cuh"
+#include "cuda/common/dropout_mask.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/common/online_softmax.cuh"
 #include "cuda/common/score_mods.cuh"
@@ -102,9 +110,10 @@ struct TileOrder {
   }
 };
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_>
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kDropout_>
 struct FwdKernelTraits {
   using Element = Element_;
+  static constexpr bool kDropout = kDropout_;  // the instance that applies dropout (p > 0)
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = kBlockN_;
@@ -385,6 +394,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     if (lane == 0) mbarrier_arrive(smem_u32(&empty));
   };
   const ConsumerTurn turn(consumer);
+  // Read once: with a device rng_state the dropout key is in global memory.
+  const DropoutMask dropout_mask = Traits::kDropout ? p.dropout_mask() : DropoutMask{};
   Cursor ring;  // the next K/V stage to consume, continued across tiles
   uint32_t q_loads = 0;
 
@@ -416,6 +427,11 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       }
       const bool any = softmax.advance_max(acc_s, log2_scale, rescale);
       softmax.exponentiate(acc_s, log2_scale);
+      if constexpr (Traits::kDropout) {
+        sm80::apply_dropout(acc_s, dropout_mask,
+                            static_cast<uint32_t>(tile.batch * p.heads_q + tile.head),
+                            m0 + warp_row0, n0);
+      }
       return any;
     };
 
@@ -498,7 +514,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
 
     // Epilogue: normalize, store this lane's pairs of columns of its two rows.
     float lse[2];
-    softmax.finalize(acc_o, log2_scale, lse);
+    softmax.finalize(acc_o, log2_scale, lse, Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
     const int g = lane / 4;
     const int t = lane % 4;
     const int head_chunks = p.head_dim / 8;  // the columns past head_dim are padding

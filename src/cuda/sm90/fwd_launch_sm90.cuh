@@ -53,8 +53,9 @@ template <DType kDType, int kHeadDimFamily>
 void run_fwd(const FwdProblem& problem, void* stream) {
   constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
   static_assert(kTile.block_m == 128, "no sm90 tile configuration for this head-dim family");
-  using Traits = FwdKernelTraits<typename ElementOf<kDType>::type, kHeadDimFamily, kTile.block_n,
-                                 kTile.stages>;
+  using Element = typename ElementOf<kDType>::type;
+  using Traits = FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, false>;
+  using DropoutTraits = FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, true>;
 
   const int64_t num_m_blocks = (problem.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t num_blocks = num_m_blocks * problem.batch * problem.heads_q;
@@ -113,7 +114,11 @@ void run_fwd(const FwdProblem& problem, void* stream) {
     ctas = std::min<int64_t>(num_blocks, sm_count);
   }
 
-  auto kernel = serial ? fwd_kernel<Traits, false> : fwd_kernel<Traits, true>;
+  // Dropout has its own instance (the p = 0 ones stay untouched by its code), pipelined only: the
+  // serial schedule is a measurement switch of the p = 0 kernel.
+  auto kernel = problem.dropout_p > 0.0f ? fwd_kernel<DropoutTraits, true>
+                : serial                 ? fwd_kernel<Traits, false>
+                                         : fwd_kernel<Traits, true>;
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    Traits::kSmemBytes),
               "cudaFuncSetAttribute(sm90 fwd_kernel, max dynamic shared memory)");

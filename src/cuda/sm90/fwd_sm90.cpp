@@ -26,7 +26,6 @@ std::string fwd_unsupported_reason(const FwdProblem& p) {
   if (fwd_head_dim_family(p.head_dim) < 0) {
     return "head dim " + std::to_string(p.head_dim) + " is above 256";
   }
-  if (p.dropout_p > 0.0f) return "dropout is not implemented on the sm90 path";
   if (p.attn_probs != nullptr) return "return_softmax (attn_probs) is written by the sm80 path";
   const bool varlen = p.is_varlen();
   const struct {
