@@ -11,7 +11,8 @@
 // (tests, bug hunts); forcing sm90 where it cannot run is an error, not a fallback. Everything that
 // can be rejected without the GPU is rejected before the first CUDA runtime call.
 //
-// Dropout (dropout.p > 0) runs on the sm80 backward, which regenerates the forward's Philox mask.
+// Dropout (dropout.p > 0) and deterministic mode run on either backward: both regenerate the
+// forward's Philox mask, and both add dQ in key-block order behind the workspace's semaphores.
 //
 // A problem without query rows or without keys still runs: its gradients are zeros (dk / dv of
 // keys no query sees, dq of rows that see no key), and the backend writes them.

@@ -34,8 +34,9 @@
 // A case whose (dtype, head dim) this build has no backward kernel for is skipped, not failed.
 // Without a GPU every test skips itself. FLASHKIT_TEST_VERBOSE=1 prints the errors measured for
 // passing cases too. On a Hopper GPU the automatic path runs the sm90 backward where it covers a
-// case (no dropout, head-dim families 64 and 128; deterministic mode included); run the suite again with
-// FLASHKIT_BWD_PATH=sm80 for the sm80 kernel (scripts/gpu_check.sh does: step gpu_tests_bwd_sm80).
+// case (head-dim families 64 and 128, deterministic mode and dropout included); run the suite again
+// with FLASHKIT_BWD_PATH=sm80 for the sm80 kernel (scripts/gpu_check.sh does: step
+// gpu_tests_bwd_sm80).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 

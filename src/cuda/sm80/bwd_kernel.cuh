@@ -28,10 +28,10 @@
 // convert kernel. Rows with no visible key have LSE = -inf, read as +inf, so their P is 0.
 //
 // The arch-independent pieces (BwdBlockLocation, VisibleQueryBlocks, the S^T-fragment helpers
-// transform/mask/probabilities/score_gradients, store_keys_by_queries, add_dq_rows,
-// store_key_gradients, deterministic mode's DqAddTurn and publish_dq_adds) are shared with the
-// sm90 backward (src/cuda/sm90/bwd_kernel_sm90.cuh), whose warps hold S^T in the same fragment
-// layout.
+// transform/mask/probabilities/score_gradients, dropout's apply_dropout_to_gradients_t,
+// store_keys_by_queries, add_dq_rows, store_key_gradients, deterministic mode's DqAddTurn and
+// publish_dq_adds) are shared with the sm90 backward (src/cuda/sm90/bwd_kernel_sm90.cuh), whose
+// warps hold S^T in the same fragment layout.
 //
 // Dropout (Traits::kDropout, its own instance so that the p = 0 kernel is compiled exactly as
 // without it, as in the forward) regenerates the forward's Philox mask Z in {0, 1/(1-p)} (the
@@ -422,6 +422,28 @@ __device__ __forceinline__ void probabilities_t(float (&s)[Traits::kSKeyTiles][T
   }
 }
 
+// Dropout, once dP^T is in, on a warp's S^T-layout fragments whose P^T carries the marks of
+// mark_dropped_transposed: dP^T becomes dP^T o Z (kept entries times keep_scale = 1 / (1 - p),
+// dropped ones 0) and P^T loses the marks (|P^T|), so that score_gradients_t then gives
+// dS^T = P^T (dP^T o Z - dot).
+template <typename Traits>
+__device__ __forceinline__ void apply_dropout_to_gradients_t(
+    float (&dp)[Traits::kSKeyTiles][Traits::kSQueryTiles][4],
+    float (&prob)[Traits::kSKeyTiles][Traits::kSQueryTiles][4], float keep_scale) {
+#pragma unroll
+  for (int kt = 0; kt < Traits::kSKeyTiles; ++kt) {
+#pragma unroll
+    for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float marked = prob[kt][nt][i];
+        dp[kt][nt][i] = marked >= 0.0f ? dp[kt][nt][i] * keep_scale : 0.0f;
+        prob[kt][nt][i] = fabsf(marked);
+      }
+    }
+  }
+}
+
 // dS^T = P^T (dP^T - dot), in place of dP^T. With softcap the score is softcap * tanh(u) (+
 // ALiBi); its derivative 1 - tanh(u)^2 comes from the score recovered from P: ln P + LSE.
 // One uniform branch, so the common path's loop carries no per-element test. `first_query` is the
@@ -777,21 +799,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
       }
 
-      if constexpr (Traits::kDropout) {  // dP^T o Z, and P^T without the marks
-        const float keep_scale = 1.0f / (1.0f - p.dropout_p);
-#pragma unroll
-        for (int kt = 0; kt < kSKeyTiles; ++kt) {
-#pragma unroll
-          for (int nt = 0; nt < kSQueryTiles; ++nt) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float marked = acc_s[kt][nt][i];
-              acc_dp[kt][nt][i] = marked >= 0.0f ? acc_dp[kt][nt][i] * keep_scale : 0.0f;
-              acc_s[kt][nt][i] = fabsf(marked);
-            }
-          }
-        }
-      }
+      if constexpr (Traits::kDropout) apply_dropout_to_gradients_t<Traits>(acc_dp, acc_s, 1.0f / (1.0f - p.dropout_p));
       score_gradients_t<Traits>(acc_dp, acc_s, lse_rows, dot_rows, s_first_query, m0, first_key, p,
                                 alibi_slope, diagonal);
       if constexpr (Traits::kPInRegisters) {

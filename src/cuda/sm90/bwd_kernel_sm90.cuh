@@ -38,7 +38,13 @@
 // blocks, score transform and masks on S^T fragments (a warp's 16 keys x the part's queries
 // are exactly an sm80 warp tile of one 16-key row tile), probabilities, score gradients, the dS^T store,
 // the dQ reductions and the dK/dV epilogue. Not covered (the dispatcher keeps them on sm80):
-// dropout, head-dim families other than 64 and 128.
+// head-dim families other than 64 and 128.
+//
+// Dropout (Traits::kDropout) is the sm80 kernel's too, on each part's S^T fragments: the
+// forward's Philox mask regenerated right after P^T (sm80::mark_dropped_transposed, which marks
+// dropped entries by their sign; with one query part it runs while dP^T is still in flight), P^T
+// packed as max(P^T, 0) for dV before sm80::apply_dropout_to_gradients_t turns dP^T into dP^T o Z
+// and P^T into |P^T|, and dV's 1 / (1 - p) applied once in the epilogue.
 //
 // Deterministic mode (Traits::kDeterministic) is the sm80 kernel's: each query block's dQ takes
 // the key blocks' adds in descending key-block order behind a semaphore per query block
@@ -56,6 +62,7 @@
 
 #include "common/bwd_problem.h"
 #include "cuda/common/attention_mask.cuh"
+#include "cuda/common/dropout_mask.cuh"
 #include "cuda/common/mma_sm80.cuh"
 #include "cuda/sm80/bwd_kernel.cuh"
 #include "cuda/sm80/bwd_workspace_pointers.cuh"
@@ -66,12 +73,14 @@
 
 namespace flashkit::sm90 {
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kQueryParts_, bool kDeterministic_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kQueryParts_, bool kDeterministic_,
+          bool kDropout_>
 struct BwdKernelTraits {
   using Element = Element_;
-  // The instance that adds dQ in key-block order (deterministic mode): its own kernel, so that the
-  // default one carries none of its code.
+  // The instances that add dQ in key-block order (deterministic mode) and that regenerate the
+  // dropout mask (p > 0): kernels of their own, so that the default one carries none of their code.
   static constexpr bool kDeterministic = kDeterministic_;
+  static constexpr bool kDropout = kDropout_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
@@ -138,15 +147,19 @@ __device__ __forceinline__ void wgmma_wait_dynamic(int in_flight) {
 }
 
 // The S^T-layout fragments of a warp (16 keys x kTiles 8-query groups), packed to 16 bits, as the
-// A operand of kTiles / 2 k-steps of 16 queries.
-template <typename Element, int kTiles>
+// A operand of kTiles / 2 k-steps of 16 queries. kKeptOnly packs max(x, 0): the kept entries of a
+// sign-marked P^T (dropout).
+template <typename Element, int kTiles, bool kKeptOnly = false>
 __device__ __forceinline__ void pack_a_operand(const float (&x)[1][kTiles][4], uint32_t (&a)[kTiles / 2][4]) {
+  auto pack = [](float lo, float hi) {
+    return kKeptOnly ? sm80::pack2_relu<Element>(lo, hi) : sm80::pack2<Element>(lo, hi);
+  };
 #pragma unroll
   for (int kk = 0; kk < kTiles / 2; ++kk) {
-    a[kk][0] = sm80::pack2<Element>(x[0][2 * kk][0], x[0][2 * kk][1]);
-    a[kk][1] = sm80::pack2<Element>(x[0][2 * kk][2], x[0][2 * kk][3]);
-    a[kk][2] = sm80::pack2<Element>(x[0][2 * kk + 1][0], x[0][2 * kk + 1][1]);
-    a[kk][3] = sm80::pack2<Element>(x[0][2 * kk + 1][2], x[0][2 * kk + 1][3]);
+    a[kk][0] = pack(x[0][2 * kk][0], x[0][2 * kk][1]);
+    a[kk][1] = pack(x[0][2 * kk][2], x[0][2 * kk][3]);
+    a[kk][2] = pack(x[0][2 * kk + 1][0], x[0][2 * kk + 1][1]);
+    a[kk][3] = pack(x[0][2 * kk + 1][2], x[0][2 * kk + 1][3]);
   }
 }
 
@@ -226,6 +239,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const bool transform = p.softcap > 0.0f || alibi_slope != 0.0f;
   const int diagonal = window.diagonal_offset();
   const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
+  // Read once: with a device rng_state the dropout key is in global memory.
+  const DropoutMask dropout_mask = Traits::kDropout ? p.dropout_mask() : DropoutMask{};
+  const uint32_t batch_head = static_cast<uint32_t>(loc.batch * p.heads_q + loc.head);
 
   if (visible.begin < visible.end) {
     sm80::load_tile_async<Traits, KvTile>(smem + Traits::kKOffset,
@@ -317,13 +333,20 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         if (cut) sm80::mask_scores_t<PartScores>(acc_s[h], window, first_key, m0 + first_query);
         sm80::probabilities_t<PartScores>(acc_s[h], lse_rows, first_query, log2_scale);
+        if constexpr (Traits::kDropout) {
+          sm80::mark_dropped_transposed(acc_s[h], dropout_mask, batch_head, first_key, m0 + first_query);
+        }
         if (kProbabilitiesFirst) {
           wgmma_wait_dynamic(2 * kQueryParts - h - 2);
           wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
         }
+        if constexpr (Traits::kDropout) {  // the kept P^T for dV, then dP^T o Z and |P^T|
+          pack_a_operand<Element, kPartM / 8, true>(acc_s[h], p_frag[h]);
+          sm80::apply_dropout_to_gradients_t<PartScores>(acc_dp[h], acc_s[h], 1.0f / (1.0f - p.dropout_p));
+        }
         sm80::score_gradients_t<PartScores>(acc_dp[h], acc_s[h], lse_rows, dot_rows, first_query, m0, first_key,
                                             p, alibi_slope, diagonal);
-        pack_a_operand<Element>(acc_s[h], p_frag[h]);
+        if constexpr (!Traits::kDropout) pack_a_operand<Element>(acc_s[h], p_frag[h]);
         pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
         sm80::store_keys_by_queries<PartScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
         wgmma_fence();
@@ -371,7 +394,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   }
 
-  sm80::store_key_gradients<Element, 1, kDTiles>(bp, ws, loc, acc_dk, acc_dv, n0 + warp_key0, 0);
+  sm80::store_key_gradients<Element, 1, kDTiles>(bp, ws, loc, acc_dk, acc_dv, n0 + warp_key0, 0,
+                                                 Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
 }
 
 }  // namespace flashkit::sm90

@@ -16,11 +16,24 @@
 
 namespace flashkit::sm90 {
 
-// The traits of a family's kernel, in deterministic mode or not: the same tiles.
-template <DType kDType, int kHeadDimFamily, bool kDeterministic>
+// The traits of a family's kernel, in deterministic mode or not, with dropout or not: the same
+// tiles and shared memory.
+template <DType kDType, int kHeadDimFamily, bool kDeterministic, bool kDropout>
 using BwdTraitsOf = BwdKernelTraits<typename sm80::ElementOf<kDType>::type, kHeadDimFamily,
                                     bwd_tile_config(kHeadDimFamily).block_m, bwd_tile_config(kHeadDimFamily).block_n,
-                                    bwd_tile_config(kHeadDimFamily).query_parts, kDeterministic>;
+                                    bwd_tile_config(kHeadDimFamily).query_parts, kDeterministic, kDropout>;
+
+// The kernel instance for `problem`'s mode and dropout.
+template <DType kDType, int kHeadDimFamily>
+auto bwd_kernel_for(const BwdProblem& problem) {
+  const bool dropout = problem.fwd.dropout_p > 0.0f;
+  if (problem.deterministic) {
+    return dropout ? bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, true>>
+                   : bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, false>>;
+  }
+  return dropout ? bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, false, true>>
+                 : bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, false, false>>;
+}
 
 template <DType kDType, int kHeadDimFamily>
 void run_bwd(const BwdProblem& problem, void* stream) {
@@ -31,16 +44,14 @@ void run_bwd(const BwdProblem& problem, void* stream) {
   static_assert(kTile.block_m >= sm80::bwd_tile_config(kHeadDimFamily).block_m,
                 "the workspace's semaphores cover this kernel's query blocks");
   using Element = typename sm80::ElementOf<kDType>::type;
-  using Traits = BwdTraitsOf<kDType, kHeadDimFamily, false>;
+  using Traits = BwdTraitsOf<kDType, kHeadDimFamily, false, false>;
   auto* s = static_cast<cudaStream_t>(stream);
   const sm80::BwdWorkspacePointers ws = sm80::BwdWorkspacePointers::of(problem);
 
   sm80::launch_bwd_preprocess<Element>(problem, ws, s);
   const int64_t num_blocks = sm80::bwd_main_grid(problem.fwd, Traits::kBlockN);
   if (num_blocks > 0) {
-    // Two instances with the same tiles and shared memory: deterministic mode's, and the default.
-    auto kernel = problem.deterministic ? bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true>>
-                                        : bwd_kernel<Traits>;
+    const auto kernel = bwd_kernel_for<kDType, kHeadDimFamily>(problem);
     cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes),
                 "cudaFuncSetAttribute(sm90 bwd_kernel, max dynamic shared memory)");
     kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes, s>>>(problem, ws);
