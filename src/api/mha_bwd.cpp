@@ -161,12 +161,13 @@ void run_on_cuda(const char* fn, const char* size_query, const BwdProblem& probl
                                                                    : sm90_unavailable;
       path = "sm80 backward (not sm90: " + why_not_sm90 + ")";
     }
+    const std::string dropout = p.dropout_p > 0.0f ? ", dropout p = " + std::to_string(p.dropout_p) : "";
     std::fprintf(stderr,
-                 "flashkit: %s: cuda:%d %s, %s head dim %d (family %d), %s, workspace %zu bytes, "
+                 "flashkit: %s: cuda:%d %s, %s head dim %d (family %d), %s%s, workspace %zu bytes, "
                  "batch %d heads %d/%d seqlen %d/%d%s\n",
                  fn, device, path.c_str(), build_dtype_name(p.dtype), p.head_dim, family,
-                 problem.deterministic ? "deterministic" : "not deterministic", required, p.batch,
-                 p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k, p.is_varlen() ? " (varlen maxima)" : "");
+                 problem.deterministic ? "deterministic" : "not deterministic", dropout.c_str(), required,
+                 p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k, p.is_varlen() ? " (varlen maxima)" : "");
   }
   if (use_sm90) {
     find_sm90_bwd(p.dtype, family)(problem, stream);

@@ -204,16 +204,21 @@ struct BwdBlockLocation {
 
   __device__ __forceinline__ static BwdBlockLocation locate(const BwdProblem& bp, const float* dot,
                                                              int block_n) {
-    const FwdProblem& p = bp.fwd;
-    BwdBlockLocation loc;
     // Linear grid (no 65,535 limit on batch x heads), key blocks fastest. By default the first key
     // blocks start first: under a causal mask they see the most queries, so the heaviest CTAs run
     // early. Deterministic mode adds dQ in descending key-block order and must wait only on CTAs of
     // lower block index (started earlier), so it runs the grid backwards: last key blocks first.
-    const int num_n_blocks = (p.seqlen_k + block_n - 1) / block_n;
+    const int num_n_blocks = (bp.fwd.seqlen_k + block_n - 1) / block_n;
     const int linear = static_cast<int>(bp.deterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
-    loc.n_block = linear % num_n_blocks;
-    const int batch_head = linear / num_n_blocks;
+    return at(bp, dot, linear % num_n_blocks, linear / num_n_blocks);
+  }
+
+  // Key block `n_block` of (batch, query head) number `batch_head` (= batch * heads_q + head).
+  __device__ __forceinline__ static BwdBlockLocation at(const BwdProblem& bp, const float* dot, int n_block,
+                                                         int batch_head) {
+    const FwdProblem& p = bp.fwd;
+    BwdBlockLocation loc;
+    loc.n_block = n_block;
     loc.head = batch_head % p.heads_q;
     loc.batch = batch_head / p.heads_q;
     const int kv_head = loc.head / (p.heads_q / p.heads_kv);
@@ -359,8 +364,9 @@ struct VisibleQueryBlocks {
 // Deterministic mode: each query block's dQ takes its key blocks' adds in descending key-block
 // order. The query block's semaphore in the workspace (zeroed before the main kernel) counts the
 // key blocks that have published their adds; key block n adds when all later key blocks that see
-// the query block have. The grid runs backwards (BwdBlockLocation::locate), so the CTAs waited
-// for started earlier and never wait for the waiter: no deadlock.
+// the query block have. The grid order starts a head's key block n + 1 before its key block n
+// (BwdBlockLocation::locate runs the grid backwards; the sm90 kernel has an order of its own), so
+// the CTAs waited for started earlier and never wait for the waiter: no deadlock.
 template <int kBlockM, int kBlockN>
 struct DqAddTurn {
   int* semaphore;
