@@ -3,10 +3,7 @@
 // 16-row tiles x kNTiles 8-column groups, 4 floats each; lane g = lane / 4 holds rows g and g + 8,
 // lane t = lane % 4 columns 2t and 2t + 1 of each group), with the Philox mask of common/philox.h.
 // The m64nN wgmma accumulator of an sm90 warpgroup is that layout for each warp's 16 rows, so a
-// Hopper kernel can use this too. Three forms: apply_dropout on fp32 probabilities (the sm80
-// forward), mark_dropped_transposed on the backward's S^T tile, and drop marks (DropMarker, drawn by
-// any thread) applied to packed 16-bit P fragments with drop_packed_pairs (the sm90 forward, whose
-// producer warpgroup draws the marks into shared memory).
+// Hopper kernel can use this too.
 //
 // The mask's addressing is built for this layout: with the tile's first row a multiple of 16 and
 // its first key a multiple of 32, lane l is Philox slot l of every 16 x 32 block, and one Philox
@@ -115,55 +112,6 @@ __device__ __forceinline__ void mark_dropped_transposed(float (&p)[kKeyTiles][kQ
           }
         }
       }
-    }
-  }
-}
-
-// Drop marks: the decisions of four Philox bytes at once, for kernels that mask packed 16-bit
-// probabilities (sm90's P operand) instead of fp32 scores. Bit 7 of each byte of marks(w) is set
-// where that byte of w drops its element (byte >= keep_threshold): b >= T exactly when b + (256 - T)
-// carries out of the byte, and that carry is the majority of the two bit 7s and of bit 7 of the sum
-// of the low seven bits (which cannot carry into the next byte). Three instructions per word; the
-// other bits of the result are don't-care. T = 0 (drops_all) is the caller's: every bit 7 set.
-struct DropMarker {
-  uint32_t addend;      // 256 - T in every byte (0 when T = 256: nothing is dropped)
-  uint32_t addend_low;  // its low seven bits
-  bool drops_all;       // T = 0 (p > 1 - 1/512), which the addend cannot express
-
-  __device__ __forceinline__ explicit DropMarker(const DropoutMask& mask)
-      : addend(((256u - mask.keep_threshold) & 0xffu) * 0x01010101u),
-        addend_low(addend & 0x7f7f7f7fu),
-        drops_all(mask.keep_threshold == 0u) {}
-
-  __device__ __forceinline__ uint32_t marks(uint32_t word) const {
-    const uint32_t low_sum = (word & 0x7f7f7f7fu) + addend_low;
-    return (word & addend) | (word & low_sum) | (addend & low_sum);  // one LOP3: the carries
-  }
-};
-
-// Zeroes the dropped halves of packed A fragments of P (m16n8k16: a[kk] holds rows g, g + 8 x keys
-// 16 kk + 2t, + 1 and 16 kk + 8 + 2t, + 1, two 16-bit values per register), given marks[b][w] = the
-// drop marks of word w of the lane's Philox call for 32-key block b (apply_dropout's addressing).
-// The two values of a register are bytes 2c, 2c + 1 of one Philox word, so one PRMT replicating
-// their bit 7 across each half gives the register's drop mask: two instructions per two elements.
-template <int kKSteps>
-__device__ __forceinline__ void drop_packed_pairs(uint32_t (&a)[kKSteps][4],
-                                                  const uint32_t (&marks)[kKSteps / 2][4]) {
-  static_assert(kKSteps % 2 == 0, "drop marks cover 32 keys, two k-steps");
-#pragma unroll
-  for (int kk = 0; kk < kKSteps; ++kk) {
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      // Register r: rows g (r even) or g + 8 (odd), keys of the k-step's first (r < 2) or second
-      // 8-key group: word 2 * (r % 2) + kk % 2 of the block, bytes 0-1 (r < 2) or 2-3.
-      const uint32_t word = marks[kk / 2][2 * (r % 2) + kk % 2];
-      uint32_t drop;
-      if (r < 2) {
-        asm("prmt.b32 %0, %1, %1, 0x9988;\n" : "=r"(drop) : "r"(word));  // sign of bytes 0, 1
-      } else {
-        asm("prmt.b32 %0, %1, %1, 0xBBAA;\n" : "=r"(drop) : "r"(word));  // sign of bytes 2, 3
-      }
-      a[kk][r] &= ~drop;
     }
   }
 }

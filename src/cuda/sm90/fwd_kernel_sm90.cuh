@@ -7,8 +7,7 @@
 // FLASHKIT_SM90_GRID=persistent launches one CTA per SM instead (fwd_launch_sm90.cuh says why that is
 // not the default yet). Its three warpgroups:
 //
-//   producer  (warpgroup 0, 40 registers; its first warp loads, one lane issues the copies; with
-//              dropout its other three warps draw the drop marks, see below)
+//   producer  (warpgroup 0, 40 registers; its first warp works, one lane issues the copies)
 //     per tile: wait q_empty; TMA Q (128 x D)          -> q_full
 //     for each visible key block n, last to first, through a ring of kStages stages:
 //       wait k_empty[s]; TMA K[n] -> k_full[s]
@@ -35,21 +34,11 @@
 //   runs while the other's products occupy the tensor cores.
 //
 // Dropout (Traits::kDropout, its own instance: the p = 0 kernel is compiled exactly as without it)
-// zeroes the dropped probabilities of the packed P operand, after the row sums (the normaliser and
-// the LSE are those of the undropped P, as in the reference) and before P V, with the Philox mask of
-// common/philox.h: the m64nN accumulator is the mma.sync layout for each warp's 16 rows, addressed
-// as the sm80 kernel does (one call per lane per 16 rows x 32 keys, 16 decisions). The RNG needs no
-// scores, so it is kept off the consumers' path: the producer warpgroup's warps 1-3 (idle
-// otherwise) walk the same tiles and key blocks and draw each block's drop marks (one byte per
-// decision, bit 7 set where dropped: sm80::DropMarker) into a ring of kMarkStages stages,
-//   markers (warps 1-3), per key block: wait mark_empty[s]; Philox + marks of their units of the
-//            block (16 rows x 32 keys each, unit u to marker u % 3), one 16-byte store per lane and
-//            unit -> mark_full[s] (every marker thread arrives)
-// and a consumer warp, when it packs P, waits mark_full[s], loads its 16 bytes per 32 keys, zeroes
-// the dropped pairs with one PRMT + one LOP3 per register (sm80::drop_packed_pairs) and releases
-// the stage. The 1/(1-p) scales O once in the epilogue. FwdDropout::kConsumers, the previous
-// placement (FLASHKIT_SM90_DROPOUT=consumers, kept to measure against), has each consumer draw its
-// own mask after the row sums (sm80::apply_dropout on the fp32 probabilities).
+// zeroes the dropped probabilities in the consumer's registers after the row sums (the normaliser
+// and the LSE are those of the undropped P, as in the reference) and before P is packed for P V,
+// with the Philox mask of common/philox.h: the m64nN accumulator is the mma.sync layout for each
+// warp's 16 rows, so sm80::apply_dropout addresses it as the sm80 kernel does (one call per lane per
+// 16 rows x 32 keys, 16 decisions); the 1/(1-p) scales O once in the epilogue.
 //
 // Blocks are visited from the last to the first, as in the sm80 kernel, so the blocks the causal
 // diagonal or the sequence end cut come first. Rows and keys past a sequence's end are read (TMA
@@ -121,14 +110,10 @@ struct TileOrder {
   }
 };
 
-// Whether and where a kernel instance draws the dropout mask (the header says how).
-enum class FwdDropout { kNone, kMarkers, kConsumers };
-
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, FwdDropout kDropoutPlacement>
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kDropout_>
 struct FwdKernelTraits {
   using Element = Element_;
-  static constexpr bool kDropout = kDropoutPlacement != FwdDropout::kNone;  // p > 0
-  static constexpr bool kMarkers = kDropoutPlacement == FwdDropout::kMarkers;
+  static constexpr bool kDropout = kDropout_;  // the instance that applies dropout (p > 0)
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = kBlockN_;
@@ -136,17 +121,12 @@ struct FwdKernelTraits {
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
-  // kMarkers: the producer warpgroup's warps other than the loading one draw the drop marks.
-  static constexpr int kMarkWarps = 3;
   // setmaxnreg moves registers within the CTA's allocation at launch (the 64K file split evenly
   // and rounded down to 8: 168 per thread at 384 threads). A consumer's claim blocks until the
   // producer's release has put enough in the pool, so the claims must not exceed the release.
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  // Dropout's marker warps keep Philox's nine round keys (18 registers: the seed may come from
-  // device memory, so they are not uniform) beside their walk and spilled it at 40 registers; the
-  // consumers use at most 216 of their 232 there, so eight per thread move back to the producer.
-  static constexpr int kProducerRegisters = kMarkers ? 56 : 40;
-  static constexpr int kConsumerRegisters = kMarkers ? 224 : 232;
+  static constexpr int kProducerRegisters = 40;
+  static constexpr int kConsumerRegisters = 232;
   static_assert((kLaunchRegisters - kProducerRegisters) * kWarpgroupThreads >=
                     (kConsumerRegisters - kLaunchRegisters) * kConsumerWarpgroups * kWarpgroupThreads,
                 "the consumers claim more registers than the producer releases: setmaxnreg would hang");
@@ -160,23 +140,11 @@ struct FwdKernelTraits {
   using QTile = Swizzle128Tile<kBlockM, kHeadDim>;
   using KvTile = Swizzle128Tile<kBlockN, kHeadDim>;
 
-  // Dropout's drop marks: one byte per decision, a stage per key block (kBlockM x kBlockN bytes),
-  // laid out by unit (16 rows x 32 keys, one Philox call per lane: row unit u / kMarkKeyUnits, key
-  // unit u % kMarkKeyUnits), then lane, 16 bytes each, so that a warp's 16-byte stores and loads of
-  // one unit are 512 contiguous bytes. As many stages as the K/V ring (the markers may run that far
-  // ahead), so that a block's mark stage and phase are its K/V ring position.
-  static constexpr int kMarkStages = kStages;
-  static constexpr int kMarkKeyUnits = kBlockN / 32;
-  static constexpr int kMarkUnits = kBlockM / 16 * kMarkKeyUnits;
-  static constexpr int kMarkUnitBytes = 32 * 16;
-  static constexpr int kMarkStageBytes = kMarkUnits * kMarkUnitBytes;
-
   // Shared-memory plan, byte offsets from a 1024-byte aligned base. Barriers last.
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQOffset + QTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KvTile::kBytes;
-  static constexpr int kMarkOffset = kVOffset + kStages * KvTile::kBytes;
-  static constexpr int kBarrierOffset = kMarkOffset + (kMarkers ? kMarkStages * kMarkStageBytes : 0);
+  static constexpr int kBarrierOffset = kVOffset + kStages * KvTile::kBytes;
   struct Barriers {
     uint64_t q_full;
     uint64_t q_empty;  // both consumers' last S = Q K^T of a tile has completed
@@ -186,17 +154,8 @@ struct FwdKernelTraits {
     uint64_t v_empty[kStages];
     uint64_t v_tail;
   };
-  // kMarkers only: the mark ring's barriers, right after Barriers.
-  struct MarkBarriers {
-    uint64_t full[kMarkStages];   // every marker thread has stored its marks of the stage
-    uint64_t empty[kMarkStages];  // every consumer warp has loaded its marks of the stage
-  };
-  __device__ __forceinline__ static MarkBarriers& mark_barriers(Barriers& bars) {
-    return *reinterpret_cast<MarkBarriers*>(&bars + 1);
-  }
   // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
-  static constexpr int kSmemBytes = kBarrierOffset + static_cast<int>(sizeof(Barriers)) +
-                                    (kMarkers ? static_cast<int>(sizeof(MarkBarriers)) : 0) + 1024;
+  static constexpr int kSmemBytes = kBarrierOffset + static_cast<int>(sizeof(Barriers)) + 1024;
 
   static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "whole wgmma k-steps and swizzle atoms");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
@@ -351,56 +310,6 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
   }
 }
 
-// Dropout: marker warp `marker` (0 .. kMarkWarps - 1) of the producer warpgroup draws its units
-// of the drop marks of every key block the consumers visit, in their order, into the mark ring.
-template <typename Traits>
-__device__ __forceinline__ void dropout_marker_warp(const FwdParams& params, uint32_t smem,
-                                                    typename Traits::MarkBarriers& bars,
-                                                    int num_tiles, int marker) {
-  constexpr int kBlockN = Traits::kBlockN;
-  const FwdProblem& p = params.problem;
-  const uint32_t lane = threadIdx.x % 32;
-  const DropoutMask mask = p.dropout_mask();  // read once: a device rng_state is global memory
-  const sm80::DropMarker drop_marker(mask);
-  RingCursor<Traits::kMarkStages> cursor;
-  for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
-    const FwdTile tile = FwdTile::locate<Traits::kBlockM, kBlockN>(params, linear);
-    if (!tile.has_keys()) continue;
-    const uint32_t batch_head = static_cast<uint32_t>(tile.batch * p.heads_q + tile.head);
-    const uint32_t first_row16 = static_cast<uint32_t>(tile.m0) / 16;
-    for (int n_block = tile.n_end - 1; n_block >= tile.n_begin; --n_block) {
-      const uint32_t first_key32 = static_cast<uint32_t>(n_block * kBlockN) / 32;
-      const uint32_t stage = smem + Traits::kMarkOffset + cursor.stage * Traits::kMarkStageBytes;
-      mbarrier_wait(smem_u32(&bars.empty[cursor.stage]), cursor.phase ^ 1u);
-      auto store_marks = [&](uint32_t unit, const uint32_t (&marks)[4]) {
-        asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(
-                         stage + unit * Traits::kMarkUnitBytes + lane * 16),
-                     "r"(marks[0]), "r"(marks[1]), "r"(marks[2]), "r"(marks[3])
-                     : "memory");
-      };
-      if (drop_marker.drops_all) {
-        const uint32_t all[4] = {0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu};
-#pragma unroll 1
-        for (uint32_t unit = marker; unit < Traits::kMarkUnits; unit += Traits::kMarkWarps) {
-          store_marks(unit, all);
-        }
-      } else {
-#pragma unroll 1
-        for (uint32_t unit = marker; unit < Traits::kMarkUnits; unit += Traits::kMarkWarps) {
-          const PhiloxBlock bits = mask.block(batch_head, first_row16 + unit / Traits::kMarkKeyUnits,
-                                              lane, first_key32 + unit % Traits::kMarkKeyUnits);
-          uint32_t marks[4];
-#pragma unroll
-          for (int w = 0; w < 4; ++w) marks[w] = drop_marker.marks(bits.word[w]);
-          store_marks(unit, marks);
-        }
-      }
-      mbarrier_arrive(smem_u32(&bars.full[cursor.stage]));  // each thread releases its own stores
-      cursor.advance();
-    }
-  }
-}
-
 // The ping-pong turn of consumer `consumer`: wait for it before issuing matrix products, pass it
 // to the other consumer after.
 struct ConsumerTurn {
@@ -485,34 +394,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     if (lane == 0) mbarrier_arrive(smem_u32(&empty));
   };
   const ConsumerTurn turn(consumer);
-  // kConsumers: the dropout key, read once (a device rng_state is global memory).
-  const DropoutMask dropout_mask =
-      Traits::kDropout && !Traits::kMarkers ? p.dropout_mask() : DropoutMask{};
-  // kMarkers: this lane's 16 bytes of the warp's first unit (its 16 rows, the block's first 32 keys)
-  // in mark stage 0.
-  const uint32_t lane_marks =
-      smem + Traits::kMarkOffset + (warp_row0 / 16) * Traits::kMarkKeyUnits * Traits::kMarkUnitBytes + lane * 16;
-  // Packs the probabilities of the block at K/V ring position `block` into the A operand of P V;
-  // with drop marks, zeroes the dropped ones (the markers walk the blocks in the same order into a
-  // ring of as many stages, so `block` is the block's mark stage and phase too).
-  auto pack_block = [&](const float (&acc_s)[1][kNTiles][4], uint32_t (&p_frag)[kBlockN / 16][4],
-                        const Cursor& block) {
-    pack_probabilities<Traits>(acc_s, p_frag);
-    if constexpr (Traits::kMarkers) {
-      auto& mark_bars = Traits::mark_barriers(bars);
-      mbarrier_wait(smem_u32(&mark_bars.full[block.stage]), block.phase);
-      const uint32_t stage_marks = lane_marks + block.stage * Traits::kMarkStageBytes;
-      uint32_t marks[Traits::kMarkKeyUnits][4];
-#pragma unroll
-      for (int k = 0; k < Traits::kMarkKeyUnits; ++k) {
-        asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
-                     : "=r"(marks[k][0]), "=r"(marks[k][1]), "=r"(marks[k][2]), "=r"(marks[k][3])
-                     : "r"(stage_marks + k * Traits::kMarkUnitBytes));
-      }
-      sm80::drop_packed_pairs(p_frag, marks);
-      release(mark_bars.empty[block.stage]);  // after drop_packed_pairs has used the loads
-    }
-  };
+  // Read once: with a device rng_state the dropout key is in global memory.
+  const DropoutMask dropout_mask = Traits::kDropout ? p.dropout_mask() : DropoutMask{};
   Cursor ring;  // the next K/V stage to consume, continued across tiles
   uint32_t q_loads = 0;
 
@@ -544,7 +427,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       }
       const bool any = softmax.advance_max(acc_s, log2_scale, rescale);
       softmax.exponentiate(acc_s, log2_scale);
-      if constexpr (Traits::kDropout && !Traits::kMarkers) {
+      if constexpr (Traits::kDropout) {
         sm80::apply_dropout(acc_s, dropout_mask,
                             static_cast<uint32_t>(tile.batch * p.heads_q + tile.head),
                             m0 + warp_row0, n0);
@@ -567,7 +450,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
           release(bars.k_empty[ring.stage]);
           if (softmax_block(acc_s, n_block * kBlockN, rescale)) softmax.rescale_output(acc_o, rescale);
-          pack_block(acc_s, p_frag, ring);
+          pack_probabilities<Traits>(acc_s, p_frag);
           mbarrier_wait(smem_u32(&bars.v_full[ring.stage]), ring.phase);
           wgmma_fence();
           issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(ring));
@@ -592,7 +475,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
         release(bars.k_empty[cursor.stage]);
         softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
-        pack_block(acc_s, p_frag, cursor);
+        pack_probabilities<Traits>(acc_s, p_frag);
 
         for (--n_block; n_block >= tile.n_begin; --n_block) {
           previous = cursor;
@@ -612,7 +495,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
           release(bars.v_empty[previous.stage]);
           if (any_rescale) softmax.rescale_output(acc_o, rescale);
-          pack_block(acc_s, p_frag, cursor);
+          pack_probabilities<Traits>(acc_s, p_frag);
         }
         release(bars.q_empty);  // every S of the tile has completed
 
@@ -668,14 +551,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   Barriers& bars = *reinterpret_cast<Barriers*>(smem_raw + (smem - raw) + Traits::kBarrierOffset);
 
   if (threadIdx.x == 0) {
-    if constexpr (Traits::kMarkers) {
-      auto& marks = Traits::mark_barriers(bars);
-#pragma unroll
-      for (int s = 0; s < Traits::kMarkStages; ++s) {
-        mbarrier_init(smem_u32(&marks.full[s]), Traits::kMarkWarps * 32);
-        mbarrier_init(smem_u32(&marks.empty[s]), Traits::kConsumerWarps);
-      }
-    }
     mbarrier_init(smem_u32(&bars.q_full), 1);
     mbarrier_init(smem_u32(&bars.q_empty), Traits::kConsumerWarps);
     mbarrier_init(smem_u32(&bars.v_tail), 1);
@@ -693,12 +568,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int warpgroup = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
   if (warpgroup == 0) {
     warpgroup_release_registers<Traits::kProducerRegisters>();
-    if (threadIdx.x / 32 == 0) {
-      producer_warp<Traits>(params, smem, bars, num_tiles);
-    } else if constexpr (Traits::kMarkers) {
-      dropout_marker_warp<Traits>(params, smem, Traits::mark_barriers(bars), num_tiles,
-                                  static_cast<int>(threadIdx.x / 32) - 1);
-    }
+    if (threadIdx.x / 32 == 0) producer_warp<Traits>(params, smem, bars, num_tiles);
   } else {
     warpgroup_claim_registers<Traits::kConsumerRegisters>();
     consumer_warpgroup<Traits, kPipelined>(params, smem, bars, num_tiles, warpgroup - 1);

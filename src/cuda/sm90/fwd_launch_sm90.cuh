@@ -54,11 +54,8 @@ void run_fwd(const FwdProblem& problem, void* stream) {
   constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
   static_assert(kTile.block_m == 128, "no sm90 tile configuration for this head-dim family");
   using Element = typename ElementOf<kDType>::type;
-  using Traits = FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, FwdDropout::kNone>;
-  using DropoutTraits =
-      FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, FwdDropout::kMarkers>;
-  using ConsumerDropoutTraits =
-      FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, FwdDropout::kConsumers>;
+  using Traits = FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, false>;
+  using DropoutTraits = FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, true>;
 
   const int64_t num_m_blocks = (problem.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t num_blocks = num_m_blocks * problem.batch * problem.heads_q;
@@ -118,21 +115,14 @@ void run_fwd(const FwdProblem& problem, void* stream) {
   }
 
   // Dropout has its own instance (the p = 0 ones stay untouched by its code), pipelined only: the
-  // serial schedule is a measurement switch of the p = 0 kernel. FLASHKIT_SM90_DROPOUT=consumers
-  // (measurement switch) runs the previous placement of the mask, drawn by the consumers themselves.
-  const bool dropout = problem.dropout_p > 0.0f;
-  const char* placement = std::getenv("FLASHKIT_SM90_DROPOUT");
-  const bool consumer_dropout = dropout && placement != nullptr && std::string(placement) == "consumers";
-  auto kernel = consumer_dropout ? fwd_kernel<ConsumerDropoutTraits, true>
-                : dropout        ? fwd_kernel<DropoutTraits, true>
-                : serial         ? fwd_kernel<Traits, false>
-                                 : fwd_kernel<Traits, true>;
-  const int smem_bytes = consumer_dropout ? ConsumerDropoutTraits::kSmemBytes
-                         : dropout        ? DropoutTraits::kSmemBytes  // + the mark ring
-                                          : Traits::kSmemBytes;
-  cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+  // serial schedule is a measurement switch of the p = 0 kernel.
+  auto kernel = problem.dropout_p > 0.0f ? fwd_kernel<DropoutTraits, true>
+                : serial                 ? fwd_kernel<Traits, false>
+                                         : fwd_kernel<Traits, true>;
+  cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                   Traits::kSmemBytes),
               "cudaFuncSetAttribute(sm90 fwd_kernel, max dynamic shared memory)");
-  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, smem_bytes,
+  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes,
            static_cast<cudaStream_t>(stream)>>>(params, static_cast<int>(num_blocks));
   cuda::check_last_launch("sm90 fwd_kernel");
 }
