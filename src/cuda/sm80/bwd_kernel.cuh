@@ -805,7 +805,9 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
       }
 
-      if constexpr (Traits::kDropout) apply_dropout_to_gradients_t<Traits>(acc_dp, acc_s, 1.0f / (1.0f - p.dropout_p));
+      if constexpr (Traits::kDropout) {  // dP^T o Z, and P^T without the marks
+        apply_dropout_to_gradients_t<Traits>(acc_dp, acc_s, 1.0f / (1.0f - p.dropout_p));
+      }
       score_gradients_t<Traits>(acc_dp, acc_s, lse_rows, dot_rows, s_first_query, m0, first_key, p,
                                 alibi_slope, diagonal);
       if constexpr (Traits::kPInRegisters) {
@@ -840,7 +842,8 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       // later key blocks reach a query block in fewer steps, so they are rarely waited for.
       int* semaphore = nullptr;
       if (bp.deterministic) {
-        const auto dq_turn = DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block);
+        const auto dq_turn =
+            DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block);
         semaphore = dq_turn.semaphore;
         if (tid == 0) dq_turn.wait();
         __syncthreads();

@@ -48,12 +48,12 @@
 //
 // Deterministic mode (Traits::kDeterministic) is the sm80 kernel's: each query block's dQ takes
 // the key blocks' adds in descending key-block order behind a semaphore per query block
-// (sm80::DqAddTurn), with its own grid order (deterministic_location): a CTA waits only for CTAs
-// that started before it.
-// Every thread reads the semaphore itself (acquire), the first read issued with the dQ product so
-// that its round trip is hidden, and spins before its adds only if the turn has not come: no
-// barrier of its own. Thread 0 publishes a block's adds after the next block's first barrier, once
-// the next products are issued (its fence waits while the tensor cores work).
+// (sm80::DqAddTurn), but with a grid order of its own (deterministic_location; a CTA still waits
+// only for CTAs that started before it). Every thread reads the semaphore itself (acquire), the
+// first read issued with the dQ product so that its round trip is hidden, and spins before its adds
+// only if the turn has not come: no barrier of its own. Thread 0 publishes a block's adds after the
+// next block's first barrier, once the next products are issued (its fence waits while the tensor
+// cores work).
 #pragma once
 
 #include <cuda_bf16.h>
