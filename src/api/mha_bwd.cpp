@@ -11,7 +11,8 @@
 // (tests, bug hunts); forcing sm90 where it cannot run is an error, not a fallback. Everything that
 // can be rejected without the GPU is rejected before the first CUDA runtime call.
 //
-// Dropout (dropout.p > 0) runs on the sm80 backward, which regenerates the forward's Philox mask.
+// Dropout (dropout.p > 0) and deterministic mode run on either backward: both regenerate the
+// forward's Philox mask, and both add dQ in key-block order behind the workspace's semaphores.
 //
 // A problem without query rows or without keys still runs: its gradients are zeros (dk / dv of
 // keys no query sees, dq of rows that see no key), and the backend writes them.
@@ -160,12 +161,13 @@ void run_on_cuda(const char* fn, const char* size_query, const BwdProblem& probl
                                                                    : sm90_unavailable;
       path = "sm80 backward (not sm90: " + why_not_sm90 + ")";
     }
+    const std::string dropout = p.dropout_p > 0.0f ? ", dropout p = " + std::to_string(p.dropout_p) : "";
     std::fprintf(stderr,
-                 "flashkit: %s: cuda:%d %s, %s head dim %d (family %d), %s, workspace %zu bytes, "
+                 "flashkit: %s: cuda:%d %s, %s head dim %d (family %d), %s%s, workspace %zu bytes, "
                  "batch %d heads %d/%d seqlen %d/%d%s\n",
                  fn, device, path.c_str(), build_dtype_name(p.dtype), p.head_dim, family,
-                 problem.deterministic ? "deterministic" : "not deterministic", required, p.batch,
-                 p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k, p.is_varlen() ? " (varlen maxima)" : "");
+                 problem.deterministic ? "deterministic" : "not deterministic", dropout.c_str(), required,
+                 p.batch, p.heads_q, p.heads_kv, p.seqlen_q, p.seqlen_k, p.is_varlen() ? " (varlen maxima)" : "");
   }
   if (use_sm90) {
     find_sm90_bwd(p.dtype, family)(problem, stream);

@@ -34,8 +34,9 @@
 // A case whose (dtype, head dim) this build has no backward kernel for is skipped, not failed.
 // Without a GPU every test skips itself. FLASHKIT_TEST_VERBOSE=1 prints the errors measured for
 // passing cases too. On a Hopper GPU the automatic path runs the sm90 backward where it covers a
-// case (not deterministic, no dropout, head-dim families 64 and 128); run the suite again with
-// FLASHKIT_BWD_PATH=sm80 for the sm80 kernel (scripts/gpu_check.sh does: step gpu_tests_bwd_sm80).
+// case (head-dim families 64 and 128, deterministic mode and dropout included); run the suite again
+// with FLASHKIT_BWD_PATH=sm80 for the sm80 kernel (scripts/gpu_check.sh does: step
+// gpu_tests_bwd_sm80).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -691,7 +692,7 @@ TEST_F(GpuBwdTest, UnbuiltBackwardKernelIsRejected) {
   GTEST_SKIP() << "this build has every backward (dtype, head dim)";
 }
 
-// Whether FLASHKIT_BWD_PATH=sm90 can run a non-deterministic (dtype, head dim) here: a compute
+// Whether FLASHKIT_BWD_PATH=sm90 can run (dtype, head dim) here (either mode): a compute
 // capability 9.0 device and the sm90 backward of its family (64 or 128) in this build.
 bool sm90_bwd_runs([[maybe_unused]] DType dtype, int head_dim) {
   cudaDeviceProp prop;
@@ -710,9 +711,9 @@ bool sm90_bwd_runs([[maybe_unused]] DType dtype, int head_dim) {
   return built && prop.major == 9 && prop.minor == 0;
 }
 
-// Each forced path either runs and matches the oracle or, where it cannot run, is refused with an
-// error naming FLASHKIT_BWD_PATH before any launch; an unknown path is refused the same way, and
-// so is sm90 in deterministic mode (which only the sm80 backward has).
+// Each forced path, in the default and in deterministic mode, either runs and matches the oracle
+// or, where it cannot run, is refused with an error naming FLASHKIT_BWD_PATH before any launch; an
+// unknown path is refused the same way.
 TEST_F(GpuBwdTest, ForcedBwdPaths) {
   const int d = built_bwd_head_dim(64);
   FwdCase c = fixed_case(built_bwd_dtype(d), d, 4, 2, 2, 65, 97);
@@ -724,22 +725,23 @@ TEST_F(GpuBwdTest, ForcedBwdPaths) {
   const BwdOracle oracle = run_bwd_oracle(host);
   DeviceBwdProblem dev(host, contiguous_bwd_layout(c));
   dev.upload(nullptr);
-  for (const char* path : {"sm80", "sm90", "auto", "sm75"}) {
-    SCOPED_TRACE(path);
-    const ScopedEnv forced("FLASHKIT_BWD_PATH", path);
-    const std::string name(path);
-    const bool runs = name == "sm80" || name == "auto" || (name == "sm90" && sm90_bwd_runs(c.dtype, c.head_dim));
-    dev.poison_gradients(nullptr);
-    if (runs) {
-      dev.launch(nullptr, false);
-      report(check_gradients(host, oracle, dev.download(nullptr)));
-    } else {
-      EXPECT_ERROR_MENTIONS(dev.launch(nullptr, false), "FLASHKIT_BWD_PATH");
+  for (const bool deterministic : {false, true}) {
+    for (const char* path : {"sm80", "sm90", "auto", "sm75"}) {
+      SCOPED_TRACE(std::string(path) + (deterministic ? " deterministic" : ""));
+      const ScopedEnv forced("FLASHKIT_BWD_PATH", path);
+      const std::string name(path);
+      const bool runs =
+          name == "sm80" || name == "auto" || (name == "sm90" && sm90_bwd_runs(c.dtype, c.head_dim));
+      dev.poison_gradients(nullptr);
+      if (runs) {
+        dev.launch(nullptr, deterministic);
+        report(check_gradients(host, oracle, dev.download(nullptr)));
+      } else {
+        EXPECT_ERROR_MENTIONS(dev.launch(nullptr, deterministic), "FLASHKIT_BWD_PATH");
+      }
+      EXPECT_EQ(cudaGetLastError(), cudaSuccess);
     }
-    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
   }
-  const ScopedEnv forced("FLASHKIT_BWD_PATH", "sm90");
-  EXPECT_ERROR_MENTIONS(dev.launch(nullptr, true), "FLASHKIT_BWD_PATH=sm90", "deterministic");
 }
 
 }  // namespace

@@ -28,9 +28,10 @@
 // convert kernel. Rows with no visible key have LSE = -inf, read as +inf, so their P is 0.
 //
 // The arch-independent pieces (BwdBlockLocation, VisibleQueryBlocks, the S^T-fragment helpers
-// transform/mask/probabilities/score_gradients, store_keys_by_queries, add_dq_rows,
-// store_key_gradients) are shared with the sm90 backward (src/cuda/sm90/bwd_kernel_sm90.cuh),
-// whose warps hold S^T in the same fragment layout.
+// transform/mask/probabilities/score_gradients, dropout's apply_dropout_to_gradients_t,
+// store_keys_by_queries, add_dq_rows, store_key_gradients, deterministic mode's DqAddTurn and
+// publish_dq_adds) are shared with the sm90 backward (src/cuda/sm90/bwd_kernel_sm90.cuh), whose
+// warps hold S^T in the same fragment layout.
 //
 // Dropout (Traits::kDropout, its own instance so that the p = 0 kernel is compiled exactly as
 // without it, as in the forward) regenerates the forward's Philox mask Z in {0, 1/(1-p)} (the
@@ -203,16 +204,21 @@ struct BwdBlockLocation {
 
   __device__ __forceinline__ static BwdBlockLocation locate(const BwdProblem& bp, const float* dot,
                                                              int block_n) {
-    const FwdProblem& p = bp.fwd;
-    BwdBlockLocation loc;
     // Linear grid (no 65,535 limit on batch x heads), key blocks fastest. By default the first key
     // blocks start first: under a causal mask they see the most queries, so the heaviest CTAs run
     // early. Deterministic mode adds dQ in descending key-block order and must wait only on CTAs of
     // lower block index (started earlier), so it runs the grid backwards: last key blocks first.
-    const int num_n_blocks = (p.seqlen_k + block_n - 1) / block_n;
+    const int num_n_blocks = (bp.fwd.seqlen_k + block_n - 1) / block_n;
     const int linear = static_cast<int>(bp.deterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
-    loc.n_block = linear % num_n_blocks;
-    const int batch_head = linear / num_n_blocks;
+    return at(bp, dot, linear % num_n_blocks, linear / num_n_blocks);
+  }
+
+  // Key block `n_block` of (batch, query head) number `batch_head` (= batch * heads_q + head).
+  __device__ __forceinline__ static BwdBlockLocation at(const BwdProblem& bp, const float* dot, int n_block,
+                                                         int batch_head) {
+    const FwdProblem& p = bp.fwd;
+    BwdBlockLocation loc;
+    loc.n_block = n_block;
     loc.head = batch_head % p.heads_q;
     loc.batch = batch_head / p.heads_q;
     const int kv_head = loc.head / (p.heads_q / p.heads_kv);
@@ -355,6 +361,52 @@ struct VisibleQueryBlocks {
   }
 };
 
+// Deterministic mode: each query block's dQ takes its key blocks' adds in descending key-block
+// order. The query block's semaphore in the workspace (zeroed before the main kernel) counts the
+// key blocks that have published their adds; key block n adds when all later key blocks that see
+// the query block have. The grid order starts a head's key block n + 1 before its key block n
+// (BwdBlockLocation::locate runs the grid backwards; the sm90 kernel has an order of its own), so
+// the CTAs waited for started earlier and never wait for the waiter: no deadlock.
+template <int kBlockM, int kBlockN>
+struct DqAddTurn {
+  int* semaphore;
+  int turn;  // the count at which this key block adds
+
+  __device__ __forceinline__ static DqAddTurn of(const BwdProblem& bp, const BwdWorkspacePointers& ws,
+                                                 int batch, int head, const KeyWindow& window,
+                                                 int m_block, int n_block) {
+    const FwdProblem& p = bp.fwd;
+    const int64_t m_blocks_max = (p.seqlen_q + kBlockM - 1) / kBlockM;
+    return {ws.semaphores + (static_cast<int64_t>(batch) * p.heads_q + head) * m_blocks_max + m_block,
+            VisibleQueryBlocks<kBlockM, kBlockN>::key_block_end(window, m_block) - 1 - n_block};
+  }
+
+  // The semaphore's count now, read with acquire semantics: adds issued after a read that shows
+  // this key block's turn are ordered after the earlier key blocks' adds. Issue it early to hide
+  // the round trip, then pass the count to wait().
+  __device__ __forceinline__ int poll() const { return load_acquire(semaphore); }
+
+  // Returns once this key block's turn has come, `seen` being a count that poll() returned.
+  __device__ __forceinline__ void wait(int seen) const {
+    while (seen != turn) seen = poll();
+  }
+
+  // The same, polling from the start.
+  __device__ __forceinline__ void wait() const {
+    while (poll() != turn) {
+    }
+  }
+};
+
+// Publishes a query block's dQ adds, made by every thread of the CTA before a barrier that the
+// caller passed since: the fence is cumulative over what the barrier ordered before it. (A single
+// red.release.gpu would do as well, but it moved the sm80 kernels' register allocation: d128 spill
+// stores 36 -> 52 bytes.)
+__device__ __forceinline__ void publish_dq_adds(int* semaphore) {
+  __threadfence();
+  atomicAdd(semaphore, 1);
+}
+
 // P^T = exp2(S^T * log2_scale - LSE * log2e) in place, on a warp's S^T fragments whose first query
 // column is `first_query` of the block (LSE rows indexed by the block's query). A row without keys
 // has LSE = -inf: read as +inf, it gives P = 0.
@@ -372,6 +424,28 @@ __device__ __forceinline__ void probabilities_t(float (&s)[Traits::kSKeyTiles][T
     for (int kt = 0; kt < Traits::kSKeyTiles; ++kt) {
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[kt][nt][i] = exp2f(s[kt][nt][i] * log2_scale - lse2[i % 2]);
+    }
+  }
+}
+
+// Dropout, once dP^T is in, on a warp's S^T-layout fragments whose P^T carries the marks of
+// mark_dropped_transposed: dP^T becomes dP^T o Z (kept entries times keep_scale = 1 / (1 - p),
+// dropped ones 0) and P^T loses the marks (|P^T|), so that score_gradients_t then gives
+// dS^T = P^T (dP^T o Z - dot).
+template <typename Traits>
+__device__ __forceinline__ void apply_dropout_to_gradients_t(
+    float (&dp)[Traits::kSKeyTiles][Traits::kSQueryTiles][4],
+    float (&prob)[Traits::kSKeyTiles][Traits::kSQueryTiles][4], float keep_scale) {
+#pragma unroll
+  for (int kt = 0; kt < Traits::kSKeyTiles; ++kt) {
+#pragma unroll
+    for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float marked = prob[kt][nt][i];
+        dp[kt][nt][i] = marked >= 0.0f ? dp[kt][nt][i] * keep_scale : 0.0f;
+        prob[kt][nt][i] = fabsf(marked);
+      }
     }
   }
 }
@@ -690,10 +764,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       // Deterministic mode: publish the previous query block's dQ adds. The barrier at the top of
       // this iteration ordered every thread's adds before thread 0's (cumulative) fence, and the
       // GEMM above gave them time to land, so the fence rarely waits.
-      if (unpublished != nullptr && tid == 0) {
-        __threadfence();
-        atomicAdd(unpublished, 1);
-      }
+      if (unpublished != nullptr && tid == 0) publish_dq_adds(unpublished);
       unpublished = nullptr;
 
       const int first_key = n0 + s_first_key;
@@ -735,19 +806,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
       }
 
       if constexpr (Traits::kDropout) {  // dP^T o Z, and P^T without the marks
-        const float keep_scale = 1.0f / (1.0f - p.dropout_p);
-#pragma unroll
-        for (int kt = 0; kt < kSKeyTiles; ++kt) {
-#pragma unroll
-          for (int nt = 0; nt < kSQueryTiles; ++nt) {
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              const float marked = acc_s[kt][nt][i];
-              acc_dp[kt][nt][i] = marked >= 0.0f ? acc_dp[kt][nt][i] * keep_scale : 0.0f;
-              acc_s[kt][nt][i] = fabsf(marked);
-            }
-          }
-        }
+        apply_dropout_to_gradients_t<Traits>(acc_dp, acc_s, 1.0f / (1.0f - p.dropout_p));
       }
       score_gradients_t<Traits>(acc_dp, acc_s, lse_rows, dot_rows, s_first_query, m0, first_key, p,
                                 alibi_slope, diagonal);
@@ -779,20 +838,14 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
         }
       }
 
-      // Deterministic mode: add in descending key-block order. The last key block that this query
-      // block sees adds first; each CTA waits until all later ones have published their adds.
-      // Under a causal mask the later key blocks reach a query block in fewer steps, so they are
-      // rarely waited for. A CTA waits only on CTAs of lower block index (the grid runs backwards),
-      // which started earlier and never wait on it: no deadlock.
+      // Deterministic mode: add in descending key-block order (DqAddTurn). Under a causal mask the
+      // later key blocks reach a query block in fewer steps, so they are rarely waited for.
       int* semaphore = nullptr;
       if (bp.deterministic) {
-        const int64_t m_blocks_max = (p.seqlen_q + kBlockM - 1) / kBlockM;
-        semaphore = ws.semaphores + (static_cast<int64_t>(loc.batch) * p.heads_q + loc.head) * m_blocks_max + m_block;
-        if (tid == 0) {
-          const int expected = QueryBlocks::key_block_end(window, m_block) - 1 - loc.n_block;
-          while (load_acquire(semaphore) != expected) {
-          }
-        }
+        const auto dq_turn =
+            DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block);
+        semaphore = dq_turn.semaphore;
+        if (tid == 0) dq_turn.wait();
         __syncthreads();
       }
       const int64_t dq_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
@@ -805,10 +858,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
     }
     if (unpublished != nullptr) {
       __syncthreads();
-      if (tid == 0) {
-        __threadfence();
-        atomicAdd(unpublished, 1);
-      }
+      if (tid == 0) publish_dq_adds(unpublished);
     }
   }
 

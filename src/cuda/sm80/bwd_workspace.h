@@ -11,7 +11,9 @@
 //   dk_expanded fp32 [total_k][heads_q][head_dim]  GQA/MQA only: dK per query head before the
 //   dv_expanded fp32 [total_k][heads_q][head_dim]  group sum (empty for MHA: written to dk/dv)
 //   semaphores  int  [batch][heads_q][m blocks]     deterministic mode only: how many key blocks
-//                                                 have added into each query block's dQ
+//                                                 have added into each query block's dQ (m blocks
+//                                                 of this kernel's BlockM; the sm90 kernel's query
+//                                                 blocks are as large or larger and use a prefix)
 #pragma once
 
 #include <cstddef>

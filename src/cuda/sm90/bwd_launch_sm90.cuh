@@ -16,19 +16,42 @@
 
 namespace flashkit::sm90 {
 
+// The traits of a family's kernel, in deterministic mode or not, with dropout or not: the same
+// tiles and shared memory.
+template <DType kDType, int kHeadDimFamily, bool kDeterministic, bool kDropout>
+using BwdTraitsOf = BwdKernelTraits<typename sm80::ElementOf<kDType>::type, kHeadDimFamily,
+                                    bwd_tile_config(kHeadDimFamily).block_m, bwd_tile_config(kHeadDimFamily).block_n,
+                                    bwd_tile_config(kHeadDimFamily).query_parts, kDeterministic, kDropout>;
+
+// The kernel instance for `problem`'s mode and dropout.
+template <DType kDType, int kHeadDimFamily>
+auto bwd_kernel_for(const BwdProblem& problem) {
+  const bool dropout = problem.fwd.dropout_p > 0.0f;
+  if (problem.deterministic) {
+    return dropout ? bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, true>>
+                   : bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, false>>;
+  }
+  return dropout ? bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, false, true>>
+                 : bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, false, false>>;
+}
+
 template <DType kDType, int kHeadDimFamily>
 void run_bwd(const BwdProblem& problem, void* stream) {
   constexpr BwdTileConfig kTile = bwd_tile_config(kHeadDimFamily);
   static_assert(kTile.block_m > 0, "no sm90 backward tile for this head-dim family");
+  // The workspace (sm80::bwd_workspace_bytes, whatever path runs) holds one deterministic-mode
+  // semaphore per sm80 query block; this kernel's query blocks are as large or larger.
+  static_assert(kTile.block_m >= sm80::bwd_tile_config(kHeadDimFamily).block_m,
+                "the workspace's semaphores cover this kernel's query blocks");
   using Element = typename sm80::ElementOf<kDType>::type;
-  using Traits = BwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.query_parts>;
+  using Traits = BwdTraitsOf<kDType, kHeadDimFamily, false, false>;
   auto* s = static_cast<cudaStream_t>(stream);
   const sm80::BwdWorkspacePointers ws = sm80::BwdWorkspacePointers::of(problem);
 
   sm80::launch_bwd_preprocess<Element>(problem, ws, s);
   const int64_t num_blocks = sm80::bwd_main_grid(problem.fwd, Traits::kBlockN);
   if (num_blocks > 0) {
-    auto kernel = bwd_kernel<Traits>;
+    const auto kernel = bwd_kernel_for<kDType, kHeadDimFamily>(problem);
     cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes),
                 "cudaFuncSetAttribute(sm90 bwd_kernel, max dynamic shared memory)");
     kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes, s>>>(problem, ws);

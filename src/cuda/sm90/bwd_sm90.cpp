@@ -18,8 +18,6 @@ std::string bwd_unsupported_reason(const BwdProblem& problem) {
     return "head dim " + std::to_string(p.head_dim) + " (family " + std::to_string(family) +
            ") is not one of the sm90 backward's families 64 and 128";
   }
-  if (problem.deterministic) return "deterministic mode runs on the sm80 backward";
-  if (p.dropout_p > 0.0f) return "dropout is not implemented on the sm90 backward";
   return "";
 }
 
