@@ -109,7 +109,7 @@ std::string sm90_unavailable_reason(const BwdProblem& problem) {
   if (find_sm90_bwd(p.dtype, family) == nullptr) {
     return std::string("this build has no sm90 backward kernel for ") + build_dtype_name(p.dtype) +
            " head dim " + std::to_string(p.head_dim) + " (family " + std::to_string(family) +
-           "; the sm90 backward families 64 and 128 are built when CMAKE_CUDA_ARCHITECTURES "
+           "; the sm90 backward families 64, 128 and 256 are built when CMAKE_CUDA_ARCHITECTURES "
            "includes 90 and FLASHKIT_SM90=ON; built head dims " FLASHKIT_BUILT_HEAD_DIMS ", dtypes "
            FLASHKIT_BUILT_DTYPES ")";
   }
@@ -153,7 +153,8 @@ void run_on_cuda(const char* fn, const char* size_query, const BwdProblem& probl
     if (use_sm90) {
       const sm90::BwdTileConfig tile = sm90::bwd_tile_config(family);
       path = "sm90 backward (wgmma), tile " + std::to_string(tile.block_m) + " queries x " +
-             std::to_string(tile.block_n) + " keys, 2 warpgroups, scores in " +
+             std::to_string(tile.block_n) + " keys, 2 warpgroups" +
+             (tile.split_head_dim ? " sharing the keys, head dim split" : "") + ", scores in " +
              std::to_string(tile.query_parts) + " part(s)";
     } else {
       const std::string why_not_sm90 = requested == BwdPath::kSm80 ? "forced by FLASHKIT_BWD_PATH=sm80"

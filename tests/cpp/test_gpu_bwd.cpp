@@ -34,7 +34,7 @@
 // A case whose (dtype, head dim) this build has no backward kernel for is skipped, not failed.
 // Without a GPU every test skips itself. FLASHKIT_TEST_VERBOSE=1 prints the errors measured for
 // passing cases too. On a Hopper GPU the automatic path runs the sm90 backward where it covers a
-// case (head-dim families 64 and 128, deterministic mode and dropout included); run the suite again
+// case (head-dim families 64, 128 and 256, deterministic mode and dropout included); run the suite again
 // with FLASHKIT_BWD_PATH=sm80 for the sm80 kernel (scripts/gpu_check.sh does: step
 // gpu_tests_bwd_sm80).
 #include <cuda_runtime.h>
@@ -693,16 +693,17 @@ TEST_F(GpuBwdTest, UnbuiltBackwardKernelIsRejected) {
 }
 
 // Whether FLASHKIT_BWD_PATH=sm90 can run (dtype, head dim) here (either mode): a compute
-// capability 9.0 device and the sm90 backward of its family (64 or 128) in this build.
+// capability 9.0 device and the sm90 backward of its family (64, 128 or 256) in this build.
 bool sm90_bwd_runs([[maybe_unused]] DType dtype, int head_dim) {
   cudaDeviceProp prop;
   FK_CUDA_CHECK(cudaGetDeviceProperties(&prop, current_device()));
-  // The sm80 backward's families (32, 64, 96, 128, ...); sm90 has 64 and 128 of them.
+  // The sm80 backward's families (32, 64, 96, 128, 192, 256); sm90 has 64, 128 and 256 of them.
   [[maybe_unused]] const int family = head_dim <= 32    ? 32
                                       : head_dim <= 64  ? 64
                                       : head_dim <= 96  ? 96
                                       : head_dim <= 128 ? 128
-                                                        : 0;
+                                      : head_dim <= 192 ? 192
+                                                        : 256;
   bool built = false;
 #define FLASHKIT_SM90_BWD_INSTANCE(kDType, kFamily) \
   built = built || (dtype == DType::kDType && family == kFamily);

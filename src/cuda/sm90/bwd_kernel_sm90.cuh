@@ -2,9 +2,10 @@
 // \brief The backward kernel on wgmma (sm_90a, Hopper): the sm80 kernel's algorithm with its five
 // matrix products on warpgroup MMAs (bwd_tile_config_sm90.h has the shapes and the counts).
 //
-// One CTA owns BlockN = 128 keys of one (batch, query head): two warpgroups, 64 keys each, hold
-// their dK and dV in registers and walk the query blocks whose forward pass visited the key block
-// (sm80::VisibleQueryBlocks, the same test and skips as the sm80 kernel). K and V stay in shared
+// Families 64 and 128 (family 256: below): one CTA owns BlockN = 128 keys of one (batch, query
+// head): two warpgroups, 64 keys each, hold their dK and dV in registers and walk the query
+// blocks whose forward pass visited the key block (sm80::VisibleQueryBlocks, the same test and
+// skips as the sm80 kernel). K and V stay in shared
 // memory; Q, dO and the rows' LSE and dot(dO, O) are double-buffered with cp.async, each query
 // block's loads landing during the previous block's compute (this first cut has no producer warp
 // and no TMA):
@@ -34,11 +35,17 @@
 //                                                          order, below)
 //   epilogue     dK * scale, dV -> dk, dv (MHA) or the fp32 per-query-head workspace (GQA/MQA)
 //
+// Family 256 (Traits::kSplitHeadDim): 64 keys per CTA, shared by both warpgroups, since 64 keys x
+// 256 columns of dK + dV would take 256 registers per thread. Warpgroup w computes S^T / dP^T for
+// the w-th half of the queries and stores P^T as well as dS^T; after the barrier it issues dQ for
+// the w-th half of the head dim, then dV += P^T dO and dK += dS^T Q for that half (both operands
+// from shared memory), whose products run during dQ's reductions.
+//
 // The sm80 kernel's arch-independent pieces are reused as they are: block location, visible query
 // blocks, score transform and masks on S^T fragments (a warp's 16 keys x the part's queries
 // are exactly an sm80 warp tile of one 16-key row tile), probabilities, score gradients, the dS^T store,
 // the dQ reductions and the dK/dV epilogue. Not covered (the dispatcher keeps them on sm80):
-// head-dim families other than 64 and 128.
+// head-dim families other than 64, 128 and 256.
 //
 // Dropout (Traits::kDropout) is the sm80 kernel's too, on each part's S^T fragments: the
 // forward's Philox mask regenerated right after P^T (sm80::mark_dropped_transposed, which marks
@@ -74,8 +81,8 @@
 
 namespace flashkit::sm90 {
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kQueryParts_, bool kDeterministic_,
-          bool kDropout_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kQueryParts_, bool kSplitHeadDim_,
+          bool kDeterministic_, bool kDropout_>
 struct BwdKernelTraits {
   using Element = Element_;
   // The instances that add dQ in key-block order (deterministic mode) and that regenerate the
@@ -85,13 +92,20 @@ struct BwdKernelTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = kBlockN_;
-  static constexpr int kWarpgroups = kBlockN / 64;  // 64 keys (wgmma's M) each
+  // Without the split, each warpgroup owns 64 keys (wgmma's M) and all of their dK/dV columns and
+  // the block's queries. With it (family 256, bwd_tile_config_sm90.h), two warpgroups share the 64
+  // keys: warpgroup w computes S^T / dP^T for the w-th half of the queries and dK / dV for the
+  // w-th half of the head dim, P^T and dS^T meeting in shared memory.
+  static constexpr bool kSplitHeadDim = kSplitHeadDim_;
+  static constexpr int kWarpgroups = kSplitHeadDim ? 2 : kBlockN / 64;
   static constexpr int kThreads = kWarpgroups * kWarpgroupThreads;
+  static constexpr int kWarpgroupQueries = kSplitHeadDim ? kBlockM / kWarpgroups : kBlockM;
+  static constexpr int kKvColumns = kSplitHeadDim ? kHeadDim / kWarpgroups : kHeadDim;
 
-  // S^T and dP^T run in kQueryParts parts of the query block (kPartM queries each); with two,
+  // S^T and dP^T run in kQueryParts parts of the warpgroup's queries (kPartM each); with two,
   // one part's softmax and dS overlap the other part's products on the tensor cores.
   static constexpr int kQueryParts = kQueryParts_;
-  static constexpr int kPartM = kBlockM / kQueryParts;
+  static constexpr int kPartM = kWarpgroupQueries / kQueryParts;
   // The shapes the sm80 S^T helpers index: per warp one 16-key tile x kPartM / 8 query columns.
   struct PartScores {
     using Element = Element_;
@@ -99,11 +113,12 @@ struct BwdKernelTraits {
     static constexpr int kSKeyTiles = 1;
     static constexpr int kSQueryTiles = kPartM / 8;
   };
-  static constexpr int kDTiles = kHeadDim / 8;  // dK, dV columns per thread's fragment row
+  static constexpr int kDTiles = kKvColumns / 8;  // dK, dV columns per thread's fragment row
 
-  // dQ (kBlockM x kHeadDim) in 64 x 64 parts, one per warpgroup: kDqQueryParts along the queries.
+  // dQ (kBlockM x kHeadDim) in one part per warpgroup, 64 queries x kDqColumns: kDqQueryParts
+  // along the queries.
   static constexpr int kDqQueryParts = kBlockM / 64;
-  static constexpr int kDqColumns = 64;
+  static constexpr int kDqColumns = kHeadDim * kDqQueryParts / kWarpgroups;
   static constexpr int kDqTiles = kDqColumns / 8;
 
   using KvTile = Swizzle128Tile<kBlockN, kHeadDim>;  // K, V
@@ -111,7 +126,8 @@ struct BwdKernelTraits {
   using PTile = Swizzle128Tile<kBlockN, kBlockM>;    // dS^T: keys x queries
 
   // Shared-memory plan, byte offsets from a 1024-byte aligned base:
-  //   [ K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | dS^T | LSE x 2 | dot x 2 ]
+  //   [ K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | dS^T | P^T (split only) |
+  //     LSE x 2 | dot x 2 ]
   static constexpr int kStages = 2;
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + KvTile::kBytes;
@@ -120,7 +136,8 @@ struct BwdKernelTraits {
   static constexpr int kStageBytes = 2 * QTile::kBytes;
   static constexpr int kDsOffset = kQOffset + kStages * kStageBytes;
   static constexpr int kRowStatsBytes = kBlockM * static_cast<int>(sizeof(float));
-  static constexpr int kLseOffset = kDsOffset + PTile::kBytes;
+  static constexpr int kPOffset = kDsOffset + PTile::kBytes;
+  static constexpr int kLseOffset = kPOffset + (kSplitHeadDim ? PTile::kBytes : 0);
   static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
   // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
   static constexpr int kSmemBytes = kDotOffset + kStages * kRowStatsBytes + 1024;
@@ -128,8 +145,10 @@ struct BwdKernelTraits {
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 64 == 0,
                 "whole wgmma M tiles and 64-column swizzle atoms");
   static_assert((kQueryParts == 1 || kQueryParts == 2) && kPartM % 16 == 0, "one or two query parts");
-  static_assert(kDqQueryParts * (kHeadDim / kDqColumns) == kWarpgroups,
-                "the dQ parts are one per warpgroup");
+  static_assert(kDqQueryParts * (kHeadDim / kDqColumns) == kWarpgroups && kDqColumns % 64 == 0,
+                "the dQ parts are one per warpgroup, whole swizzle atoms wide");
+  static_assert(!kSplitHeadDim || (kBlockN == 64 && kQueryParts == 1 && kKvColumns % 64 == 0),
+                "the split shares one 64-key block and halves whole swizzle atoms of the head dim");
   static_assert(2 * kBlockM <= kThreads, "one thread per LSE / dot row copy");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
 };
@@ -179,7 +198,7 @@ __device__ __forceinline__ void issue_scores(float* acc, uint32_t a_rows, uint32
   wgmma_commit();
 }
 
-// acc (64 keys x kHeadDim) += X B over kPartM queries, X from registers (P^T or dS^T), B = the
+// acc (64 keys x kKvColumns) += X B over kPartM queries, X from registers (P^T or dS^T), B = the
 // part's dO or Q rows from `b_rows` (queries x head dim, read MN-major). Issued, not committed.
 template <typename Traits>
 __device__ __forceinline__ void issue_key_gradient(float* acc, const uint32_t (&x)[Traits::kPartM / 16][4],
@@ -188,7 +207,22 @@ __device__ __forceinline__ void issue_key_gradient(float* acc, const uint32_t (&
 #pragma unroll
   for (int kk = 0; kk < Traits::kPartM / 16; ++kk) {
     const uint64_t b_desc = mn_major_descriptor(b_rows + kk * 16 * 128, QTile::kColumnBlockBytes);
-    Wgmma<Traits::kHeadDim>::template rs<typename Traits::Element, 1>(acc, x[kk], b_desc, 1u);
+    Wgmma<Traits::kKvColumns>::template rs<typename Traits::Element, 1>(acc, x[kk], b_desc, 1u);
+  }
+}
+
+// The split layout's (Traits::kSplitHeadDim) key gradient: acc (64 keys x kKvColumns) += X B over
+// the block's kBlockM queries, X = the whole P^T or dS^T from the keys x queries tile `x_tile`
+// (K-major), B = the warpgroup's dO or Q columns from `b_columns` (MN-major). Issued, not committed.
+template <typename Traits>
+__device__ __forceinline__ void issue_key_gradient_from_tile(float* acc, uint32_t x_tile, uint32_t b_columns) {
+  using PTile = typename Traits::PTile;
+  using QTile = typename Traits::QTile;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kBlockM / 16; ++kk) {
+    const uint64_t a_desc = k_major_descriptor(x_tile + (kk / 4) * PTile::kColumnBlockBytes + (kk % 4) * 32);
+    const uint64_t b_desc = mn_major_descriptor(b_columns + kk * 16 * 128, QTile::kColumnBlockBytes);
+    Wgmma<Traits::kKvColumns>::template ss<typename Traits::Element, 1>(acc, a_desc, b_desc, 1u);
   }
 }
 
@@ -244,9 +278,13 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int tid = static_cast<int>(threadIdx.x);
   const int warpgroup = tid / kWarpgroupThreads;
   const int warp = (tid / 32) % 4;  // within the warpgroup
-  const int wg_key0 = warpgroup * 64;          // this warpgroup's first key in the block
+  // This warpgroup's first key in the block, first query of its S^T / dP^T, and first dK / dV
+  // column (the split layout's warpgroups share the keys and split the queries and columns).
+  const int wg_key0 = Traits::kSplitHeadDim ? 0 : warpgroup * 64;
+  const int wg_query0 = Traits::kSplitHeadDim ? warpgroup * Traits::kWarpgroupQueries : 0;
+  const int wg_kv_col0 = Traits::kSplitHeadDim ? warpgroup * Traits::kKvColumns : 0;
   const int warp_key0 = wg_key0 + warp * 16;   // this warp's first key (its 16 accumulator rows)
-  // This warpgroup's dQ part: 64 queries x 64 columns.
+  // This warpgroup's dQ part: 64 queries x kDqColumns columns.
   const int dq_query_part = warpgroup % Traits::kDqQueryParts;
   const int dq_column_part = warpgroup / Traits::kDqQueryParts;
 
@@ -325,15 +363,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float* dot_rows =
           reinterpret_cast<const float*>(smem_aligned + Traits::kDotOffset + stage * Traits::kRowStatsBytes);
 
-      // S^T = K Q^T and dP^T = V dO^T over this warpgroup's 64 keys x the block's queries, in
-      // kQueryParts parts of kPartM queries: 2 x kQueryParts groups in flight, part 0's first.
+      // S^T = K Q^T and dP^T = V dO^T over this warpgroup's 64 keys x its queries, in kQueryParts
+      // parts of kPartM queries: 2 x kQueryParts groups in flight, part 0's first.
       float acc_s[kQueryParts][1][kPartM / 8][4];
       float acc_dp[kQueryParts][1][kPartM / 8][4];
       wgmma_fence();
 #pragma unroll
       for (int h = 0; h < kQueryParts; ++h) {
-        issue_scores<Traits>(&acc_s[h][0][0][0], k_rows, q_tile + h * kPartM * 128);
-        issue_scores<Traits>(&acc_dp[h][0][0][0], v_rows, do_tile + h * kPartM * 128);
+        const uint32_t part_rows = static_cast<uint32_t>((wg_query0 + h * kPartM) * 128);
+        issue_scores<Traits>(&acc_s[h][0][0][0], k_rows, q_tile + part_rows);
+        issue_scores<Traits>(&acc_dp[h][0][0][0], v_rows, do_tile + part_rows);
       }
       if constexpr (Traits::kDeterministic) {
         // The barrier above ordered every thread's adds of the previous query block before this.
@@ -344,7 +383,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const bool cut = !window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN);
       // Per part, once its S^T and dP^T have landed: P^T and dS^T in registers, dS^T to shared
       // memory, then dV += P^T dO and dK += dS^T Q over the part's queries, issued so that they run
-      // during the next part's softmax or the barrier.
+      // during the next part's softmax or the barrier. The split layout stores P^T too and issues
+      // dV and dK after the barrier, over the whole block's P^T and dS^T.
       uint32_t p_frag[kQueryParts][kPartM / 16][4];
       uint32_t ds_frag[kQueryParts][kPartM / 16][4];
 #pragma unroll
@@ -358,7 +398,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         wgmma_wait_dynamic(2 * kQueryParts - h - (kProbabilitiesFirst ? 1 : 2));
         wgmma_fence_registers<kPartM / 2>(&acc_s[h][0][0][0]);
         if (!kProbabilitiesFirst) wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
-        const int first_query = h * kPartM;  // in the block
+        const int first_query = wg_query0 + h * kPartM;  // in the block
         if (transform) {
           sm80::transform_scores_t<PartScores>(acc_s[h], p, first_key, m0 + first_query, alibi_slope, diagonal);
         }
@@ -371,30 +411,43 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           wgmma_wait_dynamic(2 * kQueryParts - h - 2);
           wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
         }
-        if constexpr (Traits::kDropout) {  // the kept P^T for dV, then dP^T o Z and |P^T|
-          pack_a_operand<Element, kPartM / 8, true>(acc_s[h], p_frag[h]);
+        // P^T for dV (with dropout its kept entries, taken before dP^T o Z and |P^T|): packed to
+        // an A operand, or (split) stored for the other warpgroup too.
+        auto keep_probabilities = [&] {
+          if constexpr (Traits::kSplitHeadDim) {
+            sm80::store_keys_by_queries<PartScores, Traits::kDropout>(smem + Traits::kPOffset, acc_s[h], warp_key0,
+                                                                      first_query / 8);
+          } else {
+            pack_a_operand<Element, kPartM / 8, Traits::kDropout>(acc_s[h], p_frag[h]);
+          }
+        };
+        if constexpr (Traits::kDropout) {
+          keep_probabilities();
           sm80::apply_dropout_to_gradients_t<PartScores>(acc_dp[h], acc_s[h], 1.0f / (1.0f - p.dropout_p));
         }
         sm80::score_gradients_t<PartScores>(acc_dp[h], acc_s[h], lse_rows, dot_rows, first_query, m0, first_key,
                                             p, alibi_slope, diagonal);
-        if constexpr (!Traits::kDropout) pack_a_operand<Element>(acc_s[h], p_frag[h]);
-        pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
+        if constexpr (!Traits::kDropout) keep_probabilities();
         sm80::store_keys_by_queries<PartScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
-        wgmma_fence();
-        issue_key_gradient<Traits>(&acc_dv[0][0][0], p_frag[h], do_tile + first_query * 128);
-        issue_key_gradient<Traits>(&acc_dk[0][0][0], ds_frag[h], q_tile + first_query * 128);
-        wgmma_commit();
+        if constexpr (!Traits::kSplitHeadDim) {
+          pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
+          wgmma_fence();
+          issue_key_gradient<Traits>(&acc_dv[0][0][0], p_frag[h], do_tile + first_query * 128);
+          issue_key_gradient<Traits>(&acc_dk[0][0][0], ds_frag[h], q_tile + first_query * 128);
+          wgmma_commit();
+        }
       }
-      fence_proxy_async_shared();  // the dS^T stores, before the dQ wgmma reads them
-      __syncthreads();  // dS^T complete
+      fence_proxy_async_shared();  // the P^T / dS^T stores, before the wgmmas read them
+      __syncthreads();  // P^T / dS^T complete
 
       [[maybe_unused]] const auto dq_turn =
           sm80::DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block);
       // dQ part = dS K: A = dS (64 queries x 16 keys per step) read transposed from dS^T, B = K
-      // (16 keys x 64 columns) read MN-major.
+      // (16 keys x kDqColumns columns) read MN-major.
       float acc_dq[Traits::kDqTiles][4];
       const uint32_t ds_columns = smem + Traits::kDsOffset + dq_query_part * PTile::kColumnBlockBytes;
-      const uint32_t k_columns = smem + Traits::kKOffset + dq_column_part * KvTile::kColumnBlockBytes;
+      const uint32_t k_columns =
+          smem + Traits::kKOffset + dq_column_part * (Traits::kDqColumns / 64) * KvTile::kColumnBlockBytes;
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
         const uint64_t a_desc = mn_major_descriptor(ds_columns + kk * 16 * 128, PTile::kColumnBlockBytes);
@@ -402,13 +455,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Wgmma<Traits::kDqColumns>::template ss<Element, 1, 1>(&acc_dq[0][0], a_desc, b_desc, kk > 0 ? 1u : 0u);
       }
       wgmma_commit();
+      if constexpr (Traits::kSplitHeadDim) {
+        // dV += P^T dO and dK += dS^T Q over the block's queries and this warpgroup's columns,
+        // behind dQ so that its reductions below run while these products do.
+        const uint32_t kv_columns = static_cast<uint32_t>((wg_kv_col0 / 64) * QTile::kColumnBlockBytes);
+        issue_key_gradient_from_tile<Traits>(&acc_dv[0][0][0], smem + Traits::kPOffset, do_tile + kv_columns);
+        issue_key_gradient_from_tile<Traits>(&acc_dk[0][0][0], smem + Traits::kDsOffset, q_tile + kv_columns);
+        wgmma_commit();
+      }
       // Deterministic mode: the first read of the semaphore travels while dQ is computed.
       [[maybe_unused]] int dq_turn_seen = 0;
       if constexpr (Traits::kDeterministic) dq_turn_seen = dq_turn.poll();
-      wgmma_wait<0>();
+      auto key_gradients_landed = [&] {
+        wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dk[0][0][0]);
+        wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dv[0][0][0]);
+      };
+      wgmma_wait<Traits::kSplitHeadDim ? 1 : 0>();  // dQ (without the split: everything) landed
       wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
-      wgmma_fence_registers<Traits::kHeadDim / 2>(&acc_dk[0][0][0]);
-      wgmma_fence_registers<Traits::kHeadDim / 2>(&acc_dv[0][0][0]);
+      if constexpr (!Traits::kSplitHeadDim) key_gradients_landed();
 
       if constexpr (Traits::kDeterministic) {
         dq_turn.wait(dq_turn_seen);
@@ -416,6 +480,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, m0 + dq_query_part * 64 + warp * 16,
                                           dq_column_part * Traits::kDqColumns, loc.len_q, p.head_dim);
+      if constexpr (Traits::kSplitHeadDim) {
+        // The key gradients' reads of this stage's Q and dO and of P^T and dS^T finish before the
+        // next block's barrier lets anyone overwrite them.
+        wgmma_wait<0>();
+        key_gradients_landed();
+      }
     }
     if constexpr (Traits::kDeterministic) {
       if (unpublished != nullptr) {
@@ -425,7 +495,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   }
 
-  sm80::store_key_gradients<Element, 1, kDTiles>(bp, ws, loc, acc_dk, acc_dv, n0 + warp_key0, 0,
+  sm80::store_key_gradients<Element, 1, kDTiles>(bp, ws, loc, acc_dk, acc_dv, n0 + warp_key0, wg_kv_col0,
                                                  Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
 }
 

@@ -21,7 +21,8 @@ namespace flashkit::sm90 {
 template <DType kDType, int kHeadDimFamily, bool kDeterministic, bool kDropout>
 using BwdTraitsOf = BwdKernelTraits<typename sm80::ElementOf<kDType>::type, kHeadDimFamily,
                                     bwd_tile_config(kHeadDimFamily).block_m, bwd_tile_config(kHeadDimFamily).block_n,
-                                    bwd_tile_config(kHeadDimFamily).query_parts, kDeterministic, kDropout>;
+                                    bwd_tile_config(kHeadDimFamily).query_parts,
+                                    bwd_tile_config(kHeadDimFamily).split_head_dim, kDeterministic, kDropout>;
 
 // The kernel instance for `problem`'s mode and dropout.
 template <DType kDType, int kHeadDimFamily>

@@ -16,7 +16,7 @@ std::string bwd_unsupported_reason(const BwdProblem& problem) {
   for (int f : kBwdHeadDimFamilies) covered |= f == family;
   if (!covered) {
     return "head dim " + std::to_string(p.head_dim) + " (family " + std::to_string(family) +
-           ") is not one of the sm90 backward's families 64 and 128";
+           ") is not one of the sm90 backward's families 64, 128 and 256";
   }
   return "";
 }

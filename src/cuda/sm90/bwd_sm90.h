@@ -12,7 +12,7 @@ namespace flashkit::sm90 {
 // The head-dim families the sm90 backward is compiled for; a head dim runs in the sm80 backward's
 // family (sm80::fwd_head_dim_family), so the sm90 path covers the head dims whose sm80 family is
 // one of these.
-constexpr int kBwdHeadDimFamilies[] = {64, 128};
+constexpr int kBwdHeadDimFamilies[] = {64, 128, 256};
 
 // Why the sm90 backward cannot run `problem` (options it does not cover), or "" when it can.
 // Whether the (dtype, family) instance was compiled is the dispatcher's question, not this.

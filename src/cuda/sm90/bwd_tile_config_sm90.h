@@ -2,8 +2,8 @@
 // \brief Tile sizes of the sm90 (wgmma) backward kernel per head-dim family, with the counts that
 // chose them; plain C++ (the dispatcher names the tile).
 //
-// A CTA owns BlockN = 128 keys of one (batch, query head): two warpgroups of 64 keys each (wgmma's
-// M is 64). Per query block of BlockM queries, warpgroup w computes, for its 64 keys:
+// Families 64 and 128 (256: below): a CTA owns BlockN = 128 keys of one (batch, query head): two
+// warpgroups of 64 keys each (wgmma's M is 64). Per query block of BlockM queries, warpgroup w computes, for its 64 keys:
 //   S^T  = K_w Q^T    P x m64 n(BlockM/P) k16 x D/16  A = K (smem, K-major), B = Q (smem, K-major)
 //   dP^T = V_w dO^T   P x m64 n(BlockM/P) k16 x D/16  A = V, B = dO
 //   dV  += P^T dO     m64 n(D) k16 x BlockM/16        A = P^T (registers), B = dO (smem, MN-major)
@@ -24,21 +24,43 @@
 //   128    | 64     | 128    | 128   | 64       | 32          | 32 | 32+32+64+16+1 = 145 KiB
 // Both stay under ~200 live registers at the peak (scores and dS: dK + dV + S^T + dP^T = 192), so
 // one CTA of 256 threads per SM at <= 255 registers; shared memory would allow one CTA too.
+//
+// Family 256 cannot keep that layout: a warpgroup's dK + dV for 64 keys x 256 dims is 256 fp32
+// registers per thread. There the two warpgroups share one block of BlockN = 64 keys and split
+// the work the other way (split_head_dim; FlashAttention-3's hdim-256 backward tiles 64 x 64 the
+// same way, with its roles of M and N swapped):
+//   S^T, dP^T    warpgroup w: the 64 keys x queries [32w, 32w + 32)   m64 n32 k16 x 16, ss
+//   P^T, dS^T    -> shared memory (keys x queries), both whole, then a barrier
+//   dV += P^T dO warpgroup w: head-dim columns [128w, 128w + 128)     m64 n128 k16 x 4, ss
+//                (A = P^T from shared memory, K-major; B = dO, MN-major)
+//   dK += dS^T Q likewise with A = dS^T, B = Q
+//   dQ = dS K    warpgroup w: the 64 queries x columns [128w, 128w + 128)  m64 n128 k16 x 4, ss
+// fp32 registers per thread: dK + dV = 2 * 64 * 128 / 128 = 128 resident, S^T + dP^T = 32, dQ = 64
+// (after the scores are dead): peak ~128 + 64 + addresses. Shared memory: K, V 32 + 32 KiB,
+// 2 x (Q, dO) 128 KiB, P^T + dS^T 16 KiB, LSE/dot 1 KiB = 209 KiB (+ 1 KiB alignment) of 227.
+//   family | BlockM | BlockN | split | dK+dV | S^T+dP^T | dQ
+//   256    | 64     | 64     | yes   | 128   | 32       | 64
+// Bytes per FLOP against the d128 tile: per (64-query, 64-key) pair the CTA reads Q and dO
+// (64 KiB) and reduces 64 KiB of fp32 dQ for 5 x 2 x 64 x 64 x 256 = 10.5 MFLOP, twice d128's
+// L2 traffic per FLOP (its 128-key CTAs share each Q/dO load between two warpgroups); at
+// ~300 TFLOP/s that is ~3.7 TB/s of L2, within an H200's L2 bandwidth but not free.
 #pragma once
 
 namespace flashkit::sm90 {
 
 struct BwdTileConfig {
-  int block_m;      // queries per query block
-  int block_n;      // keys per CTA (64 per consumer warpgroup)
-  int query_parts;  // S^T / dP^T parts per query block (1 or 2)
+  int block_m;          // queries per query block
+  int block_n;          // keys per CTA (64 per consumer warpgroup, or 64 shared: split_head_dim)
+  int query_parts;      // S^T / dP^T parts per query block and warpgroup (1 or 2)
+  bool split_head_dim;  // both warpgroups own the same keys: dK/dV split by head dim (above)
 };
 
 constexpr BwdTileConfig bwd_tile_config(int head_dim_family) {
   switch (head_dim_family) {
-    case 64: return {128, 128, 2};
-    case 128: return {64, 128, 1};
-    default: return {0, 0, 0};
+    case 64: return {128, 128, 2, false};
+    case 128: return {64, 128, 1, false};
+    case 256: return {64, 64, 1, true};
+    default: return {0, 0, 0, false};
   }
 }
 
