@@ -340,11 +340,6 @@ struct VisibleQueryBlocks {
   int begin;
   int end;
 
-  // The first key block that query block `m_block` sees (when it sees any).
-  __device__ __forceinline__ static int key_block_begin(const KeyWindow& window, int m_block) {
-    return window.key_begin(m_block * kBlockM) / kBlockN;
-  }
-
   // One past the last key block that query block `m_block` sees.
   __device__ __forceinline__ static int key_block_end(const KeyWindow& window, int m_block) {
     return (window.key_end(min(m_block * kBlockM + kBlockM, window.len_q) - 1) + kBlockN - 1) / kBlockN;
@@ -366,14 +361,12 @@ struct VisibleQueryBlocks {
   }
 };
 
-// Deterministic mode: each query block's dQ takes its key blocks' adds in a fixed key-block order,
-// descending (the sm80 kernel and the sm90 kernel's families 64 / 128) or ascending (the sm90
-// kernel's family 256). The query block's semaphore in the workspace (zeroed before the main
-// kernel) counts the key blocks that have published their adds; key block n adds when all key
-// blocks before it in that order that see the query block have. The grid order starts a head's
-// key blocks in the same order (descending: BwdBlockLocation::locate runs the grid backwards; the
-// sm90 kernel has an order of its own), so the CTAs waited for started earlier and never wait for
-// the waiter: no deadlock.
+// Deterministic mode: each query block's dQ takes its key blocks' adds in descending key-block
+// order. The query block's semaphore in the workspace (zeroed before the main kernel) counts the
+// key blocks that have published their adds; key block n adds when all later key blocks that see
+// the query block have. The grid order starts a head's key block n + 1 before its key block n
+// (BwdBlockLocation::locate runs the grid backwards; the sm90 kernel has an order of its own), so
+// the CTAs waited for started earlier and never wait for the waiter: no deadlock.
 template <int kBlockM, int kBlockN>
 struct DqAddTurn {
   int* semaphore;
@@ -381,13 +374,11 @@ struct DqAddTurn {
 
   __device__ __forceinline__ static DqAddTurn of(const BwdProblem& bp, const BwdWorkspacePointers& ws,
                                                  int batch, int head, const KeyWindow& window,
-                                                 int m_block, int n_block, bool ascending = false) {
+                                                 int m_block, int n_block) {
     const FwdProblem& p = bp.fwd;
     const int64_t m_blocks_max = (p.seqlen_q + kBlockM - 1) / kBlockM;
-    using Visible = VisibleQueryBlocks<kBlockM, kBlockN>;
     return {ws.semaphores + (static_cast<int64_t>(batch) * p.heads_q + head) * m_blocks_max + m_block,
-            ascending ? n_block - Visible::key_block_begin(window, m_block)
-                      : Visible::key_block_end(window, m_block) - 1 - n_block};
+            VisibleQueryBlocks<kBlockM, kBlockN>::key_block_end(window, m_block) - 1 - n_block};
   }
 
   // The semaphore's count now, read with acquire semantics: adds issued after a read that shows

@@ -226,45 +226,37 @@ __device__ __forceinline__ void issue_key_gradient_from_tile(float* acc, uint32_
   }
 }
 
-// Deterministic mode's order for family 256 (the split layout), chosen by the launcher: the L2
-// budget of a chunk of heads and the dQ add order (deterministic_location). Families 64 / 128
-// ignore it.
-struct DeterministicOrder {
-  int64_t chunk_bytes;
-  bool ascending;  // key blocks add dQ (and start) in ascending order; query blocks walked backwards
-};
-
 // Deterministic mode's order of the grid. The sm80 order (the grid backwards, each (batch, head)'s
 // key blocks together) starts all key blocks of a head at once, and without a causal mask they then
 // meet each query block together: key block n waits for n + 1, which waits for n + 2, ..., a chain
 // that idles the SMs at each CTA start (measured: up to 1.31x the default's time at 2k tokens).
 // Here the heads go in chunks, and within a chunk the key blocks take turns: the last key block of
-// every head of the chunk, then the one before, and so on (`ascending`: the first key block, then
-// the next). About 132 / chunk CTAs of a head run at once instead of all its key blocks, and a
-// head's key blocks start in the order in which they add dQ (DqAddTurn), so a CTA waits only on
-// CTAs that started before it: no deadlock. A chunk has as many heads as keep their Q, dO and dQ
-// accumulator (8 x seqlen_q x head_dim bytes each) within `chunk_bytes`.
+// every head of the chunk, then the one before, and so on. About 132 / chunk CTAs of a head run at
+// once instead of all its key blocks, and a head's key block n still starts before n - 1 (a CTA
+// waits only on CTAs that started before it: no deadlock). A chunk has as many heads as keep their
+// Q, dO and dQ accumulator (8 x seqlen_q x head_dim bytes each) within 24 MiB, so that they stay
+// in L2 as one head's do in the sm80 order.
 template <typename Element>
 __device__ __forceinline__ sm80::BwdBlockLocation<Element> deterministic_location(
-    const BwdProblem& bp, const float* dot, int block_n, int64_t chunk_bytes, bool ascending) {
+    const BwdProblem& bp, const float* dot, int block_n) {
+  constexpr int64_t kChunkBytes = int64_t{24} << 20;
   const FwdProblem& p = bp.fwd;
   const int num_n_blocks = (p.seqlen_k + block_n - 1) / block_n;
   const int batch_heads = p.batch * p.heads_q;
   const int64_t head_bytes = int64_t{8} * p.seqlen_q * p.head_dim;
-  const int64_t heads_in_budget = max(int64_t{1}, chunk_bytes / max(head_bytes, int64_t{1}));
+  const int64_t heads_in_budget = max(int64_t{1}, kChunkBytes / max(head_bytes, int64_t{1}));
   const int chunk = static_cast<int>(min(static_cast<int64_t>(batch_heads), heads_in_budget));
   const int linear = static_cast<int>(blockIdx.x);
   const int first_head = linear / (chunk * num_n_blocks) * chunk;
   const int heads = min(chunk, batch_heads - first_head);
   const int turn = linear - first_head * num_n_blocks;
-  return sm80::BwdBlockLocation<Element>::at(bp, dot, ascending ? turn / heads : num_n_blocks - 1 - turn / heads,
+  return sm80::BwdBlockLocation<Element>::at(bp, dot, num_n_blocks - 1 - turn / heads,
                                              first_head + turn % heads);
 }
 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
-    bwd_kernel(const __grid_constant__ BwdProblem bp, const sm80::BwdWorkspacePointers ws,
-               const DeterministicOrder split_order) {
+    bwd_kernel(const __grid_constant__ BwdProblem bp, const sm80::BwdWorkspacePointers ws) {
   using Element = typename Traits::Element;
   using KvTile = typename Traits::KvTile;
   using QTile = typename Traits::QTile;
@@ -296,15 +288,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int dq_query_part = warpgroup % Traits::kDqQueryParts;
   const int dq_column_part = warpgroup / Traits::kDqQueryParts;
 
-  // Deterministic mode: families 64 / 128 add dQ in descending key-block order with chunks of
-  // 24 MiB; family 256 takes its order from the launcher (DeterministicOrder).
-  const bool ascending = Traits::kSplitHeadDim && split_order.ascending;
-  const sm80::BwdBlockLocation<Element> loc =
-      Traits::kDeterministic
-          ? deterministic_location<Element>(bp, ws.dot, kBlockN,
-                                            Traits::kSplitHeadDim ? split_order.chunk_bytes : int64_t{24} << 20,
-                                            ascending)
-          : sm80::BwdBlockLocation<Element>::locate(bp, ws.dot, kBlockN);
+  const sm80::BwdBlockLocation<Element> loc = Traits::kDeterministic
+                                                  ? deterministic_location<Element>(bp, ws.dot, kBlockN)
+                                                  : sm80::BwdBlockLocation<Element>::locate(bp, ws.dot, kBlockN);
   const int n0 = loc.n_block * kBlockN;
   if (n0 >= loc.len_k_rows) return;  // varlen: this sequence is shorter than max_seqlen_k
   const int head_chunks = p.head_dim / 8;
@@ -354,11 +340,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       sm80::cp_async_commit();
     };
-    // Ascending dQ order (deterministic family 256): the query blocks are walked from the last, so
-    // that a head's key blocks, started about together, meet each query block at the same step
-    // and wait on each other by a hand-over at most instead of a block.
-    const bool descending = Traits::kDeterministic && ascending;
-    load_query_block(descending ? visible.end - 1 : visible.begin, 0);
+    load_query_block(visible.begin, 0);
 
     const int64_t dq_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
     float* dq_accum = ws.dq_accum + loc.q_flat * dq_row_stride + static_cast<int64_t>(loc.head) * p.head_dim;
@@ -368,16 +350,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // Deterministic mode: the semaphore of the query block whose dQ adds this CTA made last and has
     // not published yet.
     [[maybe_unused]] int* unpublished = nullptr;
-    const int m_step = descending ? -1 : 1;
-    for (int m_block = descending ? visible.end - 1 : visible.begin, stage = 0;
-         descending ? m_block >= visible.begin : m_block < visible.end; m_block += m_step, stage ^= 1) {
+    for (int m_block = visible.begin, stage = 0; m_block < visible.end; ++m_block, stage ^= 1) {
       const int m0 = m_block * kBlockM;
       sm80::cp_async_wait<0>();
       fence_proxy_async_shared();  // this thread's copies, before wgmma reads them
       __syncthreads();
-      if (descending ? m_block > visible.begin : m_block + 1 < visible.end) {
-        load_query_block(m_block + m_step, stage ^ 1);
-      }
+      if (m_block + 1 < visible.end) load_query_block(m_block + 1, stage ^ 1);
       const uint32_t q_tile = smem + Traits::kQOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const uint32_t do_tile = smem + Traits::kDoOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const float* lse_rows =
@@ -463,7 +441,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       __syncthreads();  // P^T / dS^T complete
 
       [[maybe_unused]] const auto dq_turn =
-          sm80::DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block, ascending);
+          sm80::DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block);
       // dQ part = dS K: A = dS (64 queries x 16 keys per step) read transposed from dS^T, B = K
       // (16 keys x kDqColumns columns) read MN-major.
       float acc_dq[Traits::kDqTiles][4];

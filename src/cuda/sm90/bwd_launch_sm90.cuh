@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "cuda/cuda_check.h"
 #include "cuda/sm80/bwd_launch.cuh"
@@ -37,15 +36,6 @@ auto bwd_kernel_for(const BwdProblem& problem) {
                  : bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, false, false>>;
 }
 
-// A/B knob (temporary): family 256's deterministic order from FLASHKIT_SM90_BWD_DET_CHUNK_MIB
-// (default 4096) and FLASHKIT_SM90_BWD_DET_ASCENDING (default 1).
-inline DeterministicOrder deterministic_order_from_env() {
-  const char* chunk = std::getenv("FLASHKIT_SM90_BWD_DET_CHUNK_MIB");
-  const char* ascending = std::getenv("FLASHKIT_SM90_BWD_DET_ASCENDING");
-  return {int64_t{chunk != nullptr ? std::atoi(chunk) : 4096} << 20,
-          ascending == nullptr || std::atoi(ascending) != 0};
-}
-
 template <DType kDType, int kHeadDimFamily>
 void run_bwd(const BwdProblem& problem, void* stream) {
   constexpr BwdTileConfig kTile = bwd_tile_config(kHeadDimFamily);
@@ -65,8 +55,7 @@ void run_bwd(const BwdProblem& problem, void* stream) {
     const auto kernel = bwd_kernel_for<kDType, kHeadDimFamily>(problem);
     cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes),
                 "cudaFuncSetAttribute(sm90 bwd_kernel, max dynamic shared memory)");
-    kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes, s>>>(
-        problem, ws, deterministic_order_from_env());
+    kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes, s>>>(problem, ws);
     cuda::check_last_launch("sm90 bwd_kernel");
   }
   sm80::launch_bwd_postprocess<Element>(problem, ws, s);
