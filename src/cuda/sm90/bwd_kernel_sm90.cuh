@@ -189,13 +189,8 @@ template <typename Traits>
 __device__ __forceinline__ void issue_scores(float* acc, uint32_t a_rows, uint32_t b_rows) {
   using KvTile = typename Traits::KvTile;
   using QTile = typename Traits::QTile;
-#pragma unroll
-  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
-    const uint64_t a_desc = k_major_descriptor(a_rows + (kk / 4) * KvTile::kColumnBlockBytes + (kk % 4) * 32);
-    const uint64_t b_desc = k_major_descriptor(b_rows + (kk / 4) * QTile::kColumnBlockBytes + (kk % 4) * 32);
-    Wgmma<Traits::kPartM>::template ss<typename Traits::Element, 0>(acc, a_desc, b_desc, kk > 0 ? 1u : 0u);
-  }
-  wgmma_commit();
+  issue_k_major_product<typename Traits::Element, Traits::kPartM, Traits::kHeadDim,
+                        KvTile::kColumnBlockBytes, QTile::kColumnBlockBytes>(acc, a_rows, b_rows);
 }
 
 // acc (64 keys x kKvColumns) += X B over kPartM queries, X from registers (P^T or dS^T), B = the

@@ -328,13 +328,8 @@ template <typename Traits>
 __device__ __forceinline__ void issue_qk(float* acc_s, uint32_t sQ_rows, uint32_t sK) {
   using QTile = typename Traits::QTile;
   using KvTile = typename Traits::KvTile;
-#pragma unroll
-  for (int kk = 0; kk < Traits::kHeadDim / 16; ++kk) {
-    const uint64_t q_desc = k_major_descriptor(sQ_rows + (kk / 4) * QTile::kColumnBlockBytes + (kk % 4) * 32);
-    const uint64_t k_desc = k_major_descriptor(sK + (kk / 4) * KvTile::kColumnBlockBytes + (kk % 4) * 32);
-    Wgmma<Traits::kBlockN>::template ss<typename Traits::Element, 0>(acc_s, q_desc, k_desc, kk > 0 ? 1u : 0u);
-  }
-  wgmma_commit();
+  issue_k_major_product<typename Traits::Element, Traits::kBlockN, Traits::kHeadDim,
+                        QTile::kColumnBlockBytes, KvTile::kColumnBlockBytes>(acc_s, sQ_rows, sK);
 }
 
 // O += P V, P from registers, issued (not waited for).

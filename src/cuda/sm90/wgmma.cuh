@@ -273,4 +273,19 @@ struct Wgmma<256> {
 #undef FLASHKIT_WGMMA_SS
 #undef FLASHKIT_WGMMA_STR
 
+// acc (64 x N) = A B^T over kDepth (a multiple of 16), A and B both K-major in shared memory with
+// the 128-byte swizzle, stored in 64-element column blocks kABlockBytes / kBBlockBytes apart: the
+// forward's S = Q K^T, the backward's S^T = K Q^T and dP^T = V dO^T. Issued and committed, not
+// waited for.
+template <typename Element, int N, int kDepth, int kABlockBytes, int kBBlockBytes>
+__device__ __forceinline__ void issue_k_major_product(float* acc, uint32_t a, uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < kDepth / 16; ++kk) {
+    const uint64_t a_desc = k_major_descriptor(a + (kk / 4) * kABlockBytes + (kk % 4) * 32);
+    const uint64_t b_desc = k_major_descriptor(b + (kk / 4) * kBBlockBytes + (kk % 4) * 32);
+    Wgmma<N>::template ss<Element, 0>(acc, a_desc, b_desc, kk > 0 ? 1u : 0u);
+  }
+  wgmma_commit();
+}
+
 }  // namespace flashkit::sm90
