@@ -199,11 +199,8 @@ template <typename Traits>
 __device__ __forceinline__ void issue_key_gradient(float* acc, const uint32_t (&x)[Traits::kPartM / 16][4],
                                                    uint32_t b_rows) {
   using QTile = typename Traits::QTile;
-#pragma unroll
-  for (int kk = 0; kk < Traits::kPartM / 16; ++kk) {
-    const uint64_t b_desc = mn_major_descriptor(b_rows + kk * 16 * 128, QTile::kColumnBlockBytes);
-    Wgmma<Traits::kKvColumns>::template rs<typename Traits::Element, 1>(acc, x[kk], b_desc, 1u);
-  }
+  issue_register_product<typename Traits::Element, Traits::kKvColumns, Traits::kPartM,
+                         QTile::kColumnBlockBytes>(acc, x, b_rows);
 }
 
 // The split layout's (Traits::kSplitHeadDim) key gradient: acc (64 keys x kKvColumns) += X B over

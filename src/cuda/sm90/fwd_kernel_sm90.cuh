@@ -337,11 +337,8 @@ template <typename Traits>
 __device__ __forceinline__ void issue_pv(float* acc_o, const uint32_t (&p_frag)[Traits::kBlockN / 16][4],
                                          uint32_t sV) {
   using KvTile = typename Traits::KvTile;
-#pragma unroll
-  for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
-    const uint64_t v_desc = mn_major_descriptor(sV + kk * 16 * 128, KvTile::kColumnBlockBytes);
-    Wgmma<Traits::kHeadDim>::template rs<typename Traits::Element, 1>(acc_o, p_frag[kk], v_desc, 1u);
-  }
+  issue_register_product<typename Traits::Element, Traits::kHeadDim, Traits::kBlockN,
+                         KvTile::kColumnBlockBytes>(acc_o, p_frag, sV);
   wgmma_commit();
 }
 

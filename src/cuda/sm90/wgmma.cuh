@@ -288,4 +288,18 @@ __device__ __forceinline__ void issue_k_major_product(float* acc, uint32_t a, ui
   wgmma_commit();
 }
 
+// acc (64 x N) += X B over kDepth (a multiple of 16), X from registers (the warp's A fragment of
+// each 16-deep step), B MN-major in shared memory (128-byte rows, 64-element column blocks
+// kBBlockBytes apart): the forward's O += P V, the backward's dV += P^T dO and dK += dS^T Q.
+// Issued, not committed.
+template <typename Element, int N, int kDepth, int kBBlockBytes>
+__device__ __forceinline__ void issue_register_product(float* acc, const uint32_t (&x)[kDepth / 16][4],
+                                                       uint32_t b) {
+#pragma unroll
+  for (int kk = 0; kk < kDepth / 16; ++kk) {
+    const uint64_t b_desc = mn_major_descriptor(b + kk * 16 * 128, kBBlockBytes);
+    Wgmma<N>::template rs<Element, 1>(acc, x[kk], b_desc, 1u);
+  }
+}
+
 }  // namespace flashkit::sm90
