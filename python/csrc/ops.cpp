@@ -72,6 +72,21 @@ MaskSpec make_mask(bool causal, int64_t window_left, int64_t window_right) {
   return mask;
 }
 
+// The output, its LSE and the score options: every forward-shaped call has them (FwdCommon,
+// BwdCommon and MhaFwdKvcacheParams name them the same).
+template <typename Params>
+void fill_output_and_scores(const char* fn, Params& p, const at::Tensor& out,
+                            const at::Tensor& softmax_lse, const OptionalTensor& alibi_slopes,
+                            double softmax_scale, bool causal, int64_t window_left,
+                            int64_t window_right, double softcap) {
+  p.out = to_view(fn, "out", out);
+  p.softmax_lse = to_view(fn, "softmax_lse", softmax_lse);
+  p.alibi_slopes = to_optional_view(fn, "alibi_slopes", alibi_slopes);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.softcap = static_cast<float>(softcap);
+  p.mask = make_mask(causal, window_left, window_right);
+}
+
 // The tensors and options the forward and the backward share, fixed-length and varlen alike
 // (FwdCommon and BwdCommon name them the same).
 template <typename Common>
@@ -83,12 +98,8 @@ void fill_fwd_common(const char* fn, Common& p, const at::Tensor& q, const at::T
   p.q = to_view(fn, "q", q);
   p.k = to_view(fn, "k", k);
   p.v = to_view(fn, "v", v);
-  p.out = to_view(fn, "out", out);
-  p.softmax_lse = to_view(fn, "softmax_lse", softmax_lse);
-  p.alibi_slopes = to_optional_view(fn, "alibi_slopes", alibi_slopes);
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.softcap = static_cast<float>(softcap);
-  p.mask = make_mask(causal, window_left, window_right);
+  fill_output_and_scores(fn, p, out, softmax_lse, alibi_slopes, softmax_scale, causal, window_left,
+                         window_right, softcap);
   p.dropout = dropout;
 }
 
@@ -283,12 +294,8 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   p.cache_batch_idx = to_optional_view(fn, "cache_batch_idx", cache_batch_idx);
   p.cache_leftpad = to_optional_view(fn, "cache_leftpad", cache_leftpad);
   p.block_table = to_optional_view(fn, "block_table", block_table);
-  p.out = to_view(fn, "out", out);
-  p.softmax_lse = to_view(fn, "softmax_lse", softmax_lse);
-  p.alibi_slopes = to_optional_view(fn, "alibi_slopes", alibi_slopes);
-  p.softmax_scale = static_cast<float>(softmax_scale);
-  p.softcap = static_cast<float>(softcap);
-  p.mask = make_mask(causal, window_left, window_right);
+  fill_output_and_scores(fn, p, out, softmax_lse, alibi_slopes, softmax_scale, causal, window_left,
+                         window_right, softcap);
   p.num_splits = to_int(num_splits);
   const size_t workspace_bytes = call_flashkit([&] { return mha_fwd_kvcache_workspace_size(p); });
   const at::Tensor workspace = allocate_workspace(p, workspace_bytes, q);
