@@ -16,6 +16,7 @@
 namespace flashkit::torch_glue {
 namespace {
 
+#ifdef FLASHKIT_TORCH_CUDA
 // A call draws ceil(max_seqlen_k / 32) Philox counters (one per 32 keys); torch's CUDA generator
 // advances its offset in multiples of 4.
 uint64_t counters_of_call(int64_t max_seqlen_k) {
@@ -23,7 +24,6 @@ uint64_t counters_of_call(int64_t max_seqlen_k) {
   return (counters + 3) / 4 * 4;
 }
 
-#ifdef FLASHKIT_TORCH_CUDA
 at::Tensor draw_cuda(const at::Tensor& q, uint64_t counters,
                      const std::optional<at::Generator>& generator) {
   auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
@@ -48,7 +48,8 @@ at::Tensor draw_cuda(const at::Tensor& q, uint64_t counters,
 }
 #endif
 
-at::Tensor draw_cpu(uint64_t counters, const std::optional<at::Generator>& generator) {
+// A fresh seed per call and offset 0: a call's counters never overlap each other.
+at::Tensor draw_cpu(const std::optional<at::Generator>& generator) {
   auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(
       generator, at::detail::getDefaultCPUGenerator());
   uint64_t seed = 0;
@@ -56,8 +57,6 @@ at::Tensor draw_cpu(uint64_t counters, const std::optional<at::Generator>& gener
     std::lock_guard<std::mutex> lock(gen->mutex_);
     seed = gen->random64();
   }
-  // A fresh seed per call; the offset stays 0 (the counters of one call never overlap themselves).
-  (void)counters;
   return at::tensor({static_cast<int64_t>(seed), int64_t{0}}, at::TensorOptions(at::kLong));
 }
 
@@ -65,11 +64,10 @@ at::Tensor draw_cpu(uint64_t counters, const std::optional<at::Generator>& gener
 
 at::Tensor draw_rng_state(const at::Tensor& q, int64_t max_seqlen_k,
                           const std::optional<at::Generator>& generator) {
-  const uint64_t counters = counters_of_call(max_seqlen_k);
 #ifdef FLASHKIT_TORCH_CUDA
-  if (q.is_cuda()) return draw_cuda(q, counters, generator);
+  if (q.is_cuda()) return draw_cuda(q, counters_of_call(max_seqlen_k), generator);
 #endif
-  if (q.is_cpu()) return draw_cpu(counters, generator);
+  if (q.is_cpu()) return draw_cpu(generator);
   // No CUDA in this extension: flashkit refuses the call with its own message; the key is unused.
   return at::zeros({2}, q.options().dtype(at::kLong));
 }
@@ -78,7 +76,7 @@ DropoutSpec dropout_spec(const char* fn, double p, const std::optional<at::Tenso
                          const at::Tensor& q) {
   DropoutSpec spec;
   spec.p = static_cast<float>(p);
-  if (p == 0.0) return spec;
+  if (!(p > 0.0)) return spec;  // no mask (0), or a p that flashkit refuses by name
   TORCH_CHECK(rng_state.has_value() && rng_state->defined(), fn, ": dropout_p is ", p,
               " but rng_state is None; pass the rng_state that the forward returned");
   const at::Tensor& key = *rng_state;
