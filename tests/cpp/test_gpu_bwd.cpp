@@ -51,6 +51,7 @@
 #include <vector>
 
 #include "build_config.h"
+#include "cuda/sm80/fwd_sm80.h"
 #include "expect_error.h"
 #include "flashkit/flashkit.h"
 #include "gpu_bwd_test_util.h"
@@ -697,13 +698,8 @@ TEST_F(GpuBwdTest, UnbuiltBackwardKernelIsRejected) {
 bool sm90_bwd_runs([[maybe_unused]] DType dtype, int head_dim) {
   cudaDeviceProp prop;
   FK_CUDA_CHECK(cudaGetDeviceProperties(&prop, current_device()));
-  // The sm80 backward's families (32, 64, 96, 128, 192, 256); sm90 has 64, 128 and 256 of them.
-  [[maybe_unused]] const int family = head_dim <= 32    ? 32
-                                      : head_dim <= 64  ? 64
-                                      : head_dim <= 96  ? 96
-                                      : head_dim <= 128 ? 128
-                                      : head_dim <= 192 ? 192
-                                                        : 256;
+  // A head dim runs in its sm80 family; sm90 has 64, 128 and 256 of them (bwd_sm90.h).
+  [[maybe_unused]] const int family = sm80::fwd_head_dim_family(head_dim);
   bool built = false;
 #define FLASHKIT_SM90_BWD_INSTANCE(kDType, kFamily) \
   built = built || (dtype == DType::kDType && family == kFamily);

@@ -43,6 +43,7 @@
 #include <vector>
 
 #include "build_config.h"
+#include "cuda/sm90/fwd_sm90.h"
 #include "flashkit/flashkit.h"
 #include "gpu_case_builders.h"
 #include "gpu_case_grids.h"
@@ -619,7 +620,7 @@ TEST_F(GpuFwdTest, UnbuiltHeadDimIsRejected) {
 bool sm90_runs([[maybe_unused]] DType dtype, int head_dim) {
   cudaDeviceProp prop;
   FK_CUDA_CHECK(cudaGetDeviceProperties(&prop, current_device()));
-  [[maybe_unused]] const int family = head_dim <= 64 ? 64 : head_dim <= 128 ? 128 : 256;
+  [[maybe_unused]] const int family = sm90::fwd_head_dim_family(head_dim);
   bool built = false;
 #define FLASHKIT_SM90_FWD_INSTANCE(kDType, kFamily) \
   built = built || (dtype == DType::kDType && family == kFamily);
