@@ -20,6 +20,11 @@ void mha_bwd(const MhaBwdParams& params, void* stream = nullptr);
 void mha_varlen_bwd(const MhaVarlenBwdParams& params, void* stream = nullptr);
 // Bytes of workspace a call with these params needs (validates the params the size depends on).
 size_t mha_bwd_workspace_size(const MhaBwdParams& params);
+
+// The length that seqlen_q and seqlen_k each take in the forward's optional attn_probs output
+// ([batch, heads_q, attn_probs_length(seqlen_q), attn_probs_length(seqlen_k)]; varlen: of the
+// max_seqlen_*): rounded up to a multiple of 128, as FlashAttention sizes S_dmask; 0 below 0.
+int64_t attn_probs_length(int64_t seqlen);
 size_t mha_varlen_bwd_workspace_size(const MhaVarlenBwdParams& params);
 
 // The head dims the CUDA kernels of this build were compiled for are rounded up to one of these

@@ -157,11 +157,11 @@ DropoutOutputs dropout_outputs(const char* fn, const at::Tensor& q, double dropo
   }
   outputs.rng_state = draw_rng_state(q, max_seqlen_k, generator);
   outputs.spec = dropout_spec(fn, dropout_p, outputs.rng_state, q);
-  const auto round_up = [](int64_t n) { return (std::max<int64_t>(n, 0) + 127) / 128 * 128; };
-  outputs.s_dmask = return_softmax ? at::empty({batch, q.size(-2), round_up(max_seqlen_q),
-                                                round_up(max_seqlen_k)},
-                                               q.options())
-                                   : at::empty({0}, q.options());
+  outputs.s_dmask =
+      return_softmax ? at::empty({batch, q.size(-2), flashkit::attn_probs_length(max_seqlen_q),
+                                  flashkit::attn_probs_length(max_seqlen_k)},
+                                 q.options())
+                     : at::empty({0}, q.options());
   return outputs;
 }
 

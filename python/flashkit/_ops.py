@@ -36,6 +36,7 @@ fwd_kvcache = torch.ops.flashkit.fwd_kvcache.default
 
 
 def _round_up_128(n):
+    # flashkit::attn_probs_length (include/flashkit/api.h): S_dmask's rounded lengths.
     return (n + 127) // 128 * 128
 
 

@@ -15,6 +15,7 @@
 #include <utility>
 
 #include "api/tensor_checks.h"
+#include "flashkit/api.h"
 #include "flashkit/error.h"
 
 namespace flashkit::api {
@@ -92,9 +93,7 @@ void check_scalars(const char* fn, const FwdCommon& p) {
 }
 
 // The optional return_softmax output: [batch, heads_q, seqlen_q, seqlen_k], each length rounded up
-// to kAttnProbsRounding as FlashAttention sizes it, in q's dtype on q's device.
-constexpr int64_t kAttnProbsRounding = 128;
-
+// by attn_probs_length (api.h), in q's dtype on q's device.
 void check_attn_probs(const char* fn, const FwdCommon& p, int64_t batch, int64_t heads_q,
                       int64_t seqlen_q, int64_t seqlen_k, FwdProblem& problem) {
   if (!p.attn_probs.defined()) return;
@@ -102,10 +101,8 @@ void check_attn_probs(const char* fn, const FwdCommon& p, int64_t batch, int64_t
   check_same_dtype_as_q(fn, "attn_probs", view, p.q);
   check_same_device_as_q(fn, "attn_probs", view, p.q);
   check_rank(fn, "attn_probs", view, 4, "[batch, heads_q, seqlen_q_rounded, seqlen_k_rounded]");
-  const auto round_up = [](int64_t n) {
-    return (n + kAttnProbsRounding - 1) / kAttnProbsRounding * kAttnProbsRounding;
-  };
-  check_shape(fn, "attn_probs", view, {batch, heads_q, round_up(seqlen_q), round_up(seqlen_k)},
+  check_shape(fn, "attn_probs", view,
+              {batch, heads_q, attn_probs_length(seqlen_q), attn_probs_length(seqlen_k)},
               "([batch, heads_q, seqlen_q, seqlen_k] with both lengths rounded up to a multiple "
               "of 128; varlen: max_seqlen_q and max_seqlen_k)");
   check_last_dim_contiguous(fn, "attn_probs", view);
@@ -352,3 +349,12 @@ FwdProblem validate_mha_varlen_fwd(const MhaVarlenFwdParams& p, const char* fn) 
 }
 
 }  // namespace flashkit::api
+
+namespace flashkit {
+
+int64_t attn_probs_length(int64_t seqlen) {
+  constexpr int64_t kRounding = 128;
+  return seqlen <= 0 ? 0 : (seqlen + kRounding - 1) / kRounding * kRounding;
+}
+
+}  // namespace flashkit

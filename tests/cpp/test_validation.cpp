@@ -340,6 +340,16 @@ TEST_F(MhaFwdValidation, DeviceRngStateIsRefusedWithCpuTensors) {
   EXPECT_EQ(api::validate_mha_fwd(p, "mha_fwd").dropout_rng_state, nullptr);
 }
 
+// The public length rule that front ends size S_dmask with (and the check below enforces).
+TEST(AttnProbsLength, RoundsUpToMultiplesOf128) {
+  EXPECT_EQ(attn_probs_length(0), 0);
+  EXPECT_EQ(attn_probs_length(-5), 0);
+  EXPECT_EQ(attn_probs_length(1), 128);
+  EXPECT_EQ(attn_probs_length(128), 128);
+  EXPECT_EQ(attn_probs_length(129), 256);
+  EXPECT_EQ(attn_probs_length(int64_t{1} << 40), int64_t{1} << 40);
+}
+
 // attn_probs (return_softmax): [batch, heads_q, round128(seqlen_q), round128(seqlen_k)] of q's
 // dtype and device, last dim contiguous.
 TEST_F(MhaFwdValidation, AttnProbsShapeDtypeAndLayout) {
