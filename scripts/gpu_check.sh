@@ -18,7 +18,7 @@
 #   python_tests  tests/python (pytest) against the extension the build staged in <build>/python
 #              (FLASHKIT_PYTHON=AUTO builds it where python3 imports torch), on the GPU;
 #              [-k $FLASHKIT_PYTEST_FILTER]
-#   memcheck, racecheck   only with FLASHKIT_SANITIZE=1: compute-sanitizer on the GPU tests
+#   memcheck, racecheck, synccheck   only with FLASHKIT_SANITIZE=1: compute-sanitizer on the GPU tests
 #              [--gtest_filter=$FLASHKIT_SANITIZE_FILTER]
 #   bench      flashkit_bench (--quick with FLASHKIT_BENCH_QUICK=1; grid flags from
 #              FLASHKIT_BENCH_ARGS, e.g. "--hdim 128 --seqlen 8k", passed to peers too; the ops
@@ -164,6 +164,7 @@ sanitize() {  # sanitize TOOL
 }
 step_memcheck() { sanitize memcheck; }
 step_racecheck() { sanitize racecheck; }
+step_synccheck() { sanitize synccheck; }  # named barriers and mbarrier waits of the sm90 kernels
 
 step_bench() {
   local grid=()
@@ -197,7 +198,7 @@ export -f step_env step_configure step_build step_gpu_tests step_gpu_tests_sm80 
   step_gpu_tests_bwd_sm80 step_cpu_tests \
   step_python_tests \
   sanitize step_memcheck \
-  step_racecheck step_bench step_peers step_report
+  step_racecheck step_synccheck step_bench step_peers step_report
 
 # ---- running them --------------------------------------------------------------------------------
 
@@ -269,7 +270,7 @@ for t in gpu_tests gpu_tests_sm80 gpu_tests_bwd_sm80 cpu_tests python_tests; do
   else skip_step $t "no build"; fi
 done
 if [ "${FLASHKIT_SANITIZE:-0}" = 1 ]; then
-  for t in memcheck racecheck; do
+  for t in memcheck racecheck synccheck; do
     if ok build; then run_step $t; else skip_step $t "no build"; fi
   done
 fi
@@ -342,6 +343,7 @@ summary() {
   last_line python_tests ' in [0-9.]*s'
   last_line memcheck 'SUMMARY:'
   last_line racecheck 'SUMMARY:'
+  last_line synccheck 'SUMMARY:'
   last_line bench 'cases failed'
   last_line peers 'have no number'
   echo "files in $OUT:" "$(cd "$OUT" && echo *)"
