@@ -25,7 +25,7 @@ from reference import Options, check_close
 from test_backward import GRAD_FACTOR, reference_grads
 from test_forward import DTYPES, pack, randn
 
-CUDA_SEEDS = range(40)
+CUDA_SEEDS = range(120)
 CPU_SEEDS = range(100, 106)  # the CPU backend is the fp64 reference: a few short cases suffice
 MASKS = ["none", "causal", "window", "softcap", "alibi", "causal_alibi", "causal_softcap",
          "window_alibi"]
