@@ -116,4 +116,167 @@ __device__ __forceinline__ void mark_dropped_transposed(float (&p)[kKeyTiles][kQ
   }
 }
 
+// The backward's S^T decisions for a warp holding 16 keys (one key tile) whose neighbour warp
+// holds the other 16 keys of the same 32-key block (the sm90 backward: warp w of a warpgroup holds
+// keys 16w .. 16w + 15). Both warps need the same Philox calls: lane l of either draws slot
+// ((l % 4) * 2 + parity) * 4 + l / 8 of each 16-query row block (mark_dropped_transposed's
+// addressing), and of its four words, words 2h + r (h = 0, 1) decide the keys of pair rank r (0:
+// the block's first 16 keys). So rank r draws only the calls of the row blocks m with m % 2 == r,
+// stores the partner's two words of each in its half of `exchange` (this pair's buffer in shared
+// memory: 2 warps x 32 lanes x kRowBlocks words, 16-byte aligned), meets the partner at
+// `pair_barrier` (64 threads) and loads the words of the other row blocks from the partner's half:
+// half the calls of drawing every block in both warps, for one store and one load per lane. Before
+// the next call with the same buffer, both warps must have passed this one's load (a barrier of the
+// caller's).
+//
+// Then, as in mark_dropped_transposed, each lane keeps the bytes of its key parity of its call
+// (queries 2t + e, e = parity) and trades the other parity's bytes with lane ^ 4, here those of both
+// query halves h in one word: one shuffle per row block. decisions[m][e] byte 2h + tile decides
+// the lane's element [2m + h][2 tile + e] (key g + 8 tile, query 16 m + 8h + 2t + e): see
+// apply_transposed_decisions.
+template <int kRowBlocks>
+__device__ __forceinline__ void draw_transposed_decisions_pair(uint32_t (&decisions)[kRowBlocks][2],
+                                                               const DropoutMask& mask, uint32_t batch_head,
+                                                               int first_key, int first_query,
+                                                               uint32_t* exchange, uint32_t pair_barrier) {
+  // kRowBlocks: 16-query row blocks, one Philox call each.
+  constexpr int kWords = kRowBlocks;  // words a warp passes per lane: 2 per call drawn
+  static_assert(kRowBlocks % 2 == 0, "the pair's two warps draw the same number of calls");
+  static_assert(kWords == 2 || kWords == 4, "one 8- or 16-byte store per lane");
+  struct alignas(4 * kWords) Words {
+    uint32_t word[kWords];
+  };
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t parity = (lane / 4) % 2;
+  const uint32_t slot = ((lane % 4) * 2 + parity) * 4 + lane / 8;
+  const int rank = (first_key / 16) % 2;
+  const uint32_t key32 = static_cast<uint32_t>(first_key) / 32;
+  const uint32_t row16 = static_cast<uint32_t>(first_query) / 16;
+
+  // Row block m = 2c + rank is drawn here: drawn[c][h] = word 2h + rank, the partner's word
+  // 2h + 1 - rank goes to passed[2c + h].
+  uint32_t drawn[kRowBlocks / 2][2];
+  Words passed;
+#pragma unroll
+  for (int c = 0; c < kRowBlocks / 2; ++c) {
+    const PhiloxBlock bits = mask.block(batch_head, row16 + static_cast<uint32_t>(2 * c + rank), slot, key32);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      drawn[c][h] = rank == 0 ? bits.word[2 * h] : bits.word[2 * h + 1];
+      passed.word[2 * c + h] = rank == 0 ? bits.word[2 * h + 1] : bits.word[2 * h];
+    }
+  }
+  Words* const pair_words = reinterpret_cast<Words*>(exchange);
+  pair_words[rank * 32 + lane] = passed;
+  asm volatile("bar.sync %0, 64;\n" ::"r"(pair_barrier) : "memory");
+  const Words received = pair_words[(1 - rank) * 32 + lane];
+
+  const uint32_t own_bytes = parity != 0 ? 0x7531u : 0x6420u;
+  const uint32_t partner_bytes = parity != 0 ? 0x6420u : 0x7531u;
+#pragma unroll
+  for (int m = 0; m < kRowBlocks; ++m) {
+    // Words 0 and 1 (h) of row block m's call for this warp's keys.
+    const bool here = m % 2 == rank;
+    const uint32_t word0 = here ? drawn[m / 2][0] : received.word[2 * (m / 2)];
+    const uint32_t word1 = here ? drawn[m / 2][1] : received.word[2 * (m / 2) + 1];
+    const uint32_t own = __byte_perm(word0, word1, own_bytes);
+    const uint32_t traded = __shfl_xor_sync(0xffffffffu, __byte_perm(word0, word1, partner_bytes), 4);
+    decisions[m][0] = parity != 0 ? traded : own;
+    decisions[m][1] = parity != 0 ? own : traded;
+  }
+}
+
+// Dropout on a warp's S^T-layout fragments (16 keys x 2 kRowBlocks 8-query groups), once dP^T is
+// in, with the decisions of draw_transposed_decisions_pair: kept = P^T o mask (the A operand of
+// dV += (P o Z)^T dO, whose 1 / (1 - p) the epilogue applies) and dP^T -> dP^T o Z =
+// dP^T o mask / (1 - p) (so that dS^T = P^T (dP^T o Z - dot) is the unchanged score_gradients_t,
+// with P^T itself left as it is). One test, two selects and a multiply per element.
+template <int kRowBlocks>
+__device__ __forceinline__ void apply_transposed_decisions(const uint32_t (&decisions)[kRowBlocks][2],
+                                                           const DropoutMask& mask,
+                                                           const float (&p)[1][2 * kRowBlocks][4],
+                                                           float (&kept)[1][2 * kRowBlocks][4],
+                                                           float (&dp)[1][2 * kRowBlocks][4], float keep_scale) {
+#pragma unroll
+  for (int m = 0; m < kRowBlocks; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int tile = 0; tile < 2; ++tile) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = 2 * tile + e;
+          const bool keep = mask.keeps_byte(decisions[m][e], 2 * h + tile);
+          kept[0][2 * m + h][i] = keep ? p[0][2 * m + h][i] : 0.0f;
+          dp[0][2 * m + h][i] = keep ? dp[0][2 * m + h][i] * keep_scale : 0.0f;
+        }
+      }
+    }
+  }
+}
+
+// Drop marks: the decisions of four Philox bytes at once, for kernels that mask packed 16-bit
+// probabilities (the sm90 forward's P operand) instead of fp32 ones. Bit 7 of each byte of
+// marks(w) is set where that byte of w drops its element (byte >= keep_threshold): b >= T exactly
+// when b + (256 - T) carries out of the byte, and that carry is the majority of the two bit 7s and
+// of bit 7 of the sum of the low seven bits, which cannot carry into the next byte. Three
+// instructions per word; the other bits of the result are don't-care. T = 0 (256 - T does not fit
+// a byte) takes addend bit 7 and a low addend of 128, which makes every carry 1.
+struct DropMarker {
+  uint32_t addend;      // 256 - T in every byte (0 when T = 256: nothing is dropped)
+  uint32_t addend_low;  // its low seven bits (128 when T = 0)
+
+  __device__ __forceinline__ explicit DropMarker(const DropoutMask& mask)
+      : addend(mask.keep_threshold == 0u ? 0x80808080u : ((256u - mask.keep_threshold) & 0xffu) * 0x01010101u),
+        addend_low(mask.keep_threshold == 0u ? 0x80808080u : addend & 0x7f7f7f7fu) {}
+
+  __device__ __forceinline__ uint32_t marks(uint32_t word) const {
+    const uint32_t low_sum = (word & 0x7f7f7f7fu) + addend_low;
+    return (word & addend) | (word & low_sum) | (addend & low_sum);  // one LOP3: the carries
+  }
+};
+
+// The drop marks of a warp's 16 rows x (32 * kKeyBlocks) keys in the m16n8 accumulator layout
+// (apply_dropout's addressing: one Philox call per lane and 32 keys): marks[b][w] holds the bytes of
+// word w of key block b. first_row must be a multiple of 16 and first_key of 32.
+template <int kKeyBlocks>
+__device__ __forceinline__ void draw_drop_marks(uint32_t (&marks)[kKeyBlocks][4], const DropoutMask& mask,
+                                                const DropMarker& marker, uint32_t batch_head, int first_row,
+                                                int first_key) {
+  const uint32_t lane = threadIdx.x % 32;
+#pragma unroll
+  for (int b = 0; b < kKeyBlocks; ++b) {
+    const PhiloxBlock bits = mask.block(batch_head, static_cast<uint32_t>(first_row) / 16, lane,
+                                        static_cast<uint32_t>(first_key) / 32 + b);
+#pragma unroll
+    for (int w = 0; w < 4; ++w) marks[b][w] = marker.marks(bits.word[w]);
+  }
+}
+
+// Zeroes the dropped halves of packed A fragments of P (m16n8k16: a[kk] holds rows g, g + 8 x keys
+// 16 kk + 2t, + 1 and 16 kk + 8 + 2t, + 1, two 16-bit values per register). The two values of a
+// register are bytes 2c, 2c + 1 of one Philox word (apply_dropout's byte order), so one PRMT
+// replicating their bit 7 across each half gives the register's drop mask: two instructions per
+// two elements instead of three per element on the fp32 values.
+template <int kKSteps>
+__device__ __forceinline__ void drop_packed_pairs(uint32_t (&a)[kKSteps][4], const uint32_t (&marks)[kKSteps / 2][4]) {
+  static_assert(kKSteps % 2 == 0, "drop marks cover 32 keys, two k-steps");
+#pragma unroll
+  for (int kk = 0; kk < kKSteps; ++kk) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      // Register r: rows g (r even) or g + 8 (odd), keys of the k-step's first (r < 2) or second
+      // 8-key group: word 2 * (r % 2) + kk % 2 of the block, bytes 0-1 (r < 2) or 2-3.
+      const uint32_t word = marks[kk / 2][2 * (r % 2) + kk % 2];
+      uint32_t drop;
+      if (r < 2) {
+        asm("prmt.b32 %0, %1, %1, 0x9988;\n" : "=r"(drop) : "r"(word));  // sign of bytes 0, 1
+      } else {
+        asm("prmt.b32 %0, %1, %1, 0xBBAA;\n" : "=r"(drop) : "r"(word));  // sign of bytes 2, 3
+      }
+      a[kk][r] &= ~drop;
+    }
+  }
+}
+
 }  // namespace flashkit::sm80

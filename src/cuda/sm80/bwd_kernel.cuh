@@ -28,10 +28,9 @@
 // convert kernel. Rows with no visible key have LSE = -inf, read as +inf, so their P is 0.
 //
 // The arch-independent pieces (BwdBlockLocation, VisibleQueryBlocks, the S^T-fragment helpers
-// transform/mask/probabilities/score_gradients, dropout's apply_dropout_to_gradients_t,
-// store_keys_by_queries, add_dq_rows, store_key_gradients, deterministic mode's DqAddTurn and
-// publish_dq_adds) are shared with the sm90 backward (src/cuda/sm90/bwd_kernel_sm90.cuh), whose
-// warps hold S^T in the same fragment layout.
+// transform/mask/probabilities/score_gradients, store_keys_by_queries, add_dq_rows,
+// store_key_gradients, deterministic mode's DqAddTurn and publish_dq_adds) are shared with the sm90
+// backward (src/cuda/sm90/bwd_kernel_sm90.cuh), whose warps hold S^T in the same fragment layout.
 //
 // Dropout (Traits::kDropout, its own instance so that the p = 0 kernel is compiled exactly as
 // without it, as in the forward) regenerates the forward's Philox mask Z in {0, 1/(1-p)} (the

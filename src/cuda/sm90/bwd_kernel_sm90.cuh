@@ -47,11 +47,12 @@
 // the dQ reductions and the dK/dV epilogue. Not covered (the dispatcher keeps them on sm80):
 // head-dim families other than 64, 128 and 256.
 //
-// Dropout (Traits::kDropout) is the sm80 kernel's too, on each part's S^T fragments: the
-// forward's Philox mask regenerated right after P^T (sm80::mark_dropped_transposed, which marks
-// dropped entries by their sign; with one query part it runs while dP^T is still in flight), P^T
-// packed as max(P^T, 0) for dV before sm80::apply_dropout_to_gradients_t turns dP^T into dP^T o Z
-// and P^T into |P^T|, and dV's 1 / (1 - p) applied once in the epilogue.
+// Dropout (Traits::kDropout) regenerates the forward's Philox mask on each part's S^T fragments
+// right after P^T (sm80::draw_transposed_decisions_pair: the two warps of a 32-key block each draw
+// half of the block's Philox calls and pass each other the other warp's words through shared
+// memory; with one query part this runs while dP^T is still in flight); once dP^T is in,
+// sm80::apply_transposed_decisions gives the kept P^T for dV and dP^T o Z for the unchanged dS^T
+// code, and dV's 1 / (1 - p) is applied once in the epilogue.
 //
 // Deterministic mode (Traits::kDeterministic) is the sm80 kernel's: each query block's dQ takes
 // the key blocks' adds in descending key-block order behind a semaphore per query block
@@ -139,8 +140,15 @@ struct BwdKernelTraits {
   static constexpr int kPOffset = kDsOffset + PTile::kBytes;
   static constexpr int kLseOffset = kPOffset + (kSplitHeadDim ? PTile::kBytes : 0);
   static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
+  // Dropout: the Philox words the two warps of a 32-key block pass each other
+  // (sm80::draw_transposed_decisions_pair), per warp pair and query part 2 warps x 32 lanes x
+  // kPartM / 16 words; a barrier id per warp pair.
+  static constexpr int kDropoutPairs = kWarpgroups * 2;
+  static constexpr int kDropoutExchangeBytes = 2 * 32 * (kPartM / 16) * 4;
+  static constexpr int kDropoutOffset = kDotOffset + kStages * kRowStatsBytes;
   // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
-  static constexpr int kSmemBytes = kDotOffset + kStages * kRowStatsBytes + 1024;
+  static constexpr int kSmemBytes =
+      kDropoutOffset + (kDropout ? kDropoutPairs * kQueryParts * kDropoutExchangeBytes : 0) + 1024;
 
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 64 == 0,
                 "whole wgmma M tiles and 64-column swizzle atoms");
@@ -151,6 +159,12 @@ struct BwdKernelTraits {
                 "the split shares one 64-key block and halves whole swizzle atoms of the head dim");
   static_assert(2 * kBlockM <= kThreads, "one thread per LSE / dot row copy");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
+};
+
+// The named barriers of this kernel (hardware ids; 0 is __syncthreads): dropout's warp pairs
+// (Traits::kDropoutPairs ids from kDropoutPair0), each the two warps of one 32-key block.
+enum class BwdBarrier : uint32_t {
+  kDropoutPair0 = kFirstNamedBarrier,
 };
 
 // wgmma_wait with a count known only after unrolling (a loop index): 0 to 3 groups in flight.
@@ -167,19 +181,15 @@ __device__ __forceinline__ void wgmma_wait_dynamic(int in_flight) {
 }
 
 // The S^T-layout fragments of a warp (16 keys x kTiles 8-query groups), packed to 16 bits, as the
-// A operand of kTiles / 2 k-steps of 16 queries. kKeptOnly packs max(x, 0): the kept entries of a
-// sign-marked P^T (dropout).
-template <typename Element, int kTiles, bool kKeptOnly = false>
+// A operand of kTiles / 2 k-steps of 16 queries.
+template <typename Element, int kTiles>
 __device__ __forceinline__ void pack_a_operand(const float (&x)[1][kTiles][4], uint32_t (&a)[kTiles / 2][4]) {
-  auto pack = [](float lo, float hi) {
-    return kKeptOnly ? sm80::pack2_relu<Element>(lo, hi) : sm80::pack2<Element>(lo, hi);
-  };
 #pragma unroll
   for (int kk = 0; kk < kTiles / 2; ++kk) {
-    a[kk][0] = pack(x[0][2 * kk][0], x[0][2 * kk][1]);
-    a[kk][1] = pack(x[0][2 * kk][2], x[0][2 * kk][3]);
-    a[kk][2] = pack(x[0][2 * kk + 1][0], x[0][2 * kk + 1][1]);
-    a[kk][3] = pack(x[0][2 * kk + 1][2], x[0][2 * kk + 1][3]);
+    a[kk][0] = sm80::pack2<Element>(x[0][2 * kk][0], x[0][2 * kk][1]);
+    a[kk][1] = sm80::pack2<Element>(x[0][2 * kk][2], x[0][2 * kk][3]);
+    a[kk][2] = sm80::pack2<Element>(x[0][2 * kk + 1][0], x[0][2 * kk + 1][1]);
+    a[kk][3] = sm80::pack2<Element>(x[0][2 * kk + 1][2], x[0][2 * kk + 1][3]);
   }
 }
 
@@ -265,7 +275,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   extern __shared__ unsigned char smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t smem = (raw + 1023u) & ~1023u;
-  const unsigned char* smem_aligned = smem_raw + (smem - raw);
+  unsigned char* const smem_aligned = smem_raw + (smem - raw);
 
   const int tid = static_cast<int>(threadIdx.x);
   const int warpgroup = tid / kWarpgroupThreads;
@@ -396,30 +406,39 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         if (cut) sm80::mask_scores_t<PartScores>(acc_s[h], window, first_key, m0 + first_query);
         sm80::probabilities_t<PartScores>(acc_s[h], lse_rows, first_query, log2_scale);
+        // Dropout: the decisions of this part, drawn while dP^T may still be in flight (the RNG
+        // needs no scores).
+        [[maybe_unused]] uint32_t decisions[kPartM / 16][2];
         if constexpr (Traits::kDropout) {
-          sm80::mark_dropped_transposed(acc_s[h], dropout_mask, batch_head, first_key, m0 + first_query);
+          const int pair = warpgroup * 2 + warp / 2;
+          uint32_t* const exchange = reinterpret_cast<uint32_t*>(
+              smem_aligned + Traits::kDropoutOffset + (pair * kQueryParts + h) * Traits::kDropoutExchangeBytes);
+          sm80::draw_transposed_decisions_pair(decisions, dropout_mask, batch_head, first_key, m0 + first_query,
+                                               exchange, static_cast<uint32_t>(BwdBarrier::kDropoutPair0) + pair);
         }
         if (kProbabilitiesFirst) {
           wgmma_wait_dynamic(2 * kQueryParts - h - 2);
           wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
         }
-        // P^T for dV (with dropout its kept entries, taken before dP^T o Z and |P^T|): packed to
-        // an A operand, or (split) stored for the other warpgroup too.
-        auto keep_probabilities = [&] {
+        // P^T for dV (with dropout its kept entries): packed to an A operand, or (split) stored for
+        // the other warpgroup too.
+        auto keep_probabilities = [&](const float (&probabilities)[1][kPartM / 8][4]) {
           if constexpr (Traits::kSplitHeadDim) {
-            sm80::store_keys_by_queries<PartScores, Traits::kDropout>(smem + Traits::kPOffset, acc_s[h], warp_key0,
-                                                                      first_query / 8);
+            sm80::store_keys_by_queries<PartScores>(smem + Traits::kPOffset, probabilities, warp_key0,
+                                                    first_query / 8);
           } else {
-            pack_a_operand<Element, kPartM / 8, Traits::kDropout>(acc_s[h], p_frag[h]);
+            pack_a_operand<Element, kPartM / 8>(probabilities, p_frag[h]);
           }
         };
-        if constexpr (Traits::kDropout) {
-          keep_probabilities();
-          sm80::apply_dropout_to_gradients_t<PartScores>(acc_dp[h], acc_s[h], 1.0f / (1.0f - p.dropout_p));
+        if constexpr (Traits::kDropout) {  // kept P^T, and dP^T o Z
+          float kept[1][kPartM / 8][4];
+          sm80::apply_transposed_decisions(decisions, dropout_mask, acc_s[h], kept, acc_dp[h],
+                                           1.0f / (1.0f - p.dropout_p));
+          keep_probabilities(kept);
         }
         sm80::score_gradients_t<PartScores>(acc_dp[h], acc_s[h], lse_rows, dot_rows, first_query, m0, first_key,
                                             p, alibi_slope, diagonal);
-        if constexpr (!Traits::kDropout) keep_probabilities();
+        if constexpr (!Traits::kDropout) keep_probabilities(acc_s[h]);
         sm80::store_keys_by_queries<PartScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
         if constexpr (!Traits::kSplitHeadDim) {
           pack_a_operand<Element>(acc_dp[h], ds_frag[h]);

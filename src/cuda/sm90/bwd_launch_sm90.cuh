@@ -17,7 +17,7 @@
 namespace flashkit::sm90 {
 
 // The traits of a family's kernel, in deterministic mode or not, with dropout or not: the same
-// tiles and shared memory.
+// tiles and shared memory (dropout's instances add the Philox exchange at its end).
 template <DType kDType, int kHeadDimFamily, bool kDeterministic, bool kDropout>
 using BwdTraitsOf = BwdKernelTraits<typename sm80::ElementOf<kDType>::type, kHeadDimFamily,
                                     bwd_tile_config(kHeadDimFamily).block_m, bwd_tile_config(kHeadDimFamily).block_n,
@@ -53,9 +53,13 @@ void run_bwd(const BwdProblem& problem, void* stream) {
   const int64_t num_blocks = sm80::bwd_main_grid(problem.fwd, Traits::kBlockN);
   if (num_blocks > 0) {
     const auto kernel = bwd_kernel_for<kDType, kHeadDimFamily>(problem);
-    cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, Traits::kSmemBytes),
+    // Dropout's instances also hold the warp pairs' Philox exchange (BwdKernelTraits::kDropoutOffset).
+    const int smem_bytes = problem.fwd.dropout_p > 0.0f
+                               ? BwdTraitsOf<kDType, kHeadDimFamily, false, true>::kSmemBytes
+                               : Traits::kSmemBytes;
+    cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
                 "cudaFuncSetAttribute(sm90 bwd_kernel, max dynamic shared memory)");
-    kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, Traits::kSmemBytes, s>>>(problem, ws);
+    kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, smem_bytes, s>>>(problem, ws);
     cuda::check_last_launch("sm90 bwd_kernel");
   }
   sm80::launch_bwd_postprocess<Element>(problem, ws, s);

@@ -34,11 +34,13 @@
 //   runs while the other's products occupy the tensor cores.
 //
 // Dropout (Traits::kDropout, its own instance: the p = 0 kernel is compiled exactly as without it)
-// zeroes the dropped probabilities in the consumer's registers after the row sums (the normaliser
-// and the LSE are those of the undropped P, as in the reference) and before P is packed for P V,
-// with the Philox mask of common/philox.h: the m64nN accumulator is the mma.sync layout for each
-// warp's 16 rows, so sm80::apply_dropout addresses it as the sm80 kernel does (one call per lane per
-// 16 rows x 32 keys, 16 decisions); the 1/(1-p) scales O once in the epilogue.
+// zeroes the dropped probabilities of the packed P operand, after the row sums (the normaliser and
+// the LSE are those of the undropped P, as in the reference) and before P V, with the Philox mask of
+// common/philox.h: the m64nN accumulator is the mma.sync layout for each warp's 16 rows, addressed
+// as the sm80 kernel does (one call per lane per 16 rows x 32 keys, 16 decisions). The softmax turns
+// each call's words into drop marks (sm80::DropMarker, 3 instructions per 4 decisions) and the pack
+// clears the dropped 16-bit halves (sm80::drop_packed_pairs, PRMT + LOP3 per two values) instead
+// of a shift, compare and select per fp32 value. The 1/(1-p) scales O once in the epilogue.
 //
 // Blocks are visited from the last to the first, as in the sm80 kernel, so the blocks the causal
 // diagonal or the sequence end cut come first. Rows and keys past a sequence's end are read (TMA
@@ -342,10 +344,12 @@ __device__ __forceinline__ void issue_pv(float* acc_o, const uint32_t (&p_frag)[
   wgmma_commit();
 }
 
-// The probabilities of two adjacent 8-key groups, packed to 16 bits, are one k-step of the A operand.
+// The probabilities of two adjacent 8-key groups, packed to 16 bits, are one k-step of the A
+// operand; with dropout, the halves that drop_marks (the block's) drop are zeroed.
 template <typename Traits>
 __device__ __forceinline__ void pack_probabilities(const float (&s)[1][Traits::kNTiles][4],
-                                                   uint32_t (&p_frag)[Traits::kBlockN / 16][4]) {
+                                                   uint32_t (&p_frag)[Traits::kBlockN / 16][4],
+                                                   const uint32_t (&drop_marks)[Traits::kBlockN / 32][4]) {
   using Element = typename Traits::Element;
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockN / 16; ++kk) {
@@ -354,6 +358,7 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[1][Traits::k
     p_frag[kk][2] = sm80::pack2<Element>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
     p_frag[kk][3] = sm80::pack2<Element>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
   }
+  if constexpr (Traits::kDropout) sm80::drop_packed_pairs(p_frag, drop_marks);
 }
 
 // kPipelined: the schedule of the header (one block of software pipelining + ping-pong). Otherwise
@@ -388,6 +393,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   const ConsumerTurn turn(consumer);
   // Read once: with a device rng_state the dropout key is in global memory.
   const DropoutMask dropout_mask = Traits::kDropout ? p.dropout_mask() : DropoutMask{};
+  [[maybe_unused]] const sm80::DropMarker drop_marker(dropout_mask);
   Cursor ring;  // the next K/V stage to consume, continued across tiles
   uint32_t q_loads = 0;
 
@@ -408,6 +414,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     sm80::zero_accumulators(acc_o);
     sm80::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
     softmax.init();
+    // Dropout: the drop marks of the block softmax_block last saw, for pack_probabilities.
+    [[maybe_unused]] uint32_t drop_marks[kBlockN / 32][4];
     // Scores of the block at key n0 -> probabilities (in place); returns whether O must be
     // rescaled (factors in `rescale`).
     auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], int n0, float (&rescale)[2]) {
@@ -420,9 +428,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       const bool any = softmax.advance_max(acc_s, log2_scale, rescale);
       softmax.exponentiate(acc_s, log2_scale);
       if constexpr (Traits::kDropout) {
-        sm80::apply_dropout(acc_s, dropout_mask,
-                            static_cast<uint32_t>(tile.batch * p.heads_q + tile.head),
-                            m0 + warp_row0, n0);
+        sm80::draw_drop_marks(drop_marks, dropout_mask, drop_marker,
+                              static_cast<uint32_t>(tile.batch * p.heads_q + tile.head), m0 + warp_row0, n0);
       }
       return any;
     };
@@ -442,7 +449,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
           release(bars.k_empty[ring.stage]);
           if (softmax_block(acc_s, n_block * kBlockN, rescale)) softmax.rescale_output(acc_o, rescale);
-          pack_probabilities<Traits>(acc_s, p_frag);
+          pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
           mbarrier_wait(smem_u32(&bars.v_full[ring.stage]), ring.phase);
           wgmma_fence();
           issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(ring));
@@ -467,7 +474,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
         release(bars.k_empty[cursor.stage]);
         softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
-        pack_probabilities<Traits>(acc_s, p_frag);
+        pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
 
         for (--n_block; n_block >= tile.n_begin; --n_block) {
           previous = cursor;
@@ -487,7 +494,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
           release(bars.v_empty[previous.stage]);
           if (any_rescale) softmax.rescale_output(acc_o, rescale);
-          pack_probabilities<Traits>(acc_s, p_frag);
+          pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
         }
         release(bars.q_empty);  // every S of the tile has completed
 
