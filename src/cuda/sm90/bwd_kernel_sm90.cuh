@@ -82,16 +82,8 @@
 namespace flashkit::sm90 {
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kQueryParts_, bool kSplitHeadDim_,
-          bool kDeterministic_, bool kDropout_, int kDetVariant_ = 0>
+          bool kDeterministic_, bool kDropout_>
 struct BwdKernelTraits {
-  // TEMPORARY (A/B of deterministic mode's hand-over, one run): bit 0 polls the semaphore early,
-  // bit 1 publishes before the next block's loads, bit 2 publishes before the second barrier, bit 3
-  // after the next block's dQ product is issued.
-  static constexpr bool kEarlyPoll = (kDetVariant_ & 1) != 0;
-  static constexpr bool kPublishBeforeLoads = (kDetVariant_ & 2) != 0;
-  static constexpr bool kPublishBeforeBarrier2 = (kDetVariant_ & 4) != 0;
-  static constexpr bool kPublishAfterDq = (kDetVariant_ & 8) != 0;
-  static constexpr bool kPublishLate = kPublishBeforeBarrier2 || kPublishAfterDq;
   using Element = Element_;
   // The instances that add dQ in key-block order (deterministic mode) and that regenerate the
   // dropout mask (p > 0): kernels of their own, so that the default one carries none of their code.
@@ -355,9 +347,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       sm80::cp_async_wait<0>();
       fence_proxy_async_shared();  // this thread's copies, before wgmma reads them
       __syncthreads();
-      if (!(Traits::kDeterministic && Traits::kPublishBeforeLoads)) {
-        if (m_block + 1 < visible.end) load_query_block(m_block + 1, stage ^ 1);
-      }
+      if (m_block + 1 < visible.end) load_query_block(m_block + 1, stage ^ 1);
       const uint32_t q_tile = smem + Traits::kQOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const uint32_t do_tile = smem + Traits::kDoOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const float* lse_rows =
@@ -376,18 +366,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         issue_scores<Traits>(&acc_s[h][0][0][0], k_rows, q_tile + part_rows);
         issue_scores<Traits>(&acc_dp[h][0][0][0], v_rows, do_tile + part_rows);
       }
-      if constexpr (Traits::kDeterministic && !Traits::kPublishLate) {
+      if constexpr (Traits::kDeterministic) {
         // The barrier above ordered every thread's adds of the previous query block before this.
         if (unpublished != nullptr && tid == 0) sm80::publish_dq_adds(unpublished);
         unpublished = nullptr;
-      }
-      if constexpr (Traits::kDeterministic && Traits::kPublishBeforeLoads) {
-        if (m_block + 1 < visible.end) load_query_block(m_block + 1, stage ^ 1);
-      }
-      [[maybe_unused]] int early_seen = -1;
-      if constexpr (Traits::kDeterministic && Traits::kEarlyPoll) {
-        early_seen =
-            sm80::DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block).poll();
       }
       const int first_key = n0 + warp_key0;
       const bool cut = !window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN);
@@ -447,10 +429,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           wgmma_commit();
         }
       }
-      if constexpr (Traits::kDeterministic && Traits::kPublishBeforeBarrier2) {
-        if (unpublished != nullptr && tid == 0) sm80::publish_dq_adds(unpublished);
-        unpublished = nullptr;
-      }
       fence_proxy_async_shared();  // the P^T / dS^T stores, before the wgmmas read them
       __syncthreads();  // P^T / dS^T complete
 
@@ -479,13 +457,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       // Deterministic mode: the first read of the semaphore travels while dQ is computed.
       [[maybe_unused]] int dq_turn_seen = 0;
-      if constexpr (Traits::kDeterministic) {
-        dq_turn_seen = Traits::kEarlyPoll && early_seen == dq_turn.turn ? early_seen : dq_turn.poll();
-        if constexpr (Traits::kPublishAfterDq) {
-          if (unpublished != nullptr && tid == 0) sm80::publish_dq_adds(unpublished);
-          unpublished = nullptr;
-        }
-      }
+      if constexpr (Traits::kDeterministic) dq_turn_seen = dq_turn.poll();
       auto key_gradients_landed = [&] {
         wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dk[0][0][0]);
         wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dv[0][0][0]);
