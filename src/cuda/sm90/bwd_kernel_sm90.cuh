@@ -60,7 +60,8 @@
 // first read issued with the dQ product so that its round trip is hidden, and spins before its adds
 // only if the turn has not come: no barrier of its own. Thread 0 publishes a block's adds after the
 // next block's first barrier, once the next products are issued (its fence waits while the tensor
-// cores work).
+// cores work) and before the next block's loads, which the fence would wait for too (bench/NOTES.md,
+// "deterministic mode's hand-over").
 #pragma once
 
 #include <cuda_bf16.h>
@@ -347,7 +348,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       sm80::cp_async_wait<0>();
       fence_proxy_async_shared();  // this thread's copies, before wgmma reads them
       __syncthreads();
-      if (m_block + 1 < visible.end) load_query_block(m_block + 1, stage ^ 1);
+      const bool prefetch = m_block + 1 < visible.end;
+      if (!Traits::kDeterministic && prefetch) load_query_block(m_block + 1, stage ^ 1);
       const uint32_t q_tile = smem + Traits::kQOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const uint32_t do_tile = smem + Traits::kDoOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const float* lse_rows =
@@ -370,6 +372,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // The barrier above ordered every thread's adds of the previous query block before this.
         if (unpublished != nullptr && tid == 0) sm80::publish_dq_adds(unpublished);
         unpublished = nullptr;
+        // Only now: the publishing fence waits for the thread's loads in flight as well.
+        if (prefetch) load_query_block(m_block + 1, stage ^ 1);
       }
       const int first_key = n0 + warp_key0;
       const bool cut = !window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN);
