@@ -83,14 +83,8 @@
 namespace flashkit::sm90 {
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kQueryParts_, bool kSplitHeadDim_,
-          bool kDeterministic_, bool kDropout_, int kDetVariant_ = 0>
+          bool kDeterministic_, bool kDropout_>
 struct BwdKernelTraits {
-  // TEMPORARY (A/B of deterministic mode's hand-over, one run): bit 0 issues the loads before the
-  // publish (main's order), bit 1 polls the semaphore before the second barrier too, bit 2 issues
-  // the loads after the first scores landed.
-  static constexpr bool kOldOrder = (kDetVariant_ & 1) != 0;
-  static constexpr bool kPollBeforeBarrier2 = (kDetVariant_ & 2) != 0;
-  static constexpr bool kLoadsAfterScores = (kDetVariant_ & 4) != 0;
   using Element = Element_;
   // The instances that add dQ in key-block order (deterministic mode) and that regenerate the
   // dropout mask (p > 0): kernels of their own, so that the default one carries none of their code.
@@ -355,7 +349,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_proxy_async_shared();  // this thread's copies, before wgmma reads them
       __syncthreads();
       const bool prefetch = m_block + 1 < visible.end;
-      if ((!Traits::kDeterministic || Traits::kOldOrder) && prefetch) load_query_block(m_block + 1, stage ^ 1);
+      if (!Traits::kDeterministic && prefetch) load_query_block(m_block + 1, stage ^ 1);
       const uint32_t q_tile = smem + Traits::kQOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const uint32_t do_tile = smem + Traits::kDoOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const float* lse_rows =
@@ -379,7 +373,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (unpublished != nullptr && tid == 0) sm80::publish_dq_adds(unpublished);
         unpublished = nullptr;
         // Only now: the publishing fence waits for the thread's loads in flight as well.
-        if (!Traits::kOldOrder && !Traits::kLoadsAfterScores && prefetch) load_query_block(m_block + 1, stage ^ 1);
+        if (prefetch) load_query_block(m_block + 1, stage ^ 1);
       }
       const int first_key = n0 + warp_key0;
       const bool cut = !window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN);
@@ -400,9 +394,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         wgmma_wait_dynamic(2 * kQueryParts - h - (kProbabilitiesFirst ? 1 : 2));
         wgmma_fence_registers<kPartM / 2>(&acc_s[h][0][0][0]);
         if (!kProbabilitiesFirst) wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
-        if constexpr (Traits::kDeterministic && Traits::kLoadsAfterScores && !Traits::kOldOrder) {
-          if (h == 0 && prefetch) load_query_block(m_block + 1, stage ^ 1);
-        }
         const int first_query = wg_query0 + h * kPartM;  // in the block
         if (transform) {
           sm80::transform_scores_t<PartScores>(acc_s[h], p, first_key, m0 + first_query, alibi_slope, diagonal);
@@ -442,11 +433,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           wgmma_commit();
         }
       }
-      [[maybe_unused]] int early_seen = -1;
-      if constexpr (Traits::kDeterministic && Traits::kPollBeforeBarrier2) {
-        early_seen =
-            sm80::DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block).poll();
-      }
       fence_proxy_async_shared();  // the P^T / dS^T stores, before the wgmmas read them
       __syncthreads();  // P^T / dS^T complete
 
@@ -475,9 +461,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       // Deterministic mode: the first read of the semaphore travels while dQ is computed.
       [[maybe_unused]] int dq_turn_seen = 0;
-      if constexpr (Traits::kDeterministic) {
-        dq_turn_seen = Traits::kPollBeforeBarrier2 && early_seen == dq_turn.turn ? early_seen : dq_turn.poll();
-      }
+      if constexpr (Traits::kDeterministic) dq_turn_seen = dq_turn.poll();
       auto key_gradients_landed = [&] {
         wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dk[0][0][0]);
         wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dv[0][0][0]);
