@@ -60,8 +60,9 @@
 // first read issued with the dQ product so that its round trip is hidden, and spins before its adds
 // only if the turn has not come: no barrier of its own. Thread 0 publishes a block's adds after the
 // next block's first barrier, once the next products are issued (its fence waits while the tensor
-// cores work) and before the next block's loads, which the fence would wait for too (bench/NOTES.md,
-// "deterministic mode's hand-over").
+// cores work) and before it issues the next block's loads: its fence waits for the thread's memory
+// operations in flight, and with the loads first that cost 2.5-4.7% of deterministic mode's time at
+// d128 and d256 (bench/NOTES.md, "deterministic mode's hand-over").
 #pragma once
 
 #include <cuda_bf16.h>
@@ -372,7 +373,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // The barrier above ordered every thread's adds of the previous query block before this.
         if (unpublished != nullptr && tid == 0) sm80::publish_dq_adds(unpublished);
         unpublished = nullptr;
-        // Only now: the publishing fence waits for the thread's loads in flight as well.
+        // Only now, so that the publishing fence above does not wait for them.
         if (prefetch) load_query_block(m_block + 1, stage ^ 1);
       }
       const int first_key = n0 + warp_key0;
