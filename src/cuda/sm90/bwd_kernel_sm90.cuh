@@ -61,7 +61,9 @@
 // first read issued with the dQ product so that its round trip is hidden, and spins before its adds
 // only if the turn has not come: no barrier of its own. Thread 0 publishes a block's adds after the
 // next block's first barrier, once the next products are issued (its fence waits while the tensor
-// cores work).
+// cores work) and before it issues the next block's loads: its fence waits for the thread's memory
+// operations in flight, and with the loads first that cost 2.5-4.7% of deterministic mode's time at
+// d128 and d256 (bench/NOTES.md, "deterministic mode's hand-over").
 #pragma once
 
 #include <cuda_bf16.h>
@@ -357,7 +359,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       sm80::cp_async_wait<0>();
       fence_proxy_async_shared();  // this thread's copies, before wgmma reads them
       __syncthreads();
-      if (m_block + 1 < visible.end) load_query_block(m_block + 1, stage ^ 1);
+      const bool prefetch = m_block + 1 < visible.end;
+      if (!Traits::kDeterministic && prefetch) load_query_block(m_block + 1, stage ^ 1);
       const uint32_t q_tile = smem + Traits::kQOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const uint32_t do_tile = smem + Traits::kDoOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const float* lse_rows =
@@ -380,6 +383,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // The barrier above ordered every thread's adds of the previous query block before this.
         if (unpublished != nullptr && tid == 0) sm80::publish_dq_adds(unpublished);
         unpublished = nullptr;
+        // Only now, so that the publishing fence above does not wait for them.
+        if (prefetch) load_query_block(m_block + 1, stage ^ 1);
       }
       const int first_key = n0 + warp_key0;
       const bool cut = !window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN);
