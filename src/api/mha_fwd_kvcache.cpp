@@ -115,18 +115,8 @@ int64_t decode_ctas(const KvcacheProblem& problem) {
          ((packed_rows + sm80::kDecodeRows - 1) / sm80::kDecodeRows);
 }
 
-// The CTAs per SM the split model counts for this problem on this device (split_heuristic.h).
-int decode_ctas_per_sm(const KvcacheProblem& problem, const DeviceLimits& limits) {
-  const int family = sm80::decode_head_dim_family(problem.head_dim);
-  return api::decode_ctas_per_sm(
-      problem.is_paged(), sm80::decode_smem_bytes(family, false) + limits.reserved_smem_per_block,
-      limits.smem_per_sm);
-}
-
-// The split count of a CUDA call: the caller's, or the heuristic's for this device.
-int cuda_num_splits(const KvcacheProblem& problem, int requested, int device) {
-  if (requested > 0) return requested;
-  const DeviceLimits limits = device_limits(device);
+// The split model's view of this problem on this device (split_heuristic.h), CTAs per SM included.
+api::SplitShape split_shape(const KvcacheProblem& problem, const DeviceLimits& limits) {
   // The longest sequence: exact for one scalar length, else bounded by the capacity (the lengths
   // are on the device).
   const int64_t max_keys = problem.cache_seqlens == nullptr
@@ -137,8 +127,17 @@ int cuda_num_splits(const KvcacheProblem& problem, int requested, int device) {
   shape.key_blocks = (max_keys + sm80::kDecodeBlockN - 1) / sm80::kDecodeBlockN;
   shape.sm_count = limits.sm_count;
   shape.max_splits = api::kMaxKvcacheSplits;
-  shape.ctas_per_sm = decode_ctas_per_sm(problem, limits);
-  return api::choose_num_splits(shape);
+  const int family = sm80::decode_head_dim_family(problem.head_dim);
+  shape.ctas_per_sm = api::decode_ctas_per_sm(
+      shape, problem.is_paged(),
+      sm80::decode_smem_bytes(family, false) + limits.reserved_smem_per_block, limits.smem_per_sm);
+  return shape;
+}
+
+// The split count of a CUDA call: the caller's, or the heuristic's for this device.
+int cuda_num_splits(const KvcacheProblem& problem, int requested, int device) {
+  if (requested > 0) return requested;
+  return api::choose_num_splits(split_shape(problem, device_limits(device)));
 }
 
 // The whole-SM pipeline when the split model counts one CTA per SM, the launch puts at most one
@@ -148,7 +147,7 @@ sm80::DecodeLaunchPlan decode_launch_plan(const KvcacheProblem& problem, int dev
   const DeviceLimits limits = device_limits(device);
   const int family = sm80::decode_head_dim_family(problem.head_dim);
   sm80::DecodeLaunchPlan plan;
-  plan.whole_sm = decode_ctas_per_sm(problem, limits) == 1 &&
+  plan.whole_sm = split_shape(problem, limits).ctas_per_sm == 1 &&
                   api::one_cta_per_sm(decode_ctas(problem), problem.num_splits, limits.sm_count) &&
                   sm80::decode_smem_bytes(family, true) <= limits.max_smem_per_block;
   plan.programmatic = limits.arch >= 90;
