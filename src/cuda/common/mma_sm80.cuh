@@ -89,23 +89,6 @@ __device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem
                "r"(src_bytes));
 }
 
-// An L2 policy for data read once: its lines are the first the L2 evicts, so that a stream of them
-// (a decode call's K/V) does not push out the lines every CTA of the call needs again (kernel code,
-// sequence lengths, block tables, query, split partials).
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-
-// cp_async_16 under an L2 cache policy (l2_evict_first_policy).
-__device__ __forceinline__ void cp_async_16(uint32_t smem_addr, const void* gmem, bool valid,
-                                            uint64_t l2_policy) {
-  const int src_bytes = valid ? 16 : 0;
-  asm volatile("cp.async.cg.shared.global.L2::cache_hint [%0], [%1], 16, %2, %3;\n" ::"r"(smem_addr),
-               "l"(gmem), "r"(src_bytes), "l"(l2_policy));
-}
-
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 
 // Waits until at most `kPending` committed groups of this thread are still in flight.

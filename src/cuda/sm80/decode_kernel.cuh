@@ -242,10 +242,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // Contiguous rows kRowsPerPass apart: a running pointer per cache, one 64-bit add per pass.
   const int64_t k_pass_stride = Traits::kRowsPerPass * p.k_cache_row_stride;
   const int64_t v_pass_stride = Traits::kRowsPerPass * p.v_cache_row_stride;
-  // K/V is read once per call: its lines go first when the L2 needs room, ahead of the code, the
-  // sequence lengths, block tables and query that every CTA reads, and the partials the combine
-  // reads after this grid.
-  const uint64_t kv_policy = l2_evict_first_policy();
   auto load_kv = [&](int n_block, const PageRows& rows, int stage) {
     const uint32_t sK = sKv + static_cast<uint32_t>(stage * Traits::kStageBytes);
     const uint32_t sV = sK + KvTile::kBytes;
@@ -253,8 +249,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
     auto copy = [&](int i, const Element* k_src, const Element* v_src) {
       const bool valid = chunk_valid && block_key + i * Traits::kRowsPerPass < seq.len_k;
       const uint32_t dst = KvTile::chunk_offset(first_row + i * Traits::kRowsPerPass, kv_chunk);
-      cp_async_16(sK + dst, valid ? k_src : k_cache, valid, kv_policy);
-      cp_async_16(sV + dst, valid ? v_src : v_cache, valid, kv_policy);
+      cp_async_16(sK + dst, valid ? k_src : k_cache, valid);
+      cp_async_16(sV + dst, valid ? v_src : v_cache, valid);
     };
     if (narrow_page_strides) {
       const auto* k_bytes = reinterpret_cast<const char*>(k_cache);
