@@ -15,9 +15,14 @@
 // Method (docs/GPU.md): warm-up of at least 25 ms in two or more batches; CUDA events around every
 // call; median of at least 20 calls and 100 ms; cache sets rotated so that the bytes touched
 // exceed twice the L2. The output is poisoned before the timed calls and checked for NaN after.
+// bench/peers_decode.py times its peers the same way. An event pair around each call counts the
+// gap between the begin event and the first kernel, and the end of the last kernel; the printed
+// line adds, for reading where a small call's time goes (not in the JSON), the mean time per call
+// of the same calls back to back between one event pair and the host's time to enqueue one.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -84,6 +89,8 @@ struct Record {
   double ms;
   double tbps;
   int splits;
+  double back_to_back_ms;  // mean per call, one event pair around all calls
+  double host_ms;          // the host's enqueue time per call during those calls
   std::string note;
 };
 
@@ -96,7 +103,7 @@ struct CacheSet {
 
 Record run_cell(const Options& opt, int64_t batch, int64_t cache, int64_t page, int num_splits,
                int l2_bytes) {
-  Record rec{batch, cache, page, NAN, NAN, 0, ""};
+  Record rec{batch, cache, page, NAN, NAN, 0, NAN, NAN, ""};
   const int64_t hkv = opt.heads_kv;
   const int64_t row_elems = hkv * kHeadDim;
   const int64_t capacity = cache + (opt.append ? 1 : 0);
@@ -217,6 +224,18 @@ Record run_cell(const Options& opt, int64_t batch, int64_t cache, int64_t page, 
   }
   std::sort(times.begin(), times.end());
   rec.ms = times[times.size() / 2];
+  {
+    check(cudaEventRecord(begin), "cudaEventRecord");
+    const auto host_begin = std::chrono::steady_clock::now();
+    for (int i = 0; i < reps; ++i) flashkit::mha_fwd_kvcache(params[i % sets]);
+    const auto host_end = std::chrono::steady_clock::now();
+    check(cudaEventRecord(end), "cudaEventRecord");
+    check(cudaEventSynchronize(end), "cudaEventSynchronize");
+    float ms = 0;
+    check(cudaEventElapsedTime(&ms, begin, end), "cudaEventElapsedTime");
+    rec.back_to_back_ms = ms / reps;
+    rec.host_ms = std::chrono::duration<double, std::milli>(host_end - host_begin).count() / reps;
+  }
   const double bytes = 2.0 * batch * cache * hkv * kHeadDim * 2;
   rec.tbps = bytes / (rec.ms * 1e-3) / 1e12;
   std::vector<uint16_t> out_host(q_host.size());
@@ -294,10 +313,11 @@ int main(int argc, char** argv) {
         if (batch * cache > opt.max_tokens) continue;
         for (int64_t splits : opt.splits) {
           Record r = run_cell(opt, batch, cache, page, static_cast<int>(splits), l2_bytes);
-          std::printf("  %-11s batch %4lld cache %7lld: %8.4f ms  %6.3f TB/s  splits %3d %s\n",
+          std::printf("  %-11s batch %4lld cache %7lld: %8.4f ms  %6.3f TB/s  splits %3d  "
+                      "(back to back %8.4f ms, host %7.4f ms per call) %s\n",
                       page > 0 ? ("paged" + std::to_string(page)).c_str() : "contiguous",
                       static_cast<long long>(batch), static_cast<long long>(cache), r.ms, r.tbps,
-                      r.splits, r.note.c_str());
+                      r.splits, r.back_to_back_ms, r.host_ms, r.note.c_str());
           std::fflush(stdout);
           records.push_back(r);
         }

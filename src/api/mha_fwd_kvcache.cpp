@@ -115,18 +115,8 @@ int64_t decode_ctas(const KvcacheProblem& problem) {
          ((packed_rows + sm80::kDecodeRows - 1) / sm80::kDecodeRows);
 }
 
-// The CTAs per SM the split model counts for this problem on this device (split_heuristic.h).
-int decode_ctas_per_sm(const KvcacheProblem& problem, const DeviceLimits& limits) {
-  const int family = sm80::decode_head_dim_family(problem.head_dim);
-  return api::decode_ctas_per_sm(
-      problem.is_paged(), sm80::decode_smem_bytes(family, false) + limits.reserved_smem_per_block,
-      limits.smem_per_sm);
-}
-
-// The split count of a CUDA call: the caller's, or the heuristic's for this device.
-int cuda_num_splits(const KvcacheProblem& problem, int requested, int device) {
-  if (requested > 0) return requested;
-  const DeviceLimits limits = device_limits(device);
+// The split model's view of this problem on this device (split_heuristic.h), CTAs per SM included.
+api::SplitShape split_shape(const KvcacheProblem& problem, const DeviceLimits& limits) {
   // The longest sequence: exact for one scalar length, else bounded by the capacity (the lengths
   // are on the device).
   const int64_t max_keys = problem.cache_seqlens == nullptr
@@ -137,18 +127,26 @@ int cuda_num_splits(const KvcacheProblem& problem, int requested, int device) {
   shape.key_blocks = (max_keys + sm80::kDecodeBlockN - 1) / sm80::kDecodeBlockN;
   shape.sm_count = limits.sm_count;
   shape.max_splits = api::kMaxKvcacheSplits;
-  shape.ctas_per_sm = decode_ctas_per_sm(problem, limits);
-  return api::choose_num_splits(shape);
+  const int family = sm80::decode_head_dim_family(problem.head_dim);
+  shape.ctas_per_sm = api::decode_ctas_per_sm(
+      shape, problem.is_paged(),
+      sm80::decode_smem_bytes(family, false) + limits.reserved_smem_per_block, limits.smem_per_sm);
+  return shape;
+}
+
+// The split count of a CUDA call: the caller's, or the heuristic's for `shape`.
+int cuda_num_splits(const api::SplitShape& shape, int requested) {
+  return requested > 0 ? requested : api::choose_num_splits(shape);
 }
 
 // The whole-SM pipeline when the split model counts one CTA per SM, the launch puts at most one
 // CTA on an SM, and the device lets one CTA take that much shared memory (sm_90: 227 KiB; not
 // sm_80's 163 KiB or sm_86/89's 99 KiB); PDL from sm_90 on.
-sm80::DecodeLaunchPlan decode_launch_plan(const KvcacheProblem& problem, int device) {
-  const DeviceLimits limits = device_limits(device);
+sm80::DecodeLaunchPlan decode_launch_plan(const KvcacheProblem& problem, const api::SplitShape& shape,
+                                          const DeviceLimits& limits) {
   const int family = sm80::decode_head_dim_family(problem.head_dim);
   sm80::DecodeLaunchPlan plan;
-  plan.whole_sm = decode_ctas_per_sm(problem, limits) == 1 &&
+  plan.whole_sm = shape.ctas_per_sm == 1 &&
                   api::one_cta_per_sm(decode_ctas(problem), problem.num_splits, limits.sm_count) &&
                   sm80::decode_smem_bytes(family, true) <= limits.max_smem_per_block;
   plan.programmatic = limits.arch >= 90;
@@ -191,13 +189,17 @@ void check_contents_on_device(const KvcacheProblem& p, void* stream) {
 void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void* stream) {
   const int device = params.q.device.index;
   const RunDecode run = require_sm80_decode(problem);
-  const int arch = device_limits(device).arch;
+  const DeviceLimits limits = device_limits(device);
+  const int arch = limits.arch;
   if (arch < 80) {
     throw Error(std::string(kFn) + ": cuda:" + std::to_string(device) + " has compute capability " +
                 std::to_string(arch / 10) + "." + std::to_string(arch % 10) +
                 "; the flashkit CUDA kernels need 8.0 or newer (Ampere, Ada, Hopper)");
   }
-  problem.num_splits = cuda_num_splits(problem, params.num_splits, device);
+  // Once per call: it runs the split model's loop over split counts (twice for a paged cache), on
+  // the host's path to a decode step of a few microseconds.
+  const api::SplitShape shape = split_shape(problem, limits);
+  problem.num_splits = cuda_num_splits(shape, params.num_splits);
   const size_t needed = sm80::decode_workspace_layout(problem, problem.num_splits).total_bytes;
   if (needed > 0) {
     if (params.workspace == nullptr || params.workspace_bytes < needed) {
@@ -217,7 +219,7 @@ void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void
     problem.workspace = params.workspace;
     problem.workspace_bytes = params.workspace_bytes;
   }
-  const sm80::DecodeLaunchPlan plan = decode_launch_plan(problem, device);
+  const sm80::DecodeLaunchPlan plan = decode_launch_plan(problem, shape, limits);
   const api::CurrentDeviceGuard device_guard(device);
   if (contents_check_enabled()) check_contents_on_device(problem, stream);
   if (debug_enabled()) {
@@ -257,7 +259,8 @@ SplitPlan plan_splits(const MhaFwdKvcacheParams& params) {
   if (params.q.device.kind == DeviceKind::kCpu) return plan;
 #ifdef FLASHKIT_WITH_CUDA
   require_sm80_decode(problem);
-  plan.num_splits = cuda_num_splits(problem, params.num_splits, params.q.device.index);
+  plan.num_splits =
+      cuda_num_splits(split_shape(problem, device_limits(params.q.device.index)), params.num_splits);
   plan.workspace_bytes = sm80::decode_workspace_layout(problem, plan.num_splits).total_bytes;
   return plan;
 #else

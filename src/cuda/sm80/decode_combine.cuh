@@ -19,7 +19,17 @@
 namespace flashkit::sm80 {
 
 constexpr int kCombineWarps = 4;
-constexpr int kSplitsInFlight = 8;
+
+// Splits whose partial rows a lane loads before it sums any: 16 (64 registers at D <= 128) covers
+// a batch-1 launch (16 splits at GQA 32/8 on 132 SMs) in one round trip.
+template <int kHeadDim>
+constexpr int combine_splits_in_flight() {
+  return kHeadDim <= 128 ? 16 : 8;
+}
+
+// The lse values of up to 32 x kMaxSplitChunks splits, lane j holding splits j, j + 32, ...:
+// mha_fwd_kvcache allows at most 128 splits.
+constexpr int kMaxSplitChunks = 4;
 
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kCombineWarps * 32)
@@ -29,6 +39,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   wait_for_prior_grids();
   allow_dependent_grids();
   constexpr int kPasses = (kHeadDim + 127) / 128;
+  constexpr int kInFlight = combine_splits_in_flight<kHeadDim>();
+  static_assert(32 % kInFlight == 0, "a group of splits lies within one lane chunk of 32");
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
@@ -39,33 +51,12 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   const float* out_accum =
       reinterpret_cast<const float*>(static_cast<const char*>(p.workspace) + layout.out_offset);
 
-  float m = -INFINITY;
-  for (int s = lane; s < splits; s += 32) m = fmaxf(m, lse_accum[s * rows + row]);
+  // The partial rows of splits s0 .. s0 + kInFlight - 1 (zero past the last split).
+  float4 x[kInFlight][kPasses];
+  auto load_partials = [&](int s0) {
 #pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
-  float sum = 0.0f;
-  if (m != -INFINITY) {
-    for (int s = lane; s < splits; s += 32) sum += __expf(lse_accum[s * rows + row] - m);
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
-  const float total = m == -INFINITY ? -INFINITY : m + __logf(sum);
-
-  // The partials of kSplitsInFlight splits are loaded before any is summed: a loop that loads one
-  // split's row and adds it before loading the next pays one L2 round trip per split (16 splits at
-  // batch 1: several microseconds of a 20-microsecond decode step).
-  float4 acc[kPasses];
-#pragma unroll
-  for (int pass = 0; pass < kPasses; ++pass) acc[pass] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  for (int s0 = 0; s0 < splits; s0 += kSplitsInFlight) {
-    float weight[kSplitsInFlight];
-    float4 x[kSplitsInFlight][kPasses];
-#pragma unroll
-    for (int u = 0; u < kSplitsInFlight; ++u) {
+    for (int u = 0; u < kInFlight; ++u) {
       const int s = s0 + u;
-      // A split that saw no key (lse -inf, partial 0) weighs 0, also when no split saw one.
-      const float l = s < splits ? lse_accum[s * rows + row] : -INFINITY;
-      weight[u] = l == -INFINITY ? 0.0f : __expf(l - total);
       const float* partial = out_accum + (s * rows + row) * p.head_dim;
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
@@ -74,14 +65,52 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
                                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
     }
+  };
+  // The first group's partials go out with the lse loads, so that a launch of at most kInFlight
+  // splits waits for one L2 round trip, not one for the lse values and one for the partials.
+  load_partials(0);
+  float split_lse[kMaxSplitChunks];
 #pragma unroll
-    for (int u = 0; u < kSplitsInFlight; ++u) {
+  for (int c = 0; c < kMaxSplitChunks; ++c) {
+    const int s = c * 32 + lane;
+    split_lse[c] = s < splits ? lse_accum[s * rows + row] : -INFINITY;
+  }
+
+  float m = -INFINITY;
+#pragma unroll
+  for (int c = 0; c < kMaxSplitChunks; ++c) m = fmaxf(m, split_lse[c]);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, offset));
+  float sum = 0.0f;
+  if (m != -INFINITY) {
+#pragma unroll
+    for (int c = 0; c < kMaxSplitChunks; ++c) sum += __expf(split_lse[c] - m);  // exp(-inf) = 0
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  const float total = m == -INFINITY ? -INFINITY : m + __logf(sum);
+
+  float4 acc[kPasses];
+#pragma unroll
+  for (int pass = 0; pass < kPasses; ++pass) acc[pass] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  for (int s0 = 0; s0 < splits; s0 += kInFlight) {
+    if (s0 > 0) load_partials(s0);
+    // This lane's split of the chunk holding s0, and its weight; a split that saw no key (lse
+    // -inf, partial 0) weighs 0, also when no split saw one.
+    const int chunk = s0 / 32;
+    float l = split_lse[0];
+#pragma unroll
+    for (int c = 1; c < kMaxSplitChunks; ++c) l = chunk == c ? split_lse[c] : l;
+    const float lane_weight = l == -INFINITY ? 0.0f : __expf(l - total);
+#pragma unroll
+    for (int u = 0; u < kInFlight; ++u) {
+      const float weight = __shfl_sync(0xffffffffu, lane_weight, (s0 + u) % 32);
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
-        acc[pass].x += weight[u] * x[u][pass].x;
-        acc[pass].y += weight[u] * x[u][pass].y;
-        acc[pass].z += weight[u] * x[u][pass].z;
-        acc[pass].w += weight[u] * x[u][pass].w;
+        acc[pass].x += weight * x[u][pass].x;
+        acc[pass].y += weight * x[u][pass].y;
+        acc[pass].z += weight * x[u][pass].z;
+        acc[pass].w += weight * x[u][pass].w;
       }
     }
   }
