@@ -110,7 +110,7 @@ struct TileOrder {
   }
 };
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kDropout_>
+template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, int kFmaExp2Tiles_, bool kDropout_>
 struct FwdKernelTraits {
   using Element = Element_;
   static constexpr bool kDropout = kDropout_;  // the instance that applies dropout (p > 0)
@@ -118,6 +118,9 @@ struct FwdKernelTraits {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
+  // Of a score block's kBlockN / 8 column tiles, how many are exponentiated on the FMA pipe instead
+  // of MUFU (fwd_tile_config_sm90.h says why and how many).
+  static constexpr int kFmaExp2Tiles = kFmaExp2Tiles_;
   static constexpr int kConsumerWarpgroups = 2;
   static constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
@@ -359,7 +362,7 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[1][Traits::k
 // kPipelined: the schedule of the header (one block of software pipelining + ping-pong). Otherwise
 // each block runs S, softmax, O += P V back to back (the first version; kept to measure the
 // schedule against, selected by FLASHKIT_SM90_SCHEDULE=serial).
-template <typename Traits, bool kPipelined>
+template <typename Traits, bool kPipelined, bool kEarlyOutputWait>
 __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint32_t smem,
                                                    typename Traits::Barriers& bars, int num_tiles,
                                                    int consumer) {
@@ -418,7 +421,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         sm80::mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
       }
       const bool any = softmax.advance_max(acc_s, log2_scale, rescale);
-      softmax.exponentiate(acc_s, log2_scale);
+      softmax.template exponentiate<Traits::kFmaExp2Tiles>(acc_s, log2_scale);
       if constexpr (Traits::kDropout) {
         sm80::apply_dropout(acc_s, dropout_mask,
                             static_cast<uint32_t>(tile.batch * p.heads_q + tile.head),
@@ -482,11 +485,26 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           wgmma_wait<1>();  // S of this block (issued first) has landed; P V may still run
           wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
           release(bars.k_empty[cursor.stage]);
-          const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
-          wgmma_wait<0>();
-          wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+          // O (P V of the previous block) is waited for only now, so that P V runs under the
+          // softmax. ptxas moves a wgmma wait up to the top of its basic block (and may then give
+          // the softmax the registers of P that the running P V still reads): a wait in each arm
+          // of the rescale branch sits in blocks of its own after the exponentials (SASS:
+          // WARPGROUP.DEPBAR after the last MUFU.EX2; one unbranched wait sat before the first).
+          auto settle_output = [&] {
+            wgmma_wait<0>();
+            wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+          };
+          if constexpr (kEarlyOutputWait) {  // measurement switch: the previous placement
+            const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
+            settle_output();
+            if (any_rescale) softmax.rescale_output(acc_o, rescale);
+          } else if (softmax_block(acc_s, n_block * kBlockN, rescale)) {
+            settle_output();
+            softmax.rescale_output(acc_o, rescale);
+          } else {
+            settle_output();
+          }
           release(bars.v_empty[previous.stage]);
-          if (any_rescale) softmax.rescale_output(acc_o, rescale);
           pack_probabilities<Traits>(acc_s, p_frag);
         }
         release(bars.q_empty);  // every S of the tile has completed
@@ -533,7 +551,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   }
 }
 
-template <typename Traits, bool kPipelined>
+template <typename Traits, bool kPipelined, bool kEarlyOutputWait = false>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams params, int num_tiles) {
   using Barriers = typename Traits::Barriers;
@@ -563,7 +581,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (threadIdx.x / 32 == 0) producer_warp<Traits>(params, smem, bars, num_tiles);
   } else {
     warpgroup_claim_registers<Traits::kConsumerRegisters>();
-    consumer_warpgroup<Traits, kPipelined>(params, smem, bars, num_tiles, warpgroup - 1);
+    consumer_warpgroup<Traits, kPipelined, kEarlyOutputWait>(params, smem, bars, num_tiles, warpgroup - 1);
   }
 }
 

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 
 #include "cuda/cuda_check.h"
 #include "cuda/sm90/fwd_kernel_sm90.cuh"
@@ -54,8 +55,10 @@ void run_fwd(const FwdProblem& problem, void* stream) {
   constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
   static_assert(kTile.block_m == 128, "no sm90 tile configuration for this head-dim family");
   using Element = typename ElementOf<kDType>::type;
-  using Traits = FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, false>;
-  using DropoutTraits = FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, true>;
+  using Traits =
+      FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, kTile.fma_exp2_tiles, false>;
+  using DropoutTraits =
+      FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, kTile.fma_exp2_tiles, true>;
 
   const int64_t num_m_blocks = (problem.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t num_blocks = num_m_blocks * problem.batch * problem.heads_q;
@@ -119,6 +122,34 @@ void run_fwd(const FwdProblem& problem, void* stream) {
   auto kernel = problem.dropout_p > 0.0f ? fwd_kernel<DropoutTraits, true>
                 : serial                 ? fwd_kernel<Traits, false>
                                          : fwd_kernel<Traits, true>;
+  // Measurement switch (the A/B of the share of exponentials on the FMA pipe, bench/NOTES.md):
+  // FLASHKIT_SM90_EXP2_FMA_TILES=<0, 2, 4, 6 or 8> runs the p = 0 pipelined kernel with that many
+  // of its 16 score column tiles on the FMA pipe instead of the tile configuration's.
+  const char* fma_env = std::getenv("FLASHKIT_SM90_EXP2_FMA_TILES");
+  if constexpr (kTile.block_n == 128) if (fma_env != nullptr && problem.dropout_p == 0.0f && !serial) {
+    const int fma_tiles = std::atoi(fma_env);
+    bool found = false;
+    auto with_fma_tiles = [&](auto tiles) {
+      constexpr int kTiles = decltype(tiles)::value;
+      if (fma_tiles == kTiles) {
+        kernel = fwd_kernel<FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, kTiles, false>,
+                            true>;
+        found = true;
+      }
+    };
+    with_fma_tiles(std::integral_constant<int, 0>{});
+    with_fma_tiles(std::integral_constant<int, 2>{});
+    with_fma_tiles(std::integral_constant<int, 4>{});
+    with_fma_tiles(std::integral_constant<int, 6>{});
+    with_fma_tiles(std::integral_constant<int, 8>{});
+    if (!found) throw Error(std::string("FLASHKIT_SM90_EXP2_FMA_TILES=") + fma_env + ": not 0, 2, 4, 6 or 8");
+  }
+  // Measurement switch: FLASHKIT_SM90_OUTPUT_WAIT=early runs the p = 0 pipelined kernel with the
+  // previous placement of its wait for P V (before the softmax) and no exponentials on the FMA pipe.
+  const char* wait_env = std::getenv("FLASHKIT_SM90_OUTPUT_WAIT");
+  if (wait_env != nullptr && std::string(wait_env) == "early" && problem.dropout_p == 0.0f && !serial) {
+    kernel = fwd_kernel<FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, 0, false>, true, true>;
+  }
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    Traits::kSmemBytes),
               "cudaFuncSetAttribute(sm90 fwd_kernel, max dynamic shared memory)");
