@@ -9,7 +9,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <string>
-#include <type_traits>
 
 #include "cuda/cuda_check.h"
 #include "cuda/sm90/fwd_kernel_sm90.cuh"
@@ -50,16 +49,17 @@ inline CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64
   return encode_tensor_map(t, p.dtype == DType::kBFloat16, box_rows, what);
 }
 
-template <DType kDType, int kHeadDimFamily>
-void run_fwd(const FwdProblem& problem, void* stream) {
-  constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
-  static_assert(kTile.block_m == 128, "no sm90 tile configuration for this head-dim family");
-  using Element = typename ElementOf<kDType>::type;
-  using Traits =
-      FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, kTile.fma_exp2_tiles, false>;
-  using DropoutTraits =
-      FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, kTile.fma_exp2_tiles, true>;
+// The kernel traits of a (dtype, family) with kBlockM query rows per tile, kFmaTiles score column
+// tiles exponentiated on the FMA pipe, and dropout or not; the other sizes from the tile config.
+template <DType kDType, int kHeadDimFamily, int kBlockM, int kFmaTiles, bool kDropout,
+          int kBlockN = fwd_tile_config(kHeadDimFamily).block_n>
+using FwdTraitsFor = FwdKernelTraits<typename ElementOf<kDType>::type, kHeadDimFamily, kBlockM, kBlockN,
+                                     fwd_tile_config(kHeadDimFamily).stages, kFmaTiles, kDropout>;
 
+// Launches fwd_kernel<Traits, kPipelined, kEarlyOutputWait> on the problem: tensor maps, tile
+// order, grid, shared memory.
+template <typename Traits, bool kPipelined, bool kEarlyOutputWait = false>
+void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   const int64_t num_m_blocks = (problem.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t num_blocks = num_m_blocks * problem.batch * problem.heads_q;
   if (num_blocks == 0) return;
@@ -81,12 +81,6 @@ void run_fwd(const FwdProblem& problem, void* stream) {
                                   problem.heads_kv, problem.v_row_stride, problem.v_head_stride,
                                   problem.v_batch_stride, Traits::kBlockN, "v");
 
-  // Two switches for measuring the design against its variants (bench/NOTES.md):
-  // FLASHKIT_SM90_SCHEDULE=serial runs the unpipelined consumer schedule; FLASHKIT_SM90_GRID=
-  // persistent launches one CTA per SM walking tiles in a static round robin instead of one CTA per
-  // tile. The default is one CTA per tile: the hardware hands tiles to SMs as they free up, which
-  // under a causal mask balanced the work far better than the static round robin (H100, 2026-11-23:
-  // causal up to 25% slower persistent) until a dynamic tile scheduler exists.
   // Tile order (TileOrder in fwd_kernel_sm90.cuh). Under a causal or sliding-window mask the tiles
   // of one (batch, head) pair cost different numbers of key blocks; with the pairs one after another
   // (1 pair per group) the heavy tiles of the last pairs started late and set the end. Groups of
@@ -104,8 +98,11 @@ void run_fwd(const FwdProblem& problem, void* stream) {
                                                       : 1;
   params.tile_groups = static_cast<int>(std::max<int64_t>(1, batch_heads / pairs_per_group));
 
-  const char* schedule = std::getenv("FLASHKIT_SM90_SCHEDULE");
-  const bool serial = schedule != nullptr && std::string(schedule) == "serial";
+  // FLASHKIT_SM90_GRID=persistent (measurement switch) launches one CTA per SM walking tiles in a
+  // static round robin instead of one CTA per tile. The default is one CTA per tile: the hardware
+  // hands tiles to SMs as they free up, which under a causal mask balanced the work far better than
+  // the static round robin (H100, 2026-11-23: causal up to 25% slower persistent) until a dynamic
+  // tile scheduler exists.
   const char* grid = std::getenv("FLASHKIT_SM90_GRID");
   int64_t ctas = num_blocks;
   if (grid != nullptr && std::string(grid) == "persistent") {
@@ -117,45 +114,70 @@ void run_fwd(const FwdProblem& problem, void* stream) {
     ctas = std::min<int64_t>(num_blocks, sm_count);
   }
 
-  // Dropout has its own instance (the p = 0 ones stay untouched by its code), pipelined only: the
-  // serial schedule is a measurement switch of the p = 0 kernel.
-  auto kernel = problem.dropout_p > 0.0f ? fwd_kernel<DropoutTraits, true>
-                : serial                 ? fwd_kernel<Traits, false>
-                                         : fwd_kernel<Traits, true>;
-  // Measurement switch (the A/B of the share of exponentials on the FMA pipe, bench/NOTES.md):
-  // FLASHKIT_SM90_EXP2_FMA_TILES=<0, 2, 4, 6 or 8> runs the p = 0 pipelined kernel with that many
-  // of its 16 score column tiles on the FMA pipe instead of the tile configuration's.
-  const char* fma_env = std::getenv("FLASHKIT_SM90_EXP2_FMA_TILES");
-  if constexpr (kTile.block_n == 128) if (fma_env != nullptr && problem.dropout_p == 0.0f && !serial) {
-    const int fma_tiles = std::atoi(fma_env);
-    bool found = false;
-    auto with_fma_tiles = [&](auto tiles) {
-      constexpr int kTiles = decltype(tiles)::value;
-      if (fma_tiles == kTiles) {
-        kernel = fwd_kernel<FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, kTiles, false>,
-                            true>;
-        found = true;
-      }
-    };
-    with_fma_tiles(std::integral_constant<int, 0>{});
-    with_fma_tiles(std::integral_constant<int, 2>{});
-    with_fma_tiles(std::integral_constant<int, 4>{});
-    with_fma_tiles(std::integral_constant<int, 6>{});
-    with_fma_tiles(std::integral_constant<int, 8>{});
-    if (!found) throw Error(std::string("FLASHKIT_SM90_EXP2_FMA_TILES=") + fma_env + ": not 0, 2, 4, 6 or 8");
-  }
-  // Measurement switch: FLASHKIT_SM90_OUTPUT_WAIT=early runs the p = 0 pipelined kernel with the
-  // previous placement of its wait for P V (before the softmax) and no exponentials on the FMA pipe.
-  const char* wait_env = std::getenv("FLASHKIT_SM90_OUTPUT_WAIT");
-  if (wait_env != nullptr && std::string(wait_env) == "early" && problem.dropout_p == 0.0f && !serial) {
-    kernel = fwd_kernel<FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, 0, false>, true, true>;
-  }
+  auto kernel = fwd_kernel<Traits, kPipelined, kEarlyOutputWait>;
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    Traits::kSmemBytes),
               "cudaFuncSetAttribute(sm90 fwd_kernel, max dynamic shared memory)");
-  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes,
-           static_cast<cudaStream_t>(stream)>>>(params, static_cast<int>(num_blocks));
+  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(
+      params, static_cast<int>(num_blocks));
   cuda::check_last_launch("sm90 fwd_kernel");
+}
+
+template <DType kDType, int kHeadDimFamily>
+void run_fwd(const FwdProblem& problem, void* stream_ptr) {
+  constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
+  static_assert(kTile.block_m == 128, "no sm90 tile configuration for this head-dim family");
+  using Traits = FwdTraitsFor<kDType, kHeadDimFamily, kTile.block_m, kTile.fma_exp2_tiles, false>;
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+
+  // Dropout has its own instance (the p = 0 ones stay untouched by its code), pipelined only.
+  if (problem.dropout_p > 0.0f) {
+    launch_fwd<FwdTraitsFor<kDType, kHeadDimFamily, kTile.block_m, kTile.fma_exp2_tiles, true>, true>(problem,
+                                                                                                      stream);
+    return;
+  }
+  // Measurement switches for the A/B runs of bench/NOTES.md (p = 0 only):
+  // FLASHKIT_SM90_SCHEDULE=serial runs the unpipelined consumer schedule.
+  // FLASHKIT_SM90_OUTPUT_WAIT=early: the wait for P V before the softmax (the kernel before 0740149).
+  // FLASHKIT_SM90_BLOCK_M=192 (family 64): 192-row tiles, three consumers, serial schedule;
+  //   192p: the same, pipelined (spills 112 bytes at 160 registers); 192x96: pipelined, 96-key
+  //   blocks. With
+  //   FLASHKIT_SM90_EXP2_FMA_TILES=<2 or 4>: that many of the 16 score column tiles on the FMA pipe.
+  const auto env_is = [](const char* name, const char* value) {
+    const char* v = std::getenv(name);
+    return v != nullptr && std::string(v) == value;
+  };
+  if constexpr (kHeadDimFamily == 64) {
+    if (env_is("FLASHKIT_SM90_BLOCK_M", "192")) {
+      if (env_is("FLASHKIT_SM90_EXP2_FMA_TILES", "2")) {
+        launch_fwd<FwdTraitsFor<kDType, 64, 192, 2, false>, false>(problem, stream);
+      } else if (env_is("FLASHKIT_SM90_EXP2_FMA_TILES", "4")) {
+        launch_fwd<FwdTraitsFor<kDType, 64, 192, 4, false>, false>(problem, stream);
+      } else {
+        launch_fwd<FwdTraitsFor<kDType, 64, 192, 0, false>, false>(problem, stream);
+      }
+      return;
+    }
+    if (env_is("FLASHKIT_SM90_BLOCK_M", "192p")) {
+      launch_fwd<FwdTraitsFor<kDType, 64, 192, 0, false>, true>(problem, stream);
+      return;
+    }
+    if (env_is("FLASHKIT_SM90_BLOCK_M", "192x96")) {
+      if (env_is("FLASHKIT_SM90_EXP2_FMA_TILES", "2")) {
+        launch_fwd<FwdTraitsFor<kDType, 64, 192, 2, false, 96>, true>(problem, stream);
+      } else {
+        launch_fwd<FwdTraitsFor<kDType, 64, 192, 0, false, 96>, true>(problem, stream);
+      }
+      return;
+    }
+  }
+  if (env_is("FLASHKIT_SM90_SCHEDULE", "serial")) {
+    launch_fwd<Traits, false>(problem, stream);
+  } else if (env_is("FLASHKIT_SM90_OUTPUT_WAIT", "early")) {
+    launch_fwd<Traits, true, true>(problem, stream);
+  } else {
+    launch_fwd<Traits, true>(problem, stream);
+  }
 }
 
 }  // namespace flashkit::sm90

@@ -35,7 +35,7 @@ struct FwdTileConfig {
 
 constexpr FwdTileConfig fwd_tile_config(int head_dim_family) {
   switch (head_dim_family) {
-    case 64: return {128, 128, 4, 4};
+    case 64: return {128, 128, 4, 0};
     case 128: return {128, 128, 2, 0};
     case 256: return {128, 64, 2, 0};
     default: return {0, 0, 0, 0};
