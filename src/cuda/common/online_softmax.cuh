@@ -5,16 +5,12 @@
 // Each lane holds, for every 16-row mma tile, two rows (g and g + 8) and two columns per 8-column
 // tile. The four lanes of a quad (same g) together hold a whole row, so row reductions are two
 // shuffles. Scores x are turned into probabilities as exp2(x * log2_scale - max * log2_scale): one
-// FFMA and one MUFU.EX2 per element (exp2 rather than exp so that the scale folds into the FFMA),
-// or, in the column tiles a kernel moves off MUFU (exponentiate<kFmaTiles>), a polynomial on the FMA
-// pipe.
+// FFMA and one MUFU.EX2 per element (exp2 rather than exp so that the scale folds into the FFMA).
 // The running sum stays per lane (the rescale factor is uniform across the quad) and is reduced only
 // once, at the end.
 #pragma once
 
 #include <cmath>
-
-#include "cuda/common/exp2_fma.cuh"
 
 namespace flashkit::sm80 {
 
@@ -106,20 +102,8 @@ struct OnlineSoftmax {
         for (int i = 0; i < 4; ++i) out[mt][dt][i] *= rescale[2 * mt + i / 2];
   }
 
-  // Whether column tile nt is exponentiated on the FMA pipe when kFmaTiles of the kNTiles are:
-  // spread evenly (nt * kFmaTiles mod kNTiles below kFmaTiles holds for exactly kFmaTiles of them),
-  // so that the compiler can interleave the polynomial's instructions with MUFU's.
-  template <int kFmaTiles>
-  __device__ __forceinline__ static constexpr bool on_fma_pipe(int nt) {
-    return (nt * kFmaTiles) % kNTiles < kFmaTiles;
-  }
-
   // Scores -> probabilities against the current reference maxima, added to the row sums.
-  // kFmaTiles of the kNTiles column tiles use exp2_fma (exp2_fma.cuh) instead of MUFU.EX2: where
-  // the multi-function unit bounds the softmax, this moves part of its load to the FMA pipe.
-  template <int kFmaTiles = 0>
   __device__ __forceinline__ void exponentiate(float (&scores)[kMTiles][kNTiles][4], float log2_scale) {
-    static_assert(kFmaTiles >= 0 && kFmaTiles <= kNTiles, "kFmaTiles counts column tiles");
 #pragma unroll
     for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll
@@ -132,8 +116,7 @@ struct OnlineSoftmax {
         for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float x = scores[mt][nt][2 * half + e] * log2_scale - max_scaled;
-            const float p = on_fma_pipe<kFmaTiles>(nt) ? exp2_fma(x) : exp2f(x);
+            const float p = exp2f(scores[mt][nt][2 * half + e] * log2_scale - max_scaled);
             scores[mt][nt][2 * half + e] = p;
             sum += p;
           }

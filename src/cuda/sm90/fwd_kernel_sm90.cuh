@@ -111,8 +111,7 @@ struct TileOrder {
   }
 };
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, int kFmaExp2Tiles_,
-          bool kDropout_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDropout_>
 struct FwdKernelTraits {
   using Element = Element_;
   static constexpr bool kDropout = kDropout_;  // the instance that applies dropout (p > 0)
@@ -120,9 +119,6 @@ struct FwdKernelTraits {
   static constexpr int kBlockM = kBlockM_;  // 64 query rows per consumer warpgroup
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  // Of a score block's kBlockN / 8 column tiles, how many are exponentiated on the FMA pipe instead
-  // of MUFU (fwd_tile_config_sm90.h says why and how many).
-  static constexpr int kFmaExp2Tiles = kFmaExp2Tiles_;
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
@@ -164,15 +160,17 @@ struct FwdKernelTraits {
   static constexpr int kSmemBytes = kBarrierOffset + static_cast<int>(sizeof(Barriers)) + 1024;
 
   static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "whole wgmma k-steps and swizzle atoms");
-  static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3, "two or three consumer warpgroups");
+  static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3,
+                "two or three consumer warpgroups");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
 };
 
 // The named barriers of this kernel (hardware ids; 0 is __syncthreads).
 enum class FwdBarrier : uint32_t {
-  kScheduler0 = kFirstNamedBarrier,  // consumer 0 may issue its products (256 threads: it and the one before)
+  kScheduler0 = kFirstNamedBarrier,  // consumer 0 may issue its products (256 threads: it and the
+                                     // consumer before it, which passes the turn)
   kScheduler1,                       // consumer 1 may issue its matrix products
-  kScheduler2,                       // consumer 2 (three consumers) may issue its matrix products
+  kScheduler2,                       // consumer 2 (of three) may issue its matrix products
 };
 
 // Where a tile's rows and keys live, and which key blocks it visits.
@@ -366,10 +364,10 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[1][Traits::k
   }
 }
 
-// kPipelined: the schedule of the header (one block of software pipelining + ping-pong). Otherwise
+// kPipelined: the schedule of the header (one block of software pipelining + turns). Otherwise
 // each block runs S, softmax, O += P V back to back (the first version; kept to measure the
 // schedule against, selected by FLASHKIT_SM90_SCHEDULE=serial).
-template <typename Traits, bool kPipelined, bool kEarlyOutputWait>
+template <typename Traits, bool kPipelined>
 __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint32_t smem,
                                                    typename Traits::Barriers& bars, int num_tiles,
                                                    int consumer) {
@@ -429,7 +427,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         sm80::mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
       }
       const bool any = softmax.advance_max(acc_s, log2_scale, rescale);
-      softmax.template exponentiate<Traits::kFmaExp2Tiles>(acc_s, log2_scale);
+      softmax.exponentiate(acc_s, log2_scale);
       if constexpr (Traits::kDropout) {
         sm80::apply_dropout(acc_s, dropout_mask,
                             static_cast<uint32_t>(tile.batch * p.heads_q + tile.head),
@@ -502,11 +500,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
             wgmma_wait<0>();
             wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
           };
-          if constexpr (kEarlyOutputWait) {  // measurement switch: the previous placement
-            const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
-            settle_output();
-            if (any_rescale) softmax.rescale_output(acc_o, rescale);
-          } else if (softmax_block(acc_s, n_block * kBlockN, rescale)) {
+          if (softmax_block(acc_s, n_block * kBlockN, rescale)) {
             settle_output();
             softmax.rescale_output(acc_o, rescale);
           } else {
@@ -521,8 +515,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         turn.wait();
         wgmma_fence();
         issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(cursor));
-        // The next consumer waits for this last turn; consumer 0 does not (the last consumer passes
-        // it at the next tile's start).
+        // Every consumer but the last passes this last turn on; the last one passes it to consumer
+        // 0 at the next tile's start.
         if (consumer != kLastConsumer) turn.pass();
         wgmma_wait<0>();
         wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
@@ -561,7 +555,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   }
 }
 
-template <typename Traits, bool kPipelined, bool kEarlyOutputWait = false>
+template <typename Traits, bool kPipelined>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     fwd_kernel(const __grid_constant__ FwdParams params, int num_tiles) {
   using Barriers = typename Traits::Barriers;
@@ -591,7 +585,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     if (threadIdx.x / 32 == 0) producer_warp<Traits>(params, smem, bars, num_tiles);
   } else {
     warpgroup_claim_registers<Traits::kConsumerRegisters>();
-    consumer_warpgroup<Traits, kPipelined, kEarlyOutputWait>(params, smem, bars, num_tiles, warpgroup - 1);
+    consumer_warpgroup<Traits, kPipelined>(params, smem, bars, num_tiles, warpgroup - 1);
   }
 }
 

@@ -49,16 +49,9 @@ inline CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64
   return encode_tensor_map(t, p.dtype == DType::kBFloat16, box_rows, what);
 }
 
-// The kernel traits of a (dtype, family) with kBlockM query rows per tile, kFmaTiles score column
-// tiles exponentiated on the FMA pipe, and dropout or not; the other sizes from the tile config.
-template <DType kDType, int kHeadDimFamily, int kBlockM, int kFmaTiles, bool kDropout,
-          int kBlockN = fwd_tile_config(kHeadDimFamily).block_n>
-using FwdTraitsFor = FwdKernelTraits<typename ElementOf<kDType>::type, kHeadDimFamily, kBlockM, kBlockN,
-                                     fwd_tile_config(kHeadDimFamily).stages, kFmaTiles, kDropout>;
-
-// Launches fwd_kernel<Traits, kPipelined, kEarlyOutputWait> on the problem: tensor maps, tile
-// order, grid, shared memory.
-template <typename Traits, bool kPipelined, bool kEarlyOutputWait = false>
+// Launches fwd_kernel<Traits, kPipelined> on the problem: tensor maps, tile order, grid, shared
+// memory.
+template <typename Traits, bool kPipelined>
 void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   const int64_t num_m_blocks = (problem.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t num_blocks = num_m_blocks * problem.batch * problem.heads_q;
@@ -114,7 +107,7 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
     ctas = std::min<int64_t>(num_blocks, sm_count);
   }
 
-  auto kernel = fwd_kernel<Traits, kPipelined, kEarlyOutputWait>;
+  auto kernel = fwd_kernel<Traits, kPipelined>;
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    Traits::kSmemBytes),
               "cudaFuncSetAttribute(sm90 fwd_kernel, max dynamic shared memory)");
@@ -126,55 +119,24 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
 template <DType kDType, int kHeadDimFamily>
 void run_fwd(const FwdProblem& problem, void* stream_ptr) {
   constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
-  static_assert(kTile.block_m == 128, "no sm90 tile configuration for this head-dim family");
-  using Traits = FwdTraitsFor<kDType, kHeadDimFamily, kTile.block_m, kTile.fma_exp2_tiles, false>;
+  constexpr FwdTileConfig kDropoutTile = fwd_tile_config(kHeadDimFamily, true);
+  static_assert(kTile.block_m > 0 && kDropoutTile.block_m > 0,
+                "no sm90 tile configuration for this head-dim family");
+  using Element = typename ElementOf<kDType>::type;
+  using Traits =
+      FwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.stages, false>;
+  using DropoutTraits = FwdKernelTraits<Element, kHeadDimFamily, kDropoutTile.block_m,
+                                        kDropoutTile.block_n, kDropoutTile.stages, true>;
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
 
-  // Dropout has its own instance (the p = 0 ones stay untouched by its code), pipelined only.
+  // Dropout has its own instance (the p = 0 ones stay untouched by its code), pipelined only: the
+  // serial schedule (FLASHKIT_SM90_SCHEDULE=serial) is a measurement switch of the p = 0 kernel.
+  const char* schedule = std::getenv("FLASHKIT_SM90_SCHEDULE");
+  const bool serial = schedule != nullptr && std::string(schedule) == "serial";
   if (problem.dropout_p > 0.0f) {
-    launch_fwd<FwdTraitsFor<kDType, kHeadDimFamily, kTile.block_m, kTile.fma_exp2_tiles, true>, true>(problem,
-                                                                                                      stream);
-    return;
-  }
-  // Measurement switches for the A/B runs of bench/NOTES.md (p = 0 only):
-  // FLASHKIT_SM90_SCHEDULE=serial runs the unpipelined consumer schedule.
-  // FLASHKIT_SM90_OUTPUT_WAIT=early: the wait for P V before the softmax (the kernel before 0740149).
-  // FLASHKIT_SM90_BLOCK_M=192 (family 64): 192-row tiles, three consumers, serial schedule;
-  //   192p: the same, pipelined (spills 112 bytes at 160 registers); 192x96: pipelined, 96-key
-  //   blocks. With
-  //   FLASHKIT_SM90_EXP2_FMA_TILES=<2 or 4>: that many of the 16 score column tiles on the FMA pipe.
-  const auto env_is = [](const char* name, const char* value) {
-    const char* v = std::getenv(name);
-    return v != nullptr && std::string(v) == value;
-  };
-  if constexpr (kHeadDimFamily == 64) {
-    if (env_is("FLASHKIT_SM90_BLOCK_M", "192")) {
-      if (env_is("FLASHKIT_SM90_EXP2_FMA_TILES", "2")) {
-        launch_fwd<FwdTraitsFor<kDType, 64, 192, 2, false>, false>(problem, stream);
-      } else if (env_is("FLASHKIT_SM90_EXP2_FMA_TILES", "4")) {
-        launch_fwd<FwdTraitsFor<kDType, 64, 192, 4, false>, false>(problem, stream);
-      } else {
-        launch_fwd<FwdTraitsFor<kDType, 64, 192, 0, false>, false>(problem, stream);
-      }
-      return;
-    }
-    if (env_is("FLASHKIT_SM90_BLOCK_M", "192p")) {
-      launch_fwd<FwdTraitsFor<kDType, 64, 192, 0, false>, true>(problem, stream);
-      return;
-    }
-    if (env_is("FLASHKIT_SM90_BLOCK_M", "192x96")) {
-      if (env_is("FLASHKIT_SM90_EXP2_FMA_TILES", "2")) {
-        launch_fwd<FwdTraitsFor<kDType, 64, 192, 2, false, 96>, true>(problem, stream);
-      } else {
-        launch_fwd<FwdTraitsFor<kDType, 64, 192, 0, false, 96>, true>(problem, stream);
-      }
-      return;
-    }
-  }
-  if (env_is("FLASHKIT_SM90_SCHEDULE", "serial")) {
+    launch_fwd<DropoutTraits, true>(problem, stream);
+  } else if (serial) {
     launch_fwd<Traits, false>(problem, stream);
-  } else if (env_is("FLASHKIT_SM90_OUTPUT_WAIT", "early")) {
-    launch_fwd<Traits, true, true>(problem, stream);
   } else {
     launch_fwd<Traits, true>(problem, stream);
   }
