@@ -131,14 +131,15 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
   if (debug_enabled()) {
     if (use_sm90) {
       const int family90 = sm90::fwd_head_dim_family(problem.head_dim);
-      const sm90::FwdTileConfig tile = sm90::fwd_tile_config(family90);
+      const sm90::FwdTileConfig tile = sm90::fwd_tile_config(family90, problem.dropout_p > 0.0f);
       std::fprintf(stderr,
                    "flashkit: %s: cuda:%d sm90 forward (wgmma + TMA), %s head dim %d (family %d), "
-                   "tile %dx%d, %d stages, 2 consumer warpgroups, batch %d heads %d/%d seqlen "
+                   "tile %dx%d, %d stages, %d consumer warpgroups, batch %d heads %d/%d seqlen "
                    "%d/%d%s\n",
                    fn, device, build_dtype_name(problem.dtype), problem.head_dim, family90, tile.block_m,
-                   tile.block_n, tile.stages, problem.batch, problem.heads_q, problem.heads_kv,
-                   problem.seqlen_q, problem.seqlen_k, problem.is_varlen() ? " (varlen maxima)" : "");
+                   tile.block_n, tile.stages, tile.block_m / 64, problem.batch, problem.heads_q,
+                   problem.heads_kv, problem.seqlen_q, problem.seqlen_k,
+                   problem.is_varlen() ? " (varlen maxima)" : "");
     } else {
       const sm80::FwdTileConfig tile = sm80::fwd_tile_config(family);
       const std::string why_not_sm90 =

@@ -1,22 +1,23 @@
 // src/cuda/sm90/fwd_kernel_sm90.cuh
 // \brief The warp-specialized forward kernel on wgmma + TMA (sm_90a, Hopper).
 //
-// A CTA walks tiles of kBlockM = 128 query rows of one (batch, head): tile blockIdx.x, then every
-// gridDim.x-th after it, in the order of TileOrder (heaviest first within groups of (batch, head)
-// pairs). By default the grid has one CTA per tile (each CTA runs one tile);
-// FLASHKIT_SM90_GRID=persistent launches one CTA per SM instead (fwd_launch_sm90.cuh says why that is
-// not the default yet). Its three warpgroups:
+// A CTA walks tiles of kBlockM = 64 x kConsumerWarpgroups (128 or 192, fwd_tile_config_sm90.h)
+// query rows of one (batch, head): tile blockIdx.x, then every gridDim.x-th after it, in the order
+// of TileOrder (heaviest first within groups of (batch, head) pairs). By default the grid has one
+// CTA per tile (each CTA runs one tile); FLASHKIT_SM90_GRID=persistent launches one CTA per SM
+// instead (fwd_launch_sm90.cuh says why that is not the default yet). Its warpgroups:
 //
-//   producer  (warpgroup 0, 40 registers; its first warp works, one lane issues the copies)
-//     per tile: wait q_empty; TMA Q (128 x D)          -> q_full
+//   producer  (warpgroup 0, 40 or 32 registers; its first warp works, one lane issues the copies)
+//     per tile: wait q_empty; TMA Q (kBlockM x D)      -> q_full
 //     for each visible key block n, last to first, through a ring of kStages stages:
 //       wait k_empty[s]; TMA K[n] -> k_full[s]
 //       wait v_empty[s]; TMA V[n] -> v_full[s]
 //       (varlen, a block reaching past the sequence: V lands on v_tail, the warp zeroes the rows
 //        past the sequence (they hold the next sequence's tokens, possibly inf or NaN, which
 //        0 * x would spread into O), fences, and then arrives on v_full[s] itself)
-//   consumers (warpgroups 1 and 2, 232 registers; 64 query rows each), software-pipelined by one
-//   block so that each block's softmax overlaps the tensor cores:
+//   consumers (warpgroups 1 .. kConsumerWarpgroups, 232 registers for two, 160 for three; 64 query
+//   rows each), software-pipelined by one block so that each block's softmax overlaps the tensor
+//   cores:
 //     per tile: wait q_full
 //     first block:  S = Q K^T (wgmma SS); release K; softmax S -> P (registers)
 //     each next block n, previous block p:
@@ -29,9 +30,9 @@
 //     last:   [turn] O += P V [pass turn]; release V
 //     epilogue: O / rowsum -> 16-bit, stored from registers (4 bytes per lane, rows inside the
 //               sequence, columns inside head_dim); LSE per row.
-//   [turn] is ping-pong between the two consumers (named barriers kScheduler0/1): a warpgroup
-//   issues its matrix products only after the other has issued its own, so one warpgroup's softmax
-//   runs while the other's products occupy the tensor cores.
+//   [turn] passes round the consumers (named barriers kScheduler0/1/2; ping-pong with two): a
+//   warpgroup issues its matrix products only after the one before it has issued its own, so one
+//   warpgroup's softmax runs while the others' products occupy the tensor cores.
 //
 // Dropout (Traits::kDropout, its own instance: the p = 0 kernel is compiled exactly as without it)
 // zeroes the dropped probabilities of the packed P operand, after the row sums (the normaliser and
@@ -112,23 +113,24 @@ struct TileOrder {
   }
 };
 
-template <typename Element_, int kHeadDim_, int kBlockN_, int kStages_, bool kDropout_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDropout_>
 struct FwdKernelTraits {
   using Element = Element_;
   static constexpr bool kDropout = kDropout_;  // the instance that applies dropout (p > 0)
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = 128;
+  static constexpr int kBlockM = kBlockM_;  // 64 query rows per consumer warpgroup
   static constexpr int kBlockN = kBlockN_;
   static constexpr int kStages = kStages_;
-  static constexpr int kConsumerWarpgroups = 2;
+  static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
   // setmaxnreg moves registers within the CTA's allocation at launch (the 64K file split evenly
-  // and rounded down to 8: 168 per thread at 384 threads). A consumer's claim blocks until the
-  // producer's release has put enough in the pool, so the claims must not exceed the release.
+  // and rounded down to 8: 168 per thread at 384 threads, 128 at 512). A consumer's claim blocks
+  // until the producer's release has put enough in the pool, so the claims must not exceed the
+  // release: 40 / 232 with two consumers, 32 / 160 with three (both balance exactly).
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = 40;
-  static constexpr int kConsumerRegisters = 232;
+  static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 40 : 32;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 232 : 160;
   static_assert((kLaunchRegisters - kProducerRegisters) * kWarpgroupThreads >=
                     (kConsumerRegisters - kLaunchRegisters) * kConsumerWarpgroups * kWarpgroupThreads,
                 "the consumers claim more registers than the producer releases: setmaxnreg would hang");
@@ -149,7 +151,7 @@ struct FwdKernelTraits {
   static constexpr int kBarrierOffset = kVOffset + kStages * KvTile::kBytes;
   struct Barriers {
     uint64_t q_full;
-    uint64_t q_empty;  // both consumers' last S = Q K^T of a tile has completed
+    uint64_t q_empty;  // every consumer's last S = Q K^T of a tile has completed
     uint64_t k_full[kStages];
     uint64_t v_full[kStages];
     uint64_t k_empty[kStages];  // K and V are released separately: K after S, V after O += P V
@@ -160,13 +162,17 @@ struct FwdKernelTraits {
   static constexpr int kSmemBytes = kBarrierOffset + static_cast<int>(sizeof(Barriers)) + 1024;
 
   static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "whole wgmma k-steps and swizzle atoms");
+  static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3,
+                "two or three consumer warpgroups");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
 };
 
 // The named barriers of this kernel (hardware ids; 0 is __syncthreads).
 enum class FwdBarrier : uint32_t {
-  kScheduler0 = kFirstNamedBarrier,  // consumer 0 may issue its products (256 threads: both consumers)
+  kScheduler0 = kFirstNamedBarrier,  // consumer 0 may issue its products (256 threads: it and the
+                                     // consumer before it, which passes the turn)
   kScheduler1,                       // consumer 1 may issue its matrix products
+  kScheduler2,                       // consumer 2 (of three) may issue its matrix products
 };
 
 // Where a tile's rows and keys live, and which key blocks it visits.
@@ -312,17 +318,19 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
   }
 }
 
-// The ping-pong turn of consumer `consumer`: wait for it before issuing matrix products, pass it
-// to the other consumer after.
+// The turn of consumer `consumer` of kConsumers (a ring: 0, 1, [2,] 0, ...): wait for it before
+// issuing matrix products, pass it to the next consumer after.
+template <int kConsumers>
 struct ConsumerTurn {
   uint32_t mine;
-  uint32_t other;
+  uint32_t next;
 
   __device__ __forceinline__ explicit ConsumerTurn(int consumer)
       : mine(static_cast<uint32_t>(FwdBarrier::kScheduler0) + consumer),
-        other(static_cast<uint32_t>(FwdBarrier::kScheduler0) + (1 - consumer)) {}
+        next(static_cast<uint32_t>(FwdBarrier::kScheduler0) +
+             (kConsumers == 2 ? 1 - consumer : (consumer + 1) % kConsumers)) {}
   __device__ __forceinline__ void wait() const { named_barrier_sync(mine, 2 * kWarpgroupThreads); }
-  __device__ __forceinline__ void pass() const { named_barrier_arrive(other, 2 * kWarpgroupThreads); }
+  __device__ __forceinline__ void pass() const { named_barrier_arrive(next, 2 * kWarpgroupThreads); }
 };
 
 // S = Q K^T for this warpgroup's 64 rows, issued (not waited for).
@@ -361,7 +369,7 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[1][Traits::k
   if constexpr (Traits::kDropout) sm80::drop_packed_pairs(p_frag, drop_marks);
 }
 
-// kPipelined: the schedule of the header (one block of software pipelining + ping-pong). Otherwise
+// kPipelined: the schedule of the header (one block of software pipelining + turns). Otherwise
 // each block runs S, softmax, O += P V back to back (the first version; kept to measure the
 // schedule against, selected by FLASHKIT_SM90_SCHEDULE=serial).
 template <typename Traits, bool kPipelined>
@@ -390,7 +398,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     __syncwarp();
     if (lane == 0) mbarrier_arrive(smem_u32(&empty));
   };
-  const ConsumerTurn turn(consumer);
+  const ConsumerTurn<Traits::kConsumerWarpgroups> turn(consumer);
+  constexpr int kLastConsumer = Traits::kConsumerWarpgroups - 1;
   // Read once: with a device rng_state the dropout key is in global memory.
   const DropoutMask dropout_mask = Traits::kDropout ? p.dropout_mask() : DropoutMask{};
   [[maybe_unused]] const sm80::DropMarker drop_marker(dropout_mask);
@@ -460,7 +469,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         }
         release(bars.q_empty);
       } else {
-        if (consumer == 1) turn.pass();  // consumer 0 takes the tile's first turn
+        if (consumer == kLastConsumer) turn.pass();  // consumer 0 takes the tile's first turn
         Cursor cursor = ring;  // the block whose scores are being computed
         Cursor previous;       // the block whose P V is pending
         int n_block = tile.n_end - 1;
@@ -489,11 +498,22 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           wgmma_wait<1>();  // S of this block (issued first) has landed; P V may still run
           wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
           release(bars.k_empty[cursor.stage]);
-          const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
-          wgmma_wait<0>();
-          wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+          // O (P V of the previous block) is waited for only now, so that P V runs under the
+          // softmax. ptxas moves a wgmma wait up to the top of its basic block (and may then give
+          // the softmax the registers of P that the running P V still reads): a wait in each arm
+          // of the rescale branch sits in blocks of its own after the exponentials (SASS:
+          // WARPGROUP.DEPBAR after the last MUFU.EX2; one unbranched wait sat before the first).
+          auto settle_output = [&] {
+            wgmma_wait<0>();
+            wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+          };
+          if (softmax_block(acc_s, n_block * kBlockN, rescale)) {
+            settle_output();
+            softmax.rescale_output(acc_o, rescale);
+          } else {
+            settle_output();
+          }
           release(bars.v_empty[previous.stage]);
-          if (any_rescale) softmax.rescale_output(acc_o, rescale);
           pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
         }
         release(bars.q_empty);  // every S of the tile has completed
@@ -502,7 +522,9 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         turn.wait();
         wgmma_fence();
         issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(cursor));
-        if (consumer == 0) turn.pass();  // consumer 1 waits for this last turn; consumer 0 does not
+        // Every consumer but the last passes this last turn on; the last one passes it to consumer
+        // 0 at the next tile's start.
+        if (consumer != kLastConsumer) turn.pass();
         wgmma_wait<0>();
         wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
         release(bars.v_empty[cursor.stage]);

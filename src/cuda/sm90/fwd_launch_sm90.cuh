@@ -49,14 +49,10 @@ inline CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64
   return encode_tensor_map(t, p.dtype == DType::kBFloat16, box_rows, what);
 }
 
-template <DType kDType, int kHeadDimFamily>
-void run_fwd(const FwdProblem& problem, void* stream) {
-  constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
-  static_assert(kTile.block_m == 128, "no sm90 tile configuration for this head-dim family");
-  using Element = typename ElementOf<kDType>::type;
-  using Traits = FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, false>;
-  using DropoutTraits = FwdKernelTraits<Element, kHeadDimFamily, kTile.block_n, kTile.stages, true>;
-
+// Launches fwd_kernel<Traits, kPipelined> on the problem: tensor maps, tile order, grid, shared
+// memory.
+template <typename Traits, bool kPipelined>
+void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   const int64_t num_m_blocks = (problem.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
   const int64_t num_blocks = num_m_blocks * problem.batch * problem.heads_q;
   if (num_blocks == 0) return;
@@ -78,12 +74,6 @@ void run_fwd(const FwdProblem& problem, void* stream) {
                                   problem.heads_kv, problem.v_row_stride, problem.v_head_stride,
                                   problem.v_batch_stride, Traits::kBlockN, "v");
 
-  // Two switches for measuring the design against its variants (bench/NOTES.md):
-  // FLASHKIT_SM90_SCHEDULE=serial runs the unpipelined consumer schedule; FLASHKIT_SM90_GRID=
-  // persistent launches one CTA per SM walking tiles in a static round robin instead of one CTA per
-  // tile. The default is one CTA per tile: the hardware hands tiles to SMs as they free up, which
-  // under a causal mask balanced the work far better than the static round robin (H100, 2026-11-23:
-  // causal up to 25% slower persistent) until a dynamic tile scheduler exists.
   // Tile order (TileOrder in fwd_kernel_sm90.cuh). Under a causal or sliding-window mask the tiles
   // of one (batch, head) pair cost different numbers of key blocks; with the pairs one after another
   // (1 pair per group) the heavy tiles of the last pairs started late and set the end. Groups of
@@ -101,8 +91,11 @@ void run_fwd(const FwdProblem& problem, void* stream) {
                                                       : 1;
   params.tile_groups = static_cast<int>(std::max<int64_t>(1, batch_heads / pairs_per_group));
 
-  const char* schedule = std::getenv("FLASHKIT_SM90_SCHEDULE");
-  const bool serial = schedule != nullptr && std::string(schedule) == "serial";
+  // FLASHKIT_SM90_GRID=persistent (measurement switch) launches one CTA per SM walking tiles in a
+  // static round robin instead of one CTA per tile. The default is one CTA per tile: the hardware
+  // hands tiles to SMs as they free up, which under a causal mask balanced the work far better than
+  // the static round robin (H100, 2026-11-23: causal up to 25% slower persistent) until a dynamic
+  // tile scheduler exists.
   const char* grid = std::getenv("FLASHKIT_SM90_GRID");
   int64_t ctas = num_blocks;
   if (grid != nullptr && std::string(grid) == "persistent") {
@@ -114,17 +107,39 @@ void run_fwd(const FwdProblem& problem, void* stream) {
     ctas = std::min<int64_t>(num_blocks, sm_count);
   }
 
-  // Dropout has its own instance (the p = 0 ones stay untouched by its code), pipelined only: the
-  // serial schedule is a measurement switch of the p = 0 kernel.
-  auto kernel = problem.dropout_p > 0.0f ? fwd_kernel<DropoutTraits, true>
-                : serial                 ? fwd_kernel<Traits, false>
-                                         : fwd_kernel<Traits, true>;
+  auto kernel = fwd_kernel<Traits, kPipelined>;
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    Traits::kSmemBytes),
               "cudaFuncSetAttribute(sm90 fwd_kernel, max dynamic shared memory)");
-  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes,
-           static_cast<cudaStream_t>(stream)>>>(params, static_cast<int>(num_blocks));
+  kernel<<<static_cast<unsigned>(ctas), Traits::kThreads, Traits::kSmemBytes, stream>>>(
+      params, static_cast<int>(num_blocks));
   cuda::check_last_launch("sm90 fwd_kernel");
+}
+
+template <DType kDType, int kHeadDimFamily>
+void run_fwd(const FwdProblem& problem, void* stream_ptr) {
+  constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
+  constexpr FwdTileConfig kDropoutTile = fwd_tile_config(kHeadDimFamily, true);
+  static_assert(kTile.block_m > 0 && kDropoutTile.block_m > 0,
+                "no sm90 tile configuration for this head-dim family");
+  using Element = typename ElementOf<kDType>::type;
+  using Traits =
+      FwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.stages, false>;
+  using DropoutTraits = FwdKernelTraits<Element, kHeadDimFamily, kDropoutTile.block_m,
+                                        kDropoutTile.block_n, kDropoutTile.stages, true>;
+  const auto stream = static_cast<cudaStream_t>(stream_ptr);
+
+  // Dropout has its own instance (the p = 0 ones stay untouched by its code), pipelined only: the
+  // serial schedule (FLASHKIT_SM90_SCHEDULE=serial) is a measurement switch of the p = 0 kernel.
+  const char* schedule = std::getenv("FLASHKIT_SM90_SCHEDULE");
+  const bool serial = schedule != nullptr && std::string(schedule) == "serial";
+  if (problem.dropout_p > 0.0f) {
+    launch_fwd<DropoutTraits, true>(problem, stream);
+  } else if (serial) {
+    launch_fwd<Traits, false>(problem, stream);
+  } else {
+    launch_fwd<Traits, true>(problem, stream);
+  }
 }
 
 }  // namespace flashkit::sm90

@@ -1,30 +1,37 @@
 // src/cuda/sm90/fwd_tile_config_sm90.h
 // \brief Tile sizes of the sm90 (wgmma + TMA) forward kernel per head-dim family, with the reasoning.
 //
-// A CTA is one producer warpgroup (its first warp issues the TMA copies) and two consumer
-// warpgroups of 64 query rows each, so kBlockM = 128. S = Q K^T is m64 x kBlockN per consumer, held
-// in kBlockN / 2 fp32 registers per thread, beside the output accumulator (D / 2 registers) and the
-// previous block's P (kBlockN / 4 registers, read by O += P V while S of the next block lands); the
-// consumers run at 232 registers after setmaxnreg. Shared memory holds Q (128 x D) and kStages
-// stages of K and V (kBlockN x D each) and caps the stages:
+// A CTA is one producer warpgroup (its first warp issues the TMA copies) and kBlockM / 64 consumer
+// warpgroups of 64 query rows each. S = Q K^T is m64 x kBlockN per consumer, held in kBlockN / 2
+// fp32 registers per thread, beside the output accumulator (D / 2 registers) and the previous
+// block's P (kBlockN / 4 registers, read by O += P V while S of the next block lands); after
+// setmaxnreg two consumers run at 232 registers, three at 160. Shared memory holds Q (kBlockM x D)
+// and kStages stages of K and V (kBlockN x D each) and caps the stages:
 //
-//   family | kBlockN | stages | smem (KiB)        | O + S + P registers | why
-//   64     | 128     | 4      | 16 + 4 x 32 = 144 | 32 + 64 + 32        | short k-loop (4 k-steps per S): a deep ring hides the TMA latency
-//   128    | 128     | 2      | 32 + 2 x 64 = 160 | 64 + 64 + 32        | FA3's d128 shape; 128 keys per block amortise the softmax; 2 stages suffice because K and V are freed separately
-//   256    | 64      | 2      | 64 + 2 x 64 = 192 | 128 + 32 + 16       | O takes 128 registers; 80 keys spilled 100 bytes with the pipelined schedule (S of the next block live beside P), 64 spill none
+//   family | kBlockM x kBlockN | stages | smem (KiB)        | O + S + P registers | why
+//   64     | 192 x 96          | 4      | 24 + 4 x 24 = 120 | 32 + 48 + 24 (160)  | three consumers keep the tensor cores busier than two (H200, bf16+fp16: +8% over 128 x 128); 192 x 128 spills 112 bytes at 160 registers
+//   64 (dropout) | 128 x 128   | 4      | 16 + 4 x 32 = 144 | 32 + 64 + 32 (232)  | the dropout instance, tested on this shape; short k-loop (4 k-steps per S): a deep ring hides the TMA latency
+//   128    | 128 x 128         | 2      | 32 + 2 x 64 = 160 | 64 + 64 + 32 (232)  | FA3's d128 shape; 128 keys per block amortise the softmax; 2 stages suffice because K and V are freed separately; O's 64 registers leave no room for a third consumer
+//   256    | 128 x 64          | 2      | 64 + 2 x 64 = 192 | 128 + 32 + 16 (232) | O takes 128 registers; 80 keys spilled 100 bytes with the pipelined schedule (S of the next block live beside P), 64 spill none
+//
+// d64, measured on an H200 (bench/NOTES.md, 2026-11-23, forward, bf16 + fp16, 2k/8k/16k, causal and
+// not, geometric mean over the 12 cells vs SDPA cuDNN in the same run): 128 x 128 0.927, 192 x 128
+// with the serial schedule (fits 160 registers) 0.938, 192 x 128 pipelined (spilling) 0.988,
+// 192 x 96 pipelined 1.002.
 #pragma once
 
 namespace flashkit::sm90 {
 
 struct FwdTileConfig {
-  int block_m;
+  int block_m;  // 64 query rows per consumer warpgroup: 128 (two consumers) or 192 (three)
   int block_n;
   int stages;
 };
 
-constexpr FwdTileConfig fwd_tile_config(int head_dim_family) {
+// The tile of a head-dim family's p = 0 kernel, or of its dropout kernel (`dropout`).
+constexpr FwdTileConfig fwd_tile_config(int head_dim_family, bool dropout = false) {
   switch (head_dim_family) {
-    case 64: return {128, 128, 4};
+    case 64: return dropout ? FwdTileConfig{128, 128, 4} : FwdTileConfig{192, 96, 4};
     case 128: return {128, 128, 2};
     case 256: return {128, 64, 2};
     default: return {0, 0, 0};

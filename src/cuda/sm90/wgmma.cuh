@@ -203,6 +203,24 @@ struct Wgmma<80> {
   FLASHKIT_WGMMA_MEMBERS(80, 40, 41, 42, 43, 44, 45, 46)
 };
 
+#define FLASHKIT_WGMMA_N96_REGS \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"  \
+  " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"  \
+  " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}"
+#define FLASHKIT_WGMMA_N96_OUT \
+  "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), \
+      "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), \
+      "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), \
+      "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), \
+      "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), \
+      "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), \
+      "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), \
+      "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47])
+template <>
+struct Wgmma<96> {
+  FLASHKIT_WGMMA_MEMBERS(96, 48, 49, 50, 51, 52, 53, 54)
+};
+
 #define FLASHKIT_WGMMA_N128_REGS                                                     \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"           \
   " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31," \
@@ -264,6 +282,8 @@ struct Wgmma<256> {
 #undef FLASHKIT_WGMMA_N64_OUT
 #undef FLASHKIT_WGMMA_N80_REGS
 #undef FLASHKIT_WGMMA_N80_OUT
+#undef FLASHKIT_WGMMA_N96_REGS
+#undef FLASHKIT_WGMMA_N96_OUT
 #undef FLASHKIT_WGMMA_N128_REGS
 #undef FLASHKIT_WGMMA_N128_OUT
 #undef FLASHKIT_WGMMA_N256_REGS
