@@ -8,14 +8,6 @@
 // FFMA and one MUFU.EX2 per element (exp2 rather than exp so that the scale folds into the FFMA).
 // The running sum stays per lane (the rescale factor is uniform across the quad) and is reduced only
 // once, at the end.
-//
-// A lane's values of a row (2 per 8-column tile) can be folded through kChains independent partial
-// maxima / sums, combined at the end, rather than one dependent chain through all of them: a chain
-// of 16-32 FMNMX or FADD waits out each one's latency, and with two or three consumer warps per
-// scheduler (the sm90 forward) there is too little other work to hide it (ncu: fixed-latency
-// dependencies were that kernel's top stall, bench/results/h200-2026-11-23-ncu-fwd.md). Each
-// chain holds two registers per row while the block's scores are live, so the kernel picks the
-// count (1: the single chain of the sm80 kernels, whose register budgets were tuned with it).
 #pragma once
 
 #include <cmath>
@@ -32,24 +24,12 @@ __device__ __forceinline__ float quad_sum(float v) {
   return v + __shfl_xor_sync(0xffffffffu, v, 2);
 }
 
-// kMTiles 16-row tiles, kNTiles 8-column score tiles, kDTiles 8-column output tiles per lane;
-// kChains partial reductions per row (at most kNTiles).
-template <int kMTiles, int kNTiles, int kDTiles, int kChains = 1>
+// kMTiles 16-row tiles, kNTiles 8-column score tiles, kDTiles 8-column output tiles per lane.
+template <int kMTiles, int kNTiles, int kDTiles>
 struct OnlineSoftmax {
-  static_assert(kChains >= 1 && kChains <= kNTiles, "one to kNTiles chains per row");
   static constexpr int kRows = 2 * kMTiles;  // rows per lane: (tile, g) and (tile, g + 8)
   float row_max[kRows];                      // reference max, in score units; -inf until a key
   float row_sum[kRows];                      // this lane's share of sum(exp2(...))
-
-  // The partial reductions of a row combined pairwise: ((p0 op p1) op (p2 op p3)).
-  template <typename Op>
-  __device__ __forceinline__ static float fold(const float (&partial)[kChains], Op op) {
-    if constexpr (kChains == 4) return op(op(partial[0], partial[1]), op(partial[2], partial[3]));
-    float v = partial[0];
-#pragma unroll
-    for (int c = 1; c < kChains; ++c) v = op(v, partial[c]);
-    return v;
-  }
 
   __device__ __forceinline__ void init() {
 #pragma unroll
@@ -90,15 +70,12 @@ struct OnlineSoftmax {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = 2 * mt + half;
-        float partial[kChains];
-#pragma unroll
-        for (int c = 0; c < kChains; ++c) partial[c] = -INFINITY;
+        float block_max = -INFINITY;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
-          float& chain = partial[nt % kChains];
-          chain = fmaxf(chain, fmaxf(scores[mt][nt][2 * half], scores[mt][nt][2 * half + 1]));
+          block_max = fmaxf(block_max, fmaxf(scores[mt][nt][2 * half], scores[mt][nt][2 * half + 1]));
         }
-        const float block_max = quad_max(fold(partial, [](float a, float b) { return fmaxf(a, b); }));
+        block_max = quad_max(block_max);
         // -inf - -inf is NaN, which compares false: a row that has seen only masked keys stays at
         // -inf with nothing to rescale.
         const bool grow = (block_max - row_max[r]) * log2_scale > kRescaleThreshold;
@@ -134,19 +111,17 @@ struct OnlineSoftmax {
         const int r = 2 * mt + half;
         // Subtracting 0 for a row still at -inf keeps every exp2 at exp2(-inf) = 0, not NaN.
         const float max_scaled = row_max[r] == -INFINITY ? 0.0f : row_max[r] * log2_scale;
-        float partial[kChains];
-#pragma unroll
-        for (int c = 0; c < kChains; ++c) partial[c] = 0.0f;
+        float sum = 0.0f;
 #pragma unroll
         for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
             const float p = exp2f(scores[mt][nt][2 * half + e] * log2_scale - max_scaled);
             scores[mt][nt][2 * half + e] = p;
-            partial[nt % kChains] += p;
+            sum += p;
           }
         }
-        row_sum[r] += fold(partial, [](float a, float b) { return a + b; });
+        row_sum[r] += sum;
       }
     }
   }

@@ -140,9 +140,6 @@ struct FwdKernelTraits {
   static constexpr int kMTiles = 1;
   static constexpr int kNTiles = kBlockN / 8;
   static constexpr int kDTiles = kHeadDim / 8;
-  // Independent partial row maxima / sums in the softmax (online_softmax.cuh): 4 hide the FMNMX /
-  // FADD latencies, but beside d256's 128-register output accumulator even 2 spill.
-  static constexpr int kSoftmaxChains = kHeadDim >= 256 ? 1 : 4;
 
   using QTile = Swizzle128Tile<kBlockM, kHeadDim>;
   using KvTile = Swizzle128Tile<kBlockN, kHeadDim>;
@@ -424,7 +421,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
 
     float acc_o[1][kDTiles][4];
     sm80::zero_accumulators(acc_o);
-    sm80::OnlineSoftmax<1, kNTiles, kDTiles, Traits::kSoftmaxChains> softmax;
+    sm80::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
     softmax.init();
     // Dropout: the drop marks of the block softmax_block last saw, for pack_probabilities.
     [[maybe_unused]] uint32_t drop_marks[kBlockN / 32][4];
