@@ -85,14 +85,8 @@
 namespace flashkit::sm90 {
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kQueryParts_, bool kSplitHeadDim_,
-          bool kDeterministic_, bool kDropout_, int kDetVariant_ = 0>
+          bool kDeterministic_, bool kDropout_>
 struct BwdKernelTraits {
-  // TEMPORARY (A/B of deterministic mode's poll, one run): bit 0 polls from one warp per warpgroup
-  // and passes the turn on through a named barrier; bit 1 reads the semaphore relaxed before the
-  // second barrier and fences (acquire) once the turn is seen.
-  static constexpr bool kOnePollPerWarpgroup = (kDetVariant_ & 1) != 0;
-  static constexpr bool kEarlyRelaxedRead = (kDetVariant_ & 2) != 0;
-  static constexpr bool kOnePollPerCta = (kDetVariant_ & 4) != 0;  // bit 2: warp 0 polls, then __syncthreads
   using Element = Element_;
   // The instances that add dQ in key-block order (deterministic mode) and that regenerate the
   // dropout mask (p > 0): kernels of their own, so that the default one carries none of their code.
@@ -173,16 +167,7 @@ struct BwdKernelTraits {
 // (Traits::kDropoutPairs ids from kDropoutPair0), each the two warps of one 32-key block.
 enum class BwdBarrier : uint32_t {
   kDropoutPair0 = kFirstNamedBarrier,
-  kDqTurn0 = kDropoutPair0 + 4,
 };
-
-__device__ __forceinline__ int load_relaxed(const int* p) {
-  int value;
-  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(p) : "memory");
-  return value;
-}
-
-__device__ __forceinline__ void fence_acquire() { asm volatile("fence.acquire.gpu;\n" ::: "memory"); }
 
 // wgmma_wait with a count known only after unrolling (a loop index): 0 to 3 groups in flight.
 __device__ __forceinline__ void wgmma_wait_dynamic(int in_flight) {
@@ -468,18 +453,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           wgmma_commit();
         }
       }
-      [[maybe_unused]] const auto dq_turn =
-          sm80::DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block);
-      [[maybe_unused]] const bool dq_poller = Traits::kOnePollPerCta         ? tid < 32
-                                              : Traits::kOnePollPerWarpgroup ? warp == 0
-                                                                             : true;
-      [[maybe_unused]] int dq_turn_seen = 0;
-      if constexpr (Traits::kDeterministic && Traits::kEarlyRelaxedRead) {
-        if (dq_poller) dq_turn_seen = load_relaxed(dq_turn.semaphore);
-      }
       fence_proxy_async_shared();  // the P^T / dS^T stores, before the wgmmas read them
       __syncthreads();  // P^T / dS^T complete
 
+      [[maybe_unused]] const auto dq_turn =
+          sm80::DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block);
       // dQ part = dS K: A = dS (64 queries x 16 keys per step) read transposed from dS^T, B = K
       // (16 keys x kDqColumns columns) read MN-major.
       float acc_dq[Traits::kDqTiles][4];
@@ -502,9 +480,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         wgmma_commit();
       }
       // Deterministic mode: the first read of the semaphore travels while dQ is computed.
-      if constexpr (Traits::kDeterministic && !Traits::kEarlyRelaxedRead) {
-        if (dq_poller) dq_turn_seen = dq_turn.poll();
-      }
+      [[maybe_unused]] int dq_turn_seen = 0;
+      if constexpr (Traits::kDeterministic) dq_turn_seen = dq_turn.poll();
       auto key_gradients_landed = [&] {
         wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dk[0][0][0]);
         wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dv[0][0][0]);
@@ -514,18 +491,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if constexpr (!Traits::kSplitHeadDim) key_gradients_landed();
 
       if constexpr (Traits::kDeterministic) {
-        if (dq_poller) {
-          if constexpr (Traits::kEarlyRelaxedRead) {
-            while (dq_turn_seen != dq_turn.turn) dq_turn_seen = load_relaxed(dq_turn.semaphore);
-            fence_acquire();
-          } else {
-            dq_turn.wait(dq_turn_seen);
-          }
-        }
-        if constexpr (Traits::kOnePollPerWarpgroup) {
-          named_barrier_sync(static_cast<uint32_t>(BwdBarrier::kDqTurn0) + warpgroup, kWarpgroupThreads);
-        }
-        if constexpr (Traits::kOnePollPerCta) __syncthreads();
+        dq_turn.wait(dq_turn_seen);
         unpublished = dq_turn.semaphore;
       }
       sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, m0 + dq_query_part * 64 + warp * 16,

@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "cuda/cuda_check.h"
 #include "cuda/sm80/bwd_launch.cuh"
@@ -19,38 +18,17 @@ namespace flashkit::sm90 {
 
 // The traits of a family's kernel, in deterministic mode or not, with dropout or not: the same
 // tiles and shared memory (dropout's instances add the Philox exchange at its end).
-template <DType kDType, int kHeadDimFamily, bool kDeterministic, bool kDropout, int kDetVariant = 0>
+template <DType kDType, int kHeadDimFamily, bool kDeterministic, bool kDropout>
 using BwdTraitsOf = BwdKernelTraits<typename sm80::ElementOf<kDType>::type, kHeadDimFamily,
                                     bwd_tile_config(kHeadDimFamily).block_m, bwd_tile_config(kHeadDimFamily).block_n,
                                     bwd_tile_config(kHeadDimFamily).query_parts,
-                                    bwd_tile_config(kHeadDimFamily).split_head_dim, kDeterministic, kDropout,
-                                    kDetVariant>;
-
-// TEMPORARY (one A/B run): FLASHKIT_SM90_BWD_DET_VARIANT picks deterministic mode's poll variant
-// (BwdKernelTraits) without dropout.
-inline int det_variant_from_env() {
-  static const int variant = [] {
-    const char* v = std::getenv("FLASHKIT_SM90_BWD_DET_VARIANT");
-    return v != nullptr ? std::atoi(v) : 0;
-  }();
-  return variant;
-}
+                                    bwd_tile_config(kHeadDimFamily).split_head_dim, kDeterministic, kDropout>;
 
 // The kernel instance for `problem`'s mode and dropout.
 template <DType kDType, int kHeadDimFamily>
 auto bwd_kernel_for(const BwdProblem& problem) {
   const bool dropout = problem.fwd.dropout_p > 0.0f;
   if (problem.deterministic) {
-    if (!dropout) {
-      switch (det_variant_from_env()) {
-        case 1: return bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, false, 1>>;
-        case 2: return bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, false, 2>>;
-        case 3: return bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, false, 3>>;
-        case 4: return bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, false, 4>>;
-        case 6: return bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, false, 6>>;
-        default: break;
-      }
-    }
     return dropout ? bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, true>>
                    : bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, false>>;
   }
