@@ -381,16 +381,11 @@ struct DqAddTurn {
   }
 
   // The semaphore's count now, read with acquire semantics: adds issued after a read that shows
-  // this key block's turn are ordered after the earlier key blocks' adds. Issue it early to hide
-  // the round trip, then pass the count to wait().
+  // this key block's turn are ordered after the earlier key blocks' adds.
   __device__ __forceinline__ int poll() const { return load_acquire(semaphore); }
 
-  // Returns once this key block's turn has come, `seen` being a count that poll() returned.
-  __device__ __forceinline__ void wait(int seen) const {
-    while (seen != turn) seen = poll();
-  }
-
-  // The same, polling from the start.
+  // Returns once this key block's turn has come. (The sm90 kernel reads the semaphore relaxed,
+  // earlier, and fences once: sm90::fence_acquire.)
   __device__ __forceinline__ void wait() const {
     while (poll() != turn) {
     }

@@ -54,16 +54,20 @@
 // sm80::apply_transposed_decisions gives the kept P^T for dV and dP^T o Z for the unchanged dS^T
 // code, and dV's 1 / (1 - p) is applied once in the epilogue.
 //
-// Deterministic mode (Traits::kDeterministic) is the sm80 kernel's: each query block's dQ takes
-// the key blocks' adds in descending key-block order behind a semaphore per query block
+// Deterministic mode (Traits::kDeterministic) is the sm80 kernel's: each query block's dQ takes the
+// key blocks' adds in descending key-block order behind a semaphore per query block
 // (sm80::DqAddTurn), but with a grid order of its own (deterministic_location; a CTA still waits
-// only for CTAs that started before it). Every thread reads the semaphore itself (acquire), the
-// first read issued with the dQ product so that its round trip is hidden, and spins before its adds
-// only if the turn has not come: no barrier of its own. Thread 0 publishes a block's adds after the
-// next block's first barrier, once the next products are issued (its fence waits while the tensor
-// cores work) and before it issues the next block's loads: its fence waits for the thread's memory
-// operations in flight, and with the loads first that cost 2.5-4.7% of deterministic mode's time at
-// d128 and d256 (bench/NOTES.md, "deterministic mode's hand-over").
+// only for CTAs that started before it). Every warp reads the semaphore itself, relaxed, just
+// before the second barrier, so that the round trip runs during the barrier and the dQ product;
+// once dQ has landed it spins only if that read did not show its turn, and an acquire fence then
+// orders its adds after the earlier key blocks'. (An acquire load, issued after the dQ product,
+// stalled the warp until its value returned; one poll per warpgroup or per CTA passed on through a
+// barrier measured slower than either: bench/NOTES.md, "deterministic mode's poll".) Thread 0
+// publishes a block's adds after the next block's first barrier, once the next products are issued
+// (its fence waits while the tensor cores work) and before it issues the next block's loads: its
+// fence waits for the thread's memory operations in flight, and with the loads first that cost
+// 2.5-4.7% of deterministic mode's time at d128 and d256 (bench/NOTES.md, "deterministic mode's
+// hand-over").
 #pragma once
 
 #include <cuda_bf16.h>
@@ -168,6 +172,18 @@ struct BwdKernelTraits {
 enum class BwdBarrier : uint32_t {
   kDropoutPair0 = kFirstNamedBarrier,
 };
+
+// Deterministic mode's semaphore read without acquire semantics: LDG.STRONG.GPU alone, which stalls
+// the warp only where its value is used (ld.acquire adds a CCTL.IVALL that waits for the value).
+__device__ __forceinline__ int load_relaxed(const int* p) {
+  int value;
+  asm volatile("ld.relaxed.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(p) : "memory");
+  return value;
+}
+
+// After a relaxed read that showed the turn: with it, an acquire pattern of the PTX memory model
+// (CCTL.IVALL; the read's value is in by then, so it waits for nothing).
+__device__ __forceinline__ void fence_acquire() { asm volatile("fence.acquire.gpu;\n" ::: "memory"); }
 
 // wgmma_wait with a count known only after unrolling (a loop index): 0 to 3 groups in flight.
 __device__ __forceinline__ void wgmma_wait_dynamic(int in_flight) {
@@ -453,11 +469,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           wgmma_commit();
         }
       }
+      // Deterministic mode: the first read of the semaphore travels during the barrier and dQ.
+      [[maybe_unused]] const auto dq_turn =
+          sm80::DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block);
+      [[maybe_unused]] int dq_turn_seen = 0;
+      if constexpr (Traits::kDeterministic) dq_turn_seen = load_relaxed(dq_turn.semaphore);
       fence_proxy_async_shared();  // the P^T / dS^T stores, before the wgmmas read them
       __syncthreads();  // P^T / dS^T complete
 
-      [[maybe_unused]] const auto dq_turn =
-          sm80::DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block);
       // dQ part = dS K: A = dS (64 queries x 16 keys per step) read transposed from dS^T, B = K
       // (16 keys x kDqColumns columns) read MN-major.
       float acc_dq[Traits::kDqTiles][4];
@@ -479,9 +498,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         issue_key_gradient_from_tile<Traits>(&acc_dk[0][0][0], smem + Traits::kDsOffset, q_tile + kv_columns);
         wgmma_commit();
       }
-      // Deterministic mode: the first read of the semaphore travels while dQ is computed.
-      [[maybe_unused]] int dq_turn_seen = 0;
-      if constexpr (Traits::kDeterministic) dq_turn_seen = dq_turn.poll();
       auto key_gradients_landed = [&] {
         wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dk[0][0][0]);
         wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dv[0][0][0]);
@@ -491,7 +507,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if constexpr (!Traits::kSplitHeadDim) key_gradients_landed();
 
       if constexpr (Traits::kDeterministic) {
-        dq_turn.wait(dq_turn_seen);
+        while (dq_turn_seen != dq_turn.turn) dq_turn_seen = load_relaxed(dq_turn.semaphore);
+        fence_acquire();
         unpublished = dq_turn.semaphore;
       }
       sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, m0 + dq_query_part * 64 + warp * 16,
