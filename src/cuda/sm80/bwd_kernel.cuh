@@ -507,14 +507,13 @@ __device__ __forceinline__ void add_dq_rows(float* dq_accum, int64_t row_stride,
     const float recv0 = __shfl_xor_sync(0xffffffffu, send0, 1);
     const float recv1 = __shfl_xor_sync(0xffffffffu, send1, 1);
     const int col = first_col + dt * 8 + (lane % 4 - (odd ? 1 : 0)) * 2;
-    if (row < len_q && col < head_dim) {
-      float* dst = dq_accum + row * row_stride + col;
-      if (odd) {
-        atomic_add_x4(dst, recv0, recv1, c[2], c[3]);
-      } else {
-        atomic_add_x4(dst, c[0], c[1], recv0, recv1);
-      }
-    }
+    // The four values are selected before the one atomic, so that the warp issues one reduction
+    // per tile; an atomic in each arm of an odd/even branch issues two half-warp ones.
+    const float v0 = odd ? recv0 : c[0];
+    const float v1 = odd ? recv1 : c[1];
+    const float v2 = odd ? c[2] : recv0;
+    const float v3 = odd ? c[3] : recv1;
+    if (row < len_q && col < head_dim) atomic_add_x4(dq_accum + row * row_stride + col, v0, v1, v2, v3);
   }
 }
 
