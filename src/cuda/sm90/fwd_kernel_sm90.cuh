@@ -3,9 +3,9 @@
 //
 // A CTA walks tiles of kBlockM = 64 x kConsumerWarpgroups (128 or 192, fwd_tile_config_sm90.h)
 // query rows of one (batch, head): tile blockIdx.x, then every gridDim.x-th after it, in the order
-// of TileOrder (heaviest first within groups of (batch, head) pairs). By default the grid has one
-// CTA per tile (each CTA runs one tile); FLASHKIT_SM90_GRID=persistent launches one CTA per SM
-// instead (fwd_launch_sm90.cuh says why that is not the default yet). Its warpgroups:
+// of TileOrder (heaviest first within groups of (batch, head) pairs). Where all tiles cost the same
+// the grid is persistent (one CTA per SM, several tiles each); under a mask or with variable lengths
+// it has one CTA per tile (fwd_launch_sm90.cuh says why). Its warpgroups:
 //
 //   producer  (warpgroup 0, 40 or 32 registers; its first warp works, one lane issues the copies)
 //     per tile: wait q_empty; TMA Q (kBlockM x D)      -> q_full

@@ -91,14 +91,18 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
                                                       : 1;
   params.tile_groups = static_cast<int>(std::max<int64_t>(1, batch_heads / pairs_per_group));
 
-  // FLASHKIT_SM90_GRID=persistent (measurement switch) launches one CTA per SM walking tiles in a
-  // static round robin instead of one CTA per tile. The default is one CTA per tile: the hardware
-  // hands tiles to SMs as they free up, which under a causal mask balanced the work far better than
-  // the static round robin (H100, 2026-11-23: causal up to 25% slower persistent) until a dynamic
-  // tile scheduler exists.
+  // Grid. Where every tile costs the same (no window, fixed lengths), one CTA per SM walks the tiles
+  // in a static round robin (persistent): the next tile's Q, K and V load under the previous tile's
+  // last products and epilogue instead of behind a CTA launch. H200, bf16, 2026-11-23: +1% to +3%
+  // over one CTA per tile in all nine unmasked cells of the grid (bench/NOTES.md). Under a mask, or
+  // with sequences of different lengths, the tiles differ; the hardware handing one-tile CTAs to SMs
+  // as they free up balances them, where the static round robin ran causal cells 3-28% slower in
+  // that run (a dynamic tile scheduler would be needed). FLASHKIT_SM90_GRID=persistent or =tile
+  // forces either (measurement switch).
   const char* grid = std::getenv("FLASHKIT_SM90_GRID");
+  const bool persistent = grid != nullptr ? std::string(grid) == "persistent" : !uneven_tiles && !varlen;
   int64_t ctas = num_blocks;
-  if (grid != nullptr && std::string(grid) == "persistent") {
+  if (persistent) {
     int device = 0;
     int sm_count = 0;
     cuda::check(cudaGetDevice(&device), "cudaGetDevice");
