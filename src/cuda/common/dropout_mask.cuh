@@ -116,105 +116,6 @@ __device__ __forceinline__ void mark_dropped_transposed(float (&p)[kKeyTiles][kQ
   }
 }
 
-// The backward's S^T decisions for a warp holding 16 keys (one key tile) whose neighbour warp
-// holds the other 16 keys of the same 32-key block (the sm90 backward: warp w of a warpgroup holds
-// keys 16w .. 16w + 15). Both warps need the same Philox calls: lane l of either draws slot
-// ((l % 4) * 2 + parity) * 4 + l / 8 of each 16-query row block (mark_dropped_transposed's
-// addressing), and of its four words, words 2h + r (h = 0, 1) decide the keys of pair rank r (0:
-// the block's first 16 keys). So rank r draws only the calls of the row blocks m with m % 2 == r,
-// stores the partner's two words of each in its half of `exchange` (this pair's buffer in shared
-// memory: 2 warps x 32 lanes x kRowBlocks words, 16-byte aligned), meets the partner at
-// `pair_barrier` (64 threads) and loads the words of the other row blocks from the partner's half:
-// half the calls of drawing every block in both warps, for one store and one load per lane. Before
-// the next call with the same buffer, both warps must have passed this one's load (a barrier of the
-// caller's).
-//
-// Then, as in mark_dropped_transposed, each lane keeps the bytes of its key parity of its call
-// (queries 2t + e, e = parity) and trades the other parity's bytes with lane ^ 4, here those of both
-// query halves h in one word: one shuffle per row block. decisions[m][e] byte 2h + tile decides
-// the lane's element [2m + h][2 tile + e] (key g + 8 tile, query 16 m + 8h + 2t + e): see
-// apply_transposed_decisions.
-template <int kRowBlocks>
-__device__ __forceinline__ void draw_transposed_decisions_pair(uint32_t (&decisions)[kRowBlocks][2],
-                                                               const DropoutMask& mask, uint32_t batch_head,
-                                                               int first_key, int first_query,
-                                                               uint32_t* exchange, uint32_t pair_barrier) {
-  // kRowBlocks: 16-query row blocks, one Philox call each.
-  constexpr int kWords = kRowBlocks;  // words a warp passes per lane: 2 per call drawn
-  static_assert(kRowBlocks % 2 == 0, "the pair's two warps draw the same number of calls");
-  static_assert(kWords == 2 || kWords == 4, "one 8- or 16-byte store per lane");
-  struct alignas(4 * kWords) Words {
-    uint32_t word[kWords];
-  };
-  const uint32_t lane = threadIdx.x % 32;
-  const uint32_t parity = (lane / 4) % 2;
-  const uint32_t slot = ((lane % 4) * 2 + parity) * 4 + lane / 8;
-  const int rank = (first_key / 16) % 2;
-  const uint32_t key32 = static_cast<uint32_t>(first_key) / 32;
-  const uint32_t row16 = static_cast<uint32_t>(first_query) / 16;
-
-  // Row block m = 2c + rank is drawn here: drawn[c][h] = word 2h + rank, the partner's word
-  // 2h + 1 - rank goes to passed[2c + h].
-  uint32_t drawn[kRowBlocks / 2][2];
-  Words passed;
-#pragma unroll
-  for (int c = 0; c < kRowBlocks / 2; ++c) {
-    const PhiloxBlock bits = mask.block(batch_head, row16 + static_cast<uint32_t>(2 * c + rank), slot, key32);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      drawn[c][h] = rank == 0 ? bits.word[2 * h] : bits.word[2 * h + 1];
-      passed.word[2 * c + h] = rank == 0 ? bits.word[2 * h + 1] : bits.word[2 * h];
-    }
-  }
-  Words* const pair_words = reinterpret_cast<Words*>(exchange);
-  pair_words[rank * 32 + lane] = passed;
-  asm volatile("bar.sync %0, 64;\n" ::"r"(pair_barrier) : "memory");
-  const Words received = pair_words[(1 - rank) * 32 + lane];
-
-  const uint32_t own_bytes = parity != 0 ? 0x7531u : 0x6420u;
-  const uint32_t partner_bytes = parity != 0 ? 0x6420u : 0x7531u;
-#pragma unroll
-  for (int m = 0; m < kRowBlocks; ++m) {
-    // Words 0 and 1 (h) of row block m's call for this warp's keys.
-    const bool here = m % 2 == rank;
-    const uint32_t word0 = here ? drawn[m / 2][0] : received.word[2 * (m / 2)];
-    const uint32_t word1 = here ? drawn[m / 2][1] : received.word[2 * (m / 2) + 1];
-    const uint32_t own = __byte_perm(word0, word1, own_bytes);
-    const uint32_t traded = __shfl_xor_sync(0xffffffffu, __byte_perm(word0, word1, partner_bytes), 4);
-    decisions[m][0] = parity != 0 ? traded : own;
-    decisions[m][1] = parity != 0 ? own : traded;
-  }
-}
-
-// Dropout on a warp's S^T-layout fragments (16 keys x 2 kRowBlocks 8-query groups), once dP^T is
-// in, with the decisions of draw_transposed_decisions_pair: kept = P^T o mask (the A operand of
-// dV += (P o Z)^T dO, whose 1 / (1 - p) the epilogue applies) and dP^T -> dP^T o Z =
-// dP^T o mask / (1 - p) (so that dS^T = P^T (dP^T o Z - dot) is the unchanged score_gradients_t,
-// with P^T itself left as it is). One test, two selects and a multiply per element.
-template <int kRowBlocks>
-__device__ __forceinline__ void apply_transposed_decisions(const uint32_t (&decisions)[kRowBlocks][2],
-                                                           const DropoutMask& mask,
-                                                           const float (&p)[1][2 * kRowBlocks][4],
-                                                           float (&kept)[1][2 * kRowBlocks][4],
-                                                           float (&dp)[1][2 * kRowBlocks][4], float keep_scale) {
-#pragma unroll
-  for (int m = 0; m < kRowBlocks; ++m) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int tile = 0; tile < 2; ++tile) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = 2 * tile + e;
-          const bool keep = mask.keeps_byte(decisions[m][e], 2 * h + tile);
-          kept[0][2 * m + h][i] = keep ? p[0][2 * m + h][i] : 0.0f;
-          dp[0][2 * m + h][i] = keep ? dp[0][2 * m + h][i] * keep_scale : 0.0f;
-        }
-      }
-    }
-  }
-}
-
 // Drop marks: the decisions of four Philox bytes at once, for kernels that mask packed 16-bit
 // probabilities (the sm90 forward's P operand) instead of fp32 ones. Bit 7 of each byte of
 // marks(w) is set where that byte of w drops its element (byte >= keep_threshold): b >= T exactly
@@ -235,6 +136,88 @@ struct DropMarker {
     return (word & addend) | (word & low_sum) | (addend & low_sum);  // one LOP3: the carries
   }
 };
+
+// The backward's S^T drop marks for a warp holding 16 keys whose neighbour warp holds the other 16
+// keys of the same 32-key block (the sm90 backward: warp w of a warpgroup holds keys 16w .. 16w +
+// 15). Both warps need the same Philox calls: lane l of either draws slot ((l % 4) * 2 + parity) * 4
+// + l / 8 of each 16-query row block (mark_dropped_transposed's addressing), and of its four words,
+// words r and 2 + r decide the keys of pair rank r (0: the block's first 16 keys). So rank r draws
+// only the calls of the row blocks m with m % 2 == r, turns each word into drop marks (DropMarker)
+// and stores the marks of words q, 2 + q (one 8-byte entry) for rank q in `exchange` (this pair's
+// buffer in shared memory: kRowBlocks x 2 ranks x 32 lanes entries, entry (m, q, lane)), meets the
+// partner at `pair_barrier` (64 threads) and loads its own rank's entries of every row block: half
+// the calls of drawing every block in both warps. Its own words take the round trip through shared
+// memory too, so that which words a lane keeps is an address, fixed before the loop, instead of a
+// select on the rank per word. Before the next call with the same buffer, both warps must have
+// passed this one's loads (a barrier of the caller's).
+//
+// Then, as in mark_dropped_transposed, each lane keeps the bytes of its key parity of its call
+// (queries 2t + e, e = parity) and trades the other parity's bytes with lane ^ 4, here those of both
+// query halves h in one word: one shuffle per row block. Bit 7 of byte 2h + tile of marks[m][e] is
+// set where the lane's element [2m + h][2 tile + e] (key g + 8 tile, query 16 m + 8h + 2t + e) is
+// dropped: see drop_transposed.
+template <int kRowBlocks>
+__device__ __forceinline__ void draw_transposed_marks_pair(uint32_t (&marks)[kRowBlocks][2], const DropoutMask& mask,
+                                                           const DropMarker& marker, uint32_t batch_head,
+                                                           int first_key, int first_query, uint2* exchange,
+                                                           uint32_t pair_barrier) {
+  // kRowBlocks: 16-query row blocks, one Philox call each.
+  static_assert(kRowBlocks % 2 == 0, "the pair's two warps draw the same number of calls");
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t parity = (lane / 4) % 2;
+  const uint32_t slot = ((lane % 4) * 2 + parity) * 4 + lane / 8;
+  const int rank = (first_key / 16) % 2;
+  const uint32_t key32 = static_cast<uint32_t>(first_key) / 32;
+  const uint32_t row16 = static_cast<uint32_t>(first_query) / 16;
+  auto entry = [&](int m, int q) -> uint2& { return exchange[(m * 2 + q) * 32 + static_cast<int>(lane)]; };
+
+#pragma unroll
+  for (int c = 0; c < kRowBlocks / 2; ++c) {
+    const int m = 2 * c + rank;
+    const PhiloxBlock bits = mask.block(batch_head, row16 + static_cast<uint32_t>(m), slot, key32);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) entry(m, q) = make_uint2(marker.marks(bits.word[q]), marker.marks(bits.word[2 + q]));
+  }
+  asm volatile("bar.sync %0, 64;\n" ::"r"(pair_barrier) : "memory");
+
+  const uint32_t own_bytes = parity != 0 ? 0x7531u : 0x6420u;
+  const uint32_t partner_bytes = parity != 0 ? 0x6420u : 0x7531u;
+#pragma unroll
+  for (int m = 0; m < kRowBlocks; ++m) {
+    const uint2 words = entry(m, rank);  // words rank, 2 + rank of row block m's call
+    const uint32_t own = __byte_perm(words.x, words.y, own_bytes);
+    const uint32_t traded = __shfl_xor_sync(0xffffffffu, __byte_perm(words.x, words.y, partner_bytes), 4);
+    marks[m][0] = parity != 0 ? traded : own;
+    marks[m][1] = parity != 0 ? own : traded;
+  }
+}
+
+// Dropout on a warp's S^T-layout fragments (16 keys x 2 kRowBlocks 8-query groups) with the marks of
+// draw_transposed_marks_pair: out = in where the mask keeps the element, 0 where it drops it (one
+// bit test and one select per element).
+template <int kRowBlocks>
+__device__ __forceinline__ void drop_transposed(const uint32_t (&marks)[kRowBlocks][2],
+                                                const float (&in)[1][2 * kRowBlocks][4],
+                                                float (&out)[1][2 * kRowBlocks][4]) {
+#pragma unroll
+  for (int m = 0; m < kRowBlocks; ++m) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int tile = 0; tile < 2; ++tile) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int i = 2 * tile + e;
+          // The AND in PTX: left to the front end, bit 15's test becomes a 16-bit sign test (PRMT +
+          // ISETP) instead of one LOP3 into a predicate.
+          uint32_t mark;
+          asm("and.b32 %0, %1, %2;\n" : "=r"(mark) : "r"(marks[m][e]), "r"(0x80u << (8 * (2 * h + tile))));
+          out[0][2 * m + h][i] = mark != 0u ? 0.0f : in[0][2 * m + h][i];
+        }
+      }
+    }
+  }
+}
 
 // The drop marks of a warp's 16 rows x (32 * kKeyBlocks) keys in the m16n8 accumulator layout
 // (apply_dropout's addressing: one Philox call per lane and 32 keys): marks[b][w] holds the bytes of

@@ -48,11 +48,11 @@
 // head-dim families other than 64, 128 and 256.
 //
 // Dropout (Traits::kDropout) regenerates the forward's Philox mask on each part's S^T fragments
-// right after P^T (sm80::draw_transposed_decisions_pair: the two warps of a 32-key block each draw
-// half of the block's Philox calls and pass each other the other warp's words through shared
-// memory; with one query part this runs while dP^T is still in flight); once dP^T is in,
-// sm80::apply_transposed_decisions gives the kept P^T for dV and dP^T o Z for the unchanged dS^T
-// code, and dV's 1 / (1 - p) is applied once in the epilogue.
+// right after P^T (sm80::draw_transposed_marks_pair: the two warps of a 32-key block each draw half
+// of the block's Philox calls and pass each other the drop marks through shared memory; with one
+// query part this runs while dP^T is still in flight). P^T comes out already scaled by 1 / (1 - p)
+// (folded into the LSE term), so the kept entries (sm80::drop_transposed) are P^T o Z, dV's operand
+// as it is, and sm80::dropout_score_gradients_t gives dS^T from them with p = 0's count per element.
 //
 // Deterministic mode (Traits::kDeterministic) is the sm80 kernel's: each query block's dQ takes
 // the key blocks' adds in descending key-block order behind a semaphore per query block
@@ -142,11 +142,11 @@ struct BwdKernelTraits {
   static constexpr int kPOffset = kDsOffset + PTile::kBytes;
   static constexpr int kLseOffset = kPOffset + (kSplitHeadDim ? PTile::kBytes : 0);
   static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
-  // Dropout: the Philox words the two warps of a 32-key block pass each other
-  // (sm80::draw_transposed_decisions_pair), per warp pair and query part 2 warps x 32 lanes x
-  // kPartM / 16 words; a barrier id per warp pair.
+  // Dropout: the drop marks the two warps of a 32-key block pass each other
+  // (sm80::draw_transposed_marks_pair), per warp pair and query part kPartM / 16 row blocks x 2 ranks
+  // x 32 lanes x 8 bytes; a barrier id per warp pair.
   static constexpr int kDropoutPairs = kWarpgroups * 2;
-  static constexpr int kDropoutExchangeBytes = 2 * 32 * (kPartM / 16) * 4;
+  static constexpr int kDropoutExchangeBytes = (kPartM / 16) * 2 * 32 * 8;
   static constexpr int kDropoutOffset = kDotOffset + kStages * kRowStatsBytes;
   // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
   static constexpr int kSmemBytes =
@@ -314,6 +314,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
   // Read once: with a device rng_state the dropout key is in global memory.
   const DropoutMask dropout_mask = Traits::kDropout ? p.dropout_mask() : DropoutMask{};
+  [[maybe_unused]] const sm80::DropMarker drop_marker(dropout_mask);
+  // Dropout: P^T is computed times 1 / (1 - p), the kept entries' weight in the forward's output.
+  const float log2_keep_scale = Traits::kDropout ? -log2f(1.0f - p.dropout_p) : 0.0f;
   const uint32_t batch_head = static_cast<uint32_t>(loc.batch * p.heads_q + loc.head);
 
   if (visible.begin < visible.end) {
@@ -402,25 +405,26 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // the next part's products already overlap, and waiting twice measured 2-3% slower (d64),
         // so one wait serves both.
         constexpr bool kProbabilitiesFirst = kQueryParts == 1;
+        const int first_query = wg_query0 + h * kPartM;  // in the block
+        // Dropout: the drop marks of this part, drawn while its S^T is still in flight (the RNG
+        // needs no scores, and the tensor cores' time on S^T leaves the warps idle).
+        [[maybe_unused]] uint32_t drop_marks[kPartM / 16][2];
+        if constexpr (Traits::kDropout) {
+          const int pair = warpgroup * 2 + warp / 2;
+          uint2* const exchange = reinterpret_cast<uint2*>(
+              smem_aligned + Traits::kDropoutOffset + (pair * kQueryParts + h) * Traits::kDropoutExchangeBytes);
+          sm80::draw_transposed_marks_pair(drop_marks, dropout_mask, drop_marker, batch_head, first_key,
+                                           m0 + first_query, exchange,
+                                           static_cast<uint32_t>(BwdBarrier::kDropoutPair0) + pair);
+        }
         wgmma_wait_dynamic(2 * kQueryParts - h - (kProbabilitiesFirst ? 1 : 2));
         wgmma_fence_registers<kPartM / 2>(&acc_s[h][0][0][0]);
         if (!kProbabilitiesFirst) wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
-        const int first_query = wg_query0 + h * kPartM;  // in the block
         if (transform) {
           sm80::transform_scores_t<PartScores>(acc_s[h], p, first_key, m0 + first_query, alibi_slope, diagonal);
         }
         if (cut) sm80::mask_scores_t<PartScores>(acc_s[h], window, first_key, m0 + first_query);
-        sm80::probabilities_t<PartScores>(acc_s[h], lse_rows, first_query, log2_scale);
-        // Dropout: the decisions of this part, drawn while dP^T may still be in flight (the RNG
-        // needs no scores).
-        [[maybe_unused]] uint32_t decisions[kPartM / 16][2];
-        if constexpr (Traits::kDropout) {
-          const int pair = warpgroup * 2 + warp / 2;
-          uint32_t* const exchange = reinterpret_cast<uint32_t*>(
-              smem_aligned + Traits::kDropoutOffset + (pair * kQueryParts + h) * Traits::kDropoutExchangeBytes);
-          sm80::draw_transposed_decisions_pair(decisions, dropout_mask, batch_head, first_key, m0 + first_query,
-                                               exchange, static_cast<uint32_t>(BwdBarrier::kDropoutPair0) + pair);
-        }
+        sm80::probabilities_t<PartScores>(acc_s[h], lse_rows, first_query, log2_scale, log2_keep_scale);
         if (kProbabilitiesFirst) {
           wgmma_wait_dynamic(2 * kQueryParts - h - 2);
           wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
@@ -435,15 +439,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             pack_a_operand<Element, kPartM / 8>(probabilities, p_frag[h]);
           }
         };
-        if constexpr (Traits::kDropout) {  // kept P^T, and dP^T o Z
+        if constexpr (Traits::kDropout) {
+          // P^T o Z, dV's operand, and dS^T from it, packed before the uniform softcap branch so
+          // that only acc_s and acc_dp live across it.
+          const float keep_probability = 1.0f - p.dropout_p;
           float kept[1][kPartM / 8][4];
-          sm80::apply_transposed_decisions(decisions, dropout_mask, acc_s[h], kept, acc_dp[h],
-                                           1.0f / (1.0f - p.dropout_p));
+          sm80::drop_transposed(drop_marks, acc_s[h], kept);
+          sm80::dropout_score_gradients_t<PartScores>(acc_dp[h], acc_s[h], kept, dot_rows, first_query,
+                                                      keep_probability);
           keep_probabilities(kept);
+          if (p.softcap > 0.0f) {
+            sm80::softcap_chain_rule_t<PartScores>(acc_dp[h], acc_s[h], keep_probability, lse_rows, first_query,
+                                                   m0, first_key, p, alibi_slope, diagonal,
+                                                   [&](int, int nt, int i, int) { return acc_dp[h][0][nt][i]; });
+          }
+        } else {
+          sm80::score_gradients_t<PartScores>(acc_dp[h], acc_s[h], lse_rows, dot_rows, first_query, m0,
+                                              first_key, p, alibi_slope, diagonal);
+          keep_probabilities(acc_s[h]);
         }
-        sm80::score_gradients_t<PartScores>(acc_dp[h], acc_s[h], lse_rows, dot_rows, first_query, m0, first_key,
-                                            p, alibi_slope, diagonal);
-        if constexpr (!Traits::kDropout) keep_probabilities(acc_s[h]);
         sm80::store_keys_by_queries<PartScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
         if constexpr (!Traits::kSplitHeadDim) {
           pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
@@ -511,8 +525,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   }
 
-  sm80::store_key_gradients<Element, 1, kDTiles>(bp, ws, loc, acc_dk, acc_dv, n0 + warp_key0, wg_kv_col0,
-                                                 Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
+  // With dropout, dV summed P^T o Z: no 1 / (1 - p) left to apply.
+  sm80::store_key_gradients<Element, 1, kDTiles>(bp, ws, loc, acc_dk, acc_dv, n0 + warp_key0, wg_kv_col0);
 }
 
 }  // namespace flashkit::sm90
