@@ -490,6 +490,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Wgmma<Traits::kDqColumns>::template ss<Element, 1, 1>(&acc_dq[0][0], a_desc, b_desc, kk > 0 ? 1u : 0u);
       }
       wgmma_commit();
+      // Dropout: the next block's drop marks, drawn while the tensor cores work on this block's
+      // gradients (the split layout's dQ holds twice the registers: there after its adds, below).
+      if constexpr (Traits::kDropout && !Traits::kSplitHeadDim) {
+        if (prefetch) store_drop_marks(m_block + 1, stage ^ 1);
+      }
       if constexpr (Traits::kSplitHeadDim) {
         // dV += P^T dO and dK += dS^T Q over the block's queries and this warpgroup's columns,
         // behind dQ so that its reductions below run while these products do.
@@ -498,14 +503,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         issue_key_gradient_from_tile<Traits>(&acc_dk[0][0][0], smem + Traits::kDsOffset, q_tile + kv_columns);
         wgmma_commit();
       }
-      // Dropout: the next block's drop marks, drawn while the tensor cores work on this block's
-      // gradients; the split layout's dQ holds twice the registers, so there they wait for its adds.
-      auto store_next_drop_marks = [&] {
-        if constexpr (Traits::kDropout) {
-          if (prefetch) store_drop_marks(m_block + 1, stage ^ 1);
-        }
-      };
-      if constexpr (!Traits::kSplitHeadDim) store_next_drop_marks();
       // Deterministic mode: the first read of the semaphore travels while dQ is computed.
       [[maybe_unused]] int dq_turn_seen = 0;
       if constexpr (Traits::kDeterministic) dq_turn_seen = dq_turn.poll();
@@ -524,7 +521,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, m0 + dq_query_part * 64 + warp * 16,
                                           dq_column_part * Traits::kDqColumns, loc.len_q, p.head_dim);
       if constexpr (Traits::kSplitHeadDim) {
-        store_next_drop_marks();
+        if constexpr (Traits::kDropout) {
+          if (prefetch) store_drop_marks(m_block + 1, stage ^ 1);
+        }
         // The key gradients' reads of this stage's Q and dO and of P^T and dS^T finish before the
         // next block's barrier lets anyone overwrite them.
         wgmma_wait<0>();
