@@ -116,105 +116,6 @@ __device__ __forceinline__ void mark_dropped_transposed(float (&p)[kKeyTiles][kQ
   }
 }
 
-// The backward's S^T decisions for a warp holding 16 keys (one key tile) whose neighbour warp
-// holds the other 16 keys of the same 32-key block (the sm90 backward: warp w of a warpgroup holds
-// keys 16w .. 16w + 15). Both warps need the same Philox calls: lane l of either draws slot
-// ((l % 4) * 2 + parity) * 4 + l / 8 of each 16-query row block (mark_dropped_transposed's
-// addressing), and of its four words, words 2h + r (h = 0, 1) decide the keys of pair rank r (0:
-// the block's first 16 keys). So rank r draws only the calls of the row blocks m with m % 2 == r,
-// stores the partner's two words of each in its half of `exchange` (this pair's buffer in shared
-// memory: 2 warps x 32 lanes x kRowBlocks words, 16-byte aligned), meets the partner at
-// `pair_barrier` (64 threads) and loads the words of the other row blocks from the partner's half:
-// half the calls of drawing every block in both warps, for one store and one load per lane. Before
-// the next call with the same buffer, both warps must have passed this one's load (a barrier of the
-// caller's).
-//
-// Then, as in mark_dropped_transposed, each lane keeps the bytes of its key parity of its call
-// (queries 2t + e, e = parity) and trades the other parity's bytes with lane ^ 4, here those of both
-// query halves h in one word: one shuffle per row block. decisions[m][e] byte 2h + tile decides
-// the lane's element [2m + h][2 tile + e] (key g + 8 tile, query 16 m + 8h + 2t + e): see
-// apply_transposed_decisions.
-template <int kRowBlocks>
-__device__ __forceinline__ void draw_transposed_decisions_pair(uint32_t (&decisions)[kRowBlocks][2],
-                                                               const DropoutMask& mask, uint32_t batch_head,
-                                                               int first_key, int first_query,
-                                                               uint32_t* exchange, uint32_t pair_barrier) {
-  // kRowBlocks: 16-query row blocks, one Philox call each.
-  constexpr int kWords = kRowBlocks;  // words a warp passes per lane: 2 per call drawn
-  static_assert(kRowBlocks % 2 == 0, "the pair's two warps draw the same number of calls");
-  static_assert(kWords == 2 || kWords == 4, "one 8- or 16-byte store per lane");
-  struct alignas(4 * kWords) Words {
-    uint32_t word[kWords];
-  };
-  const uint32_t lane = threadIdx.x % 32;
-  const uint32_t parity = (lane / 4) % 2;
-  const uint32_t slot = ((lane % 4) * 2 + parity) * 4 + lane / 8;
-  const int rank = (first_key / 16) % 2;
-  const uint32_t key32 = static_cast<uint32_t>(first_key) / 32;
-  const uint32_t row16 = static_cast<uint32_t>(first_query) / 16;
-
-  // Row block m = 2c + rank is drawn here: drawn[c][h] = word 2h + rank, the partner's word
-  // 2h + 1 - rank goes to passed[2c + h].
-  uint32_t drawn[kRowBlocks / 2][2];
-  Words passed;
-#pragma unroll
-  for (int c = 0; c < kRowBlocks / 2; ++c) {
-    const PhiloxBlock bits = mask.block(batch_head, row16 + static_cast<uint32_t>(2 * c + rank), slot, key32);
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      drawn[c][h] = rank == 0 ? bits.word[2 * h] : bits.word[2 * h + 1];
-      passed.word[2 * c + h] = rank == 0 ? bits.word[2 * h + 1] : bits.word[2 * h];
-    }
-  }
-  Words* const pair_words = reinterpret_cast<Words*>(exchange);
-  pair_words[rank * 32 + lane] = passed;
-  asm volatile("bar.sync %0, 64;\n" ::"r"(pair_barrier) : "memory");
-  const Words received = pair_words[(1 - rank) * 32 + lane];
-
-  const uint32_t own_bytes = parity != 0 ? 0x7531u : 0x6420u;
-  const uint32_t partner_bytes = parity != 0 ? 0x6420u : 0x7531u;
-#pragma unroll
-  for (int m = 0; m < kRowBlocks; ++m) {
-    // Words 0 and 1 (h) of row block m's call for this warp's keys.
-    const bool here = m % 2 == rank;
-    const uint32_t word0 = here ? drawn[m / 2][0] : received.word[2 * (m / 2)];
-    const uint32_t word1 = here ? drawn[m / 2][1] : received.word[2 * (m / 2) + 1];
-    const uint32_t own = __byte_perm(word0, word1, own_bytes);
-    const uint32_t traded = __shfl_xor_sync(0xffffffffu, __byte_perm(word0, word1, partner_bytes), 4);
-    decisions[m][0] = parity != 0 ? traded : own;
-    decisions[m][1] = parity != 0 ? own : traded;
-  }
-}
-
-// Dropout on a warp's S^T-layout fragments (16 keys x 2 kRowBlocks 8-query groups), once dP^T is
-// in, with the decisions of draw_transposed_decisions_pair: kept = P^T o mask (the A operand of
-// dV += (P o Z)^T dO, whose 1 / (1 - p) the epilogue applies) and dP^T -> dP^T o Z =
-// dP^T o mask / (1 - p) (so that dS^T = P^T (dP^T o Z - dot) is the unchanged score_gradients_t,
-// with P^T itself left as it is). One test, two selects and a multiply per element.
-template <int kRowBlocks>
-__device__ __forceinline__ void apply_transposed_decisions(const uint32_t (&decisions)[kRowBlocks][2],
-                                                           const DropoutMask& mask,
-                                                           const float (&p)[1][2 * kRowBlocks][4],
-                                                           float (&kept)[1][2 * kRowBlocks][4],
-                                                           float (&dp)[1][2 * kRowBlocks][4], float keep_scale) {
-#pragma unroll
-  for (int m = 0; m < kRowBlocks; ++m) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-#pragma unroll
-      for (int tile = 0; tile < 2; ++tile) {
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          const int i = 2 * tile + e;
-          const bool keep = mask.keeps_byte(decisions[m][e], 2 * h + tile);
-          kept[0][2 * m + h][i] = keep ? p[0][2 * m + h][i] : 0.0f;
-          dp[0][2 * m + h][i] = keep ? dp[0][2 * m + h][i] * keep_scale : 0.0f;
-        }
-      }
-    }
-  }
-}
-
 // Drop marks: the decisions of four Philox bytes at once, for kernels that mask packed 16-bit
 // probabilities (the sm90 forward's P operand) instead of fp32 ones. Bit 7 of each byte of
 // marks(w) is set where that byte of w drops its element (byte >= keep_threshold): b >= T exactly
@@ -235,6 +136,89 @@ struct DropMarker {
     return (word & addend) | (word & low_sum) | (addend & low_sum);  // one LOP3: the carries
   }
 };
+
+// The backward's S^T drop marks for a warp holding 16 keys whose neighbour warp holds the other 16
+// keys of the same 32-key block (the sm90 backward: warp w of a warpgroup holds keys 16w .. 16w +
+// 15), passed through shared memory in two steps: store_transposed_marks_pair draws and stores,
+// and after a barrier of the caller's load_transposed_marks reads a lane's marks. The exchange
+// (one per warp pair: kRowBlocks x 2 ranks x 32 lanes x 2 words) holds word e of entry (m, q, l):
+// the marks of lane l of pair rank q (0: the block's first 16 keys) for its queries 2t + e of row
+// block m. Bit 7 of byte 2h + tile of that word is set where the lane's element [2m + h][2 tile +
+// e] (key g + 8 tile, query 16 m + 8h + 2t + e) is dropped: see kept_transposed.
+//
+// Both warps need the same Philox calls: lane l of either needs slot s(l) = ((l % 4) * 2 + parity)
+// * 4 + l / 8 of each 16-query row block (parity = (l / 4) % 2; mark_dropped_transposed's
+// addressing), and of its four words, words q and 2 + q decide the keys of rank q. So rank r draws
+// only the calls of the row blocks m with m % 2 == r and writes both ranks' entries: half the calls
+// of drawing every block in both warps. Each word becomes drop marks (DropMarker). As in
+// mark_dropped_transposed, the call of lane l is the one of its queries 2t + parity; of the marks of
+// rank q's two words, the bytes of key parity `parity` are lane l's own (word e = parity of entry
+// (m, q, l)) and the others belong to lane l ^ 4 (same word of entry (m, q, l ^ 4), whose own
+// parity is the other one). So every lane's word of every entry is written once, and all the byte
+// shuffling happens at the store, off the reader's path. `keys`: mask.round_keys().
+template <int kRowBlocks>
+__device__ __forceinline__ void store_transposed_marks_pair(const DropoutMask& mask, const PhiloxRoundKeys& keys,
+                                                            const DropMarker& marker, uint32_t batch_head,
+                                                            int first_key, int first_query, uint32_t* exchange) {
+  static_assert(kRowBlocks % 2 == 0, "the pair's two warps draw the same number of calls");
+  const uint32_t lane = threadIdx.x % 32;
+  const uint32_t parity = (lane / 4) % 2;
+  const uint32_t slot = ((lane % 4) * 2 + parity) * 4 + lane / 8;
+  const int rank = (first_key / 16) % 2;
+  const uint32_t key32 = static_cast<uint32_t>(first_key) / 32;
+  const uint32_t row16 = static_cast<uint32_t>(first_query) / 16;
+  // __byte_perm selectors taking the bytes of this lane's key parity (own) or the other one of two
+  // words, in order: bytes 2c + parity of words h = 0, 1 are the marks of key group c.
+  const uint32_t own_bytes = parity != 0 ? 0x7531u : 0x6420u;
+  const uint32_t partner_bytes = parity != 0 ? 0x6420u : 0x7531u;
+  auto word = [&](int m, int q, uint32_t l) -> uint32_t& {
+    return exchange[((m * 2 + q) * 32 + static_cast<int>(l)) * 2 + static_cast<int>(parity)];
+  };
+#pragma unroll
+  for (int c = 0; c < kRowBlocks / 2; ++c) {
+    const int m = 2 * c + rank;
+    const PhiloxBlock bits = mask.block(batch_head, row16 + static_cast<uint32_t>(m), slot, key32, keys);
+#pragma unroll
+    for (int q = 0; q < 2; ++q) {
+      const uint32_t marks0 = marker.marks(bits.word[q]);
+      const uint32_t marks1 = marker.marks(bits.word[2 + q]);
+      word(m, q, lane) = __byte_perm(marks0, marks1, own_bytes);
+      word(m, q, lane ^ 4u) = __byte_perm(marks0, marks1, partner_bytes);
+    }
+  }
+}
+
+// This lane's marks from a pair exchange that store_transposed_marks_pair filled (both warps of the
+// pair, before a barrier): marks[m][e] = word e of entry (m, rank, lane), one 8-byte load per row
+// block.
+template <int kRowBlocks>
+__device__ __forceinline__ void load_transposed_marks(uint32_t (&marks)[kRowBlocks][2], const uint32_t* exchange,
+                                                      int first_key) {
+  const int lane = static_cast<int>(threadIdx.x % 32);
+  const int rank = (first_key / 16) % 2;
+#pragma unroll
+  for (int m = 0; m < kRowBlocks; ++m) {
+    const uint2 words = *reinterpret_cast<const uint2*>(exchange + ((m * 2 + rank) * 32 + lane) * 2);
+    marks[m][0] = words.x;
+    marks[m][1] = words.y;
+  }
+}
+
+// Dropout on element [nt][i] of a warp's S^T-layout fragments (16 keys x 2 kRowBlocks 8-query
+// groups), with the marks of load_transposed_marks: x where the mask keeps the element, 0 where it
+// drops it. Its mark is bit 7 of byte 2 (nt % 2) + i / 2 of marks[nt / 2][i % 2]. Two integer
+// instructions: PRMT replicates the mark over a word and LOP3 clears x with it. A bit test into a
+// predicate and a select count the same, but in the sm90 backward the compiler hoisted those tests,
+// kept some predicates as bits of a register and spilled more: 43 more instructions in its main loop
+// (bf16 d128), 14 of them spill loads.
+template <int kRowBlocks>
+__device__ __forceinline__ float kept_transposed(const uint32_t (&marks)[kRowBlocks][2], int nt, int i, float x) {
+  // Selector 0x8888 + 0x1111 b: every byte the sign of byte b.
+  const uint32_t selector = 0x8888u + 0x1111u * static_cast<uint32_t>(2 * (nt % 2) + i / 2);
+  uint32_t dropped;
+  asm("prmt.b32 %0, %1, %1, %2;\n" : "=r"(dropped) : "r"(marks[nt / 2][i % 2]), "r"(selector));
+  return __uint_as_float(__float_as_uint(x) & ~dropped);
+}
 
 // The drop marks of a warp's 16 rows x (32 * kKeyBlocks) keys in the m16n8 accumulator layout
 // (apply_dropout's addressing: one Philox call per lane and 32 keys): marks[b][w] holds the bytes of

@@ -403,17 +403,19 @@ __device__ __forceinline__ void publish_dq_adds(int* semaphore) {
 
 // P^T = exp2(S^T * log2_scale - LSE * log2e) in place, on a warp's S^T fragments whose first query
 // column is `first_query` of the block (LSE rows indexed by the block's query). A row without keys
-// has LSE = -inf: read as +inf, it gives P = 0.
+// has LSE = -inf: read as +inf, it gives P = 0. log2_factor > 0 gives P^T * 2^log2_factor instead,
+// at no cost (folded into the per-row LSE term: the sm90 backward's dropout scale).
 template <typename Traits>
 __device__ __forceinline__ void probabilities_t(float (&s)[Traits::kSKeyTiles][Traits::kSQueryTiles][4],
-                                                const float* lse_rows, int first_query, float log2_scale) {
+                                                const float* lse_rows, int first_query, float log2_scale,
+                                                float log2_factor = 0.0f) {
   constexpr float kLog2e = 1.4426950408889634f;
   const int lane = static_cast<int>(threadIdx.x) % 32;
 #pragma unroll
   for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
     const float2 lse = *reinterpret_cast<const float2*>(lse_rows + first_query + nt * 8 + (lane % 4) * 2);
-    const float lse2[2] = {lse.x == -INFINITY ? INFINITY : lse.x * kLog2e,
-                           lse.y == -INFINITY ? INFINITY : lse.y * kLog2e};
+    const float lse2[2] = {lse.x == -INFINITY ? INFINITY : lse.x * kLog2e - log2_factor,
+                           lse.y == -INFINITY ? INFINITY : lse.y * kLog2e - log2_factor};
 #pragma unroll
     for (int kt = 0; kt < Traits::kSKeyTiles; ++kt) {
 #pragma unroll
@@ -444,11 +446,39 @@ __device__ __forceinline__ void apply_dropout_to_gradients_t(
   }
 }
 
-// dS^T = P^T (dP^T - dot), in place of dP^T. With softcap the score is softcap * tanh(u) (+
-// ALiBi); its derivative 1 - tanh(u)^2 comes from the score recovered from P: ln P + LSE.
-// One uniform branch, so the common path's loop carries no per-element test. `first_query` is the
-// warp's first column within the block, `m0` the block's first query, `first_key` the warp's
-// first key.
+// Softcap's chain rule on a warp's S^T fragments, in place of dP^T: the score is softcap * tanh(u)
+// (+ ALiBi), and its derivative 1 - tanh(u)^2 comes from the score recovered from P: ln P + LSE.
+// gradient(kt, nt, i, column) gives the element's gradient with respect to the capped score, P =
+// prob * prob_scale. `first_query` is the warp's first column within the block, `m0` the block's
+// first query, `first_key` the warp's first key.
+template <typename Traits, typename Gradient>
+__device__ __forceinline__ void softcap_chain_rule_t(
+    float (&dp)[Traits::kSKeyTiles][Traits::kSQueryTiles][4],
+    const float (&prob)[Traits::kSKeyTiles][Traits::kSQueryTiles][4], float prob_scale, const float* lse_rows,
+    int first_query, int m0, int first_key, const FwdProblem& p, float alibi_slope, int diagonal,
+    Gradient gradient) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int kt = 0; kt < Traits::kSKeyTiles; ++kt) {
+#pragma unroll
+    for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
+      const int column = first_query + nt * 8 + (lane % 4) * 2;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float pr = prob[kt][nt][i] * prob_scale;
+        const int query = m0 + column + i % 2;
+        const int key = first_key + kt * 16 + lane / 4 + (i / 2) * 8;
+        const float bias = alibi_slope != 0.0f ? alibi_bias(alibi_slope, query, key, diagonal) : 0.0f;
+        const float tanh_u = (__logf(pr) + lse_rows[column + i % 2] - bias) / p.softcap;
+        const float ds = gradient(kt, nt, i, column);
+        dp[kt][nt][i] = pr > 0.0f ? ds * (1.0f - tanh_u * tanh_u) : 0.0f;
+      }
+    }
+  }
+}
+
+// dS^T = P^T (dP^T - dot), in place of dP^T, times softcap's derivative where there is one
+// (softcap_chain_rule_t). One uniform branch, so the common path's loop carries no per-element test.
 template <typename Traits>
 __device__ __forceinline__ void score_gradients_t(
     float (&dp)[Traits::kSKeyTiles][Traits::kSQueryTiles][4],
@@ -457,23 +487,10 @@ __device__ __forceinline__ void score_gradients_t(
     float alibi_slope, int diagonal) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   if (p.softcap > 0.0f) {
-#pragma unroll
-    for (int kt = 0; kt < Traits::kSKeyTiles; ++kt) {
-#pragma unroll
-      for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
-        const int column = first_query + nt * 8 + (lane % 4) * 2;
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const float pr = prob[kt][nt][i];
-          const int query = m0 + column + i % 2;
-          const int key = first_key + kt * 16 + lane / 4 + (i / 2) * 8;
-          const float bias = alibi_slope != 0.0f ? alibi_bias(alibi_slope, query, key, diagonal) : 0.0f;
-          const float tanh_u = (__logf(pr) + lse_rows[column + i % 2] - bias) / p.softcap;
-          const float ds = pr * (dp[kt][nt][i] - dot_rows[column + i % 2]);
-          dp[kt][nt][i] = pr > 0.0f ? ds * (1.0f - tanh_u * tanh_u) : 0.0f;
-        }
-      }
-    }
+    softcap_chain_rule_t<Traits>(dp, prob, 1.0f, lse_rows, first_query, m0, first_key, p, alibi_slope, diagonal,
+                                 [&](int kt, int nt, int i, int column) {
+                                   return prob[kt][nt][i] * (dp[kt][nt][i] - dot_rows[column + i % 2]);
+                                 });
   } else {
 #pragma unroll
     for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
@@ -486,6 +503,43 @@ __device__ __forceinline__ void score_gradients_t(
         }
       }
     }
+  }
+}
+
+// The sm90 backward's dS^T with dropout, in place of dP^T once it is in, and `kept`, dV's operand.
+// `scaled` is P^T / (1 - p) (probabilities_t with log2_factor = log2(1 / (1 - p))), and kept its
+// entries that the mask keeps (kept_transposed with the marks of load_transposed_marks), i.e.
+// P^T o Z. Then dS^T = P^T (dP^T o Z - dot) = kept dP^T - scaled ((1 - p) dot): one multiply and
+// one fused multiply-add per element, the count of the code without dropout, and no select on dP^T.
+// kept is made element by element as scaled is consumed, so that the two do not live side by side;
+// softcap's chain rule (softcap_chain_rule_t, on P^T = scaled (1 - p)) takes the same per-element
+// gradient.
+template <typename Traits, int kRowBlocks>
+__device__ __forceinline__ void dropout_score_gradients_t(
+    float (&dp)[1][2 * kRowBlocks][4], const float (&scaled)[1][2 * kRowBlocks][4],
+    float (&kept)[1][2 * kRowBlocks][4], const uint32_t (&marks)[kRowBlocks][2], const float* lse_rows,
+    const float* dot_rows, int first_query, int m0, int first_key, const FwdProblem& p, float alibi_slope,
+    int diagonal) {
+  static_assert(Traits::kSKeyTiles == 1 && Traits::kSQueryTiles == 2 * kRowBlocks, "a warp's 16 keys");
+  const float keep_probability = 1.0f - p.dropout_p;
+  auto gradient = [&](int nt, int i, float kept_dot) {
+    kept[0][nt][i] = kept_transposed(marks, nt, i, scaled[0][nt][i]);
+    return kept[0][nt][i] * dp[0][nt][i] - scaled[0][nt][i] * kept_dot;
+  };
+  if (p.softcap > 0.0f) {
+    softcap_chain_rule_t<Traits>(dp, scaled, keep_probability, lse_rows, first_query, m0, first_key, p, alibi_slope,
+                                 diagonal, [&](int, int nt, int i, int column) {
+                                   return gradient(nt, i, dot_rows[column + i % 2] * keep_probability);
+                                 });
+    return;
+  }
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
+    const float2 dot = *reinterpret_cast<const float2*>(dot_rows + first_query + nt * 8 + (lane % 4) * 2);
+    const float kept_dot[2] = {dot.x * keep_probability, dot.y * keep_probability};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dp[0][nt][i] = gradient(nt, i, kept_dot[i % 2]);
   }
 }
 

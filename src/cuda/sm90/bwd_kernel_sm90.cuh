@@ -47,12 +47,15 @@
 // the dQ reductions and the dK/dV epilogue. Not covered (the dispatcher keeps them on sm80):
 // head-dim families other than 64, 128 and 256.
 //
-// Dropout (Traits::kDropout) regenerates the forward's Philox mask on each part's S^T fragments
-// right after P^T (sm80::draw_transposed_decisions_pair: the two warps of a 32-key block each draw
-// half of the block's Philox calls and pass each other the other warp's words through shared
-// memory; with one query part this runs while dP^T is still in flight); once dP^T is in,
-// sm80::apply_transposed_decisions gives the kept P^T for dV and dP^T o Z for the unchanged dS^T
-// code, and dV's 1 / (1 - p) is applied once in the epilogue.
+// Dropout (Traits::kDropout) regenerates the forward's Philox mask for each query block one block
+// ahead: while the tensor cores work on a block's dV, dK and dQ, the warps draw the next block's
+// drop marks (sm80::store_transposed_marks_pair: the two warps of a 32-key block each draw half of
+// the block's Philox calls) into shared memory (two stages, like Q and dO), and the next block reads
+// them after its first barrier (sm80::load_transposed_marks). So the RNG runs in the tensor cores'
+// shadow instead of between S^T and dS^T. P^T comes out already scaled by 1 / (1 - p) (folded into
+// the LSE term), so its kept entries (sm80::kept_transposed, two instructions per element) are
+// P^T o Z, dV's operand as it is, and sm80::dropout_score_gradients_t gives dS^T from them with
+// p = 0's count per element.
 //
 // Deterministic mode (Traits::kDeterministic) is the sm80 kernel's: each query block's dQ takes the
 // key blocks' adds in descending key-block order behind a semaphore per query block
@@ -134,7 +137,7 @@ struct BwdKernelTraits {
 
   // Shared-memory plan, byte offsets from a 1024-byte aligned base:
   //   [ K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | dS^T | P^T (split only) |
-  //     LSE x 2 | dot x 2 ]
+  //     LSE x 2 | dot x 2 | drop marks x 2, Philox round keys (dropout only) ]
   static constexpr int kStages = 2;
   static constexpr int kKOffset = 0;
   static constexpr int kVOffset = kKOffset + KvTile::kBytes;
@@ -146,15 +149,18 @@ struct BwdKernelTraits {
   static constexpr int kPOffset = kDsOffset + PTile::kBytes;
   static constexpr int kLseOffset = kPOffset + (kSplitHeadDim ? PTile::kBytes : 0);
   static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
-  // Dropout: the Philox words the two warps of a 32-key block pass each other
-  // (sm80::draw_transposed_decisions_pair), per warp pair and query part 2 warps x 32 lanes x
-  // kPartM / 16 words; a barrier id per warp pair.
+  // Dropout: the drop marks the two warps of a 32-key block pass each other
+  // (sm80::store_transposed_marks_pair), per stage, warp pair and query part kPartM / 16 row blocks
+  // x 2 ranks x 32 lanes x 8 bytes.
   static constexpr int kDropoutPairs = kWarpgroups * 2;
-  static constexpr int kDropoutExchangeBytes = 2 * 32 * (kPartM / 16) * 4;
+  static constexpr int kDropoutExchangeBytes = (kPartM / 16) * 2 * 32 * 8;
+  static constexpr int kDropoutStageBytes = kDropoutPairs * kQueryParts * kDropoutExchangeBytes;
   static constexpr int kDropoutOffset = kDotOffset + kStages * kRowStatsBytes;
+  // And the Philox round keys (PhiloxRoundKeys), read by every draw.
+  static constexpr int kRoundKeysOffset = kDropoutOffset + kStages * kDropoutStageBytes;
   // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
   static constexpr int kSmemBytes =
-      kDropoutOffset + (kDropout ? kDropoutPairs * kQueryParts * kDropoutExchangeBytes : 0) + 1024;
+      (kDropout ? kRoundKeysOffset + static_cast<int>(sizeof(PhiloxRoundKeys)) : kDropoutOffset) + 1024;
 
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 64 == 0,
                 "whole wgmma M tiles and 64-column swizzle atoms");
@@ -164,13 +170,8 @@ struct BwdKernelTraits {
   static_assert(!kSplitHeadDim || (kBlockN == 64 && kQueryParts == 1 && kKvColumns % 64 == 0),
                 "the split shares one 64-key block and halves whole swizzle atoms of the head dim");
   static_assert(2 * kBlockM <= kThreads, "one thread per LSE / dot row copy");
+  static_assert(kRoundKeysOffset % 16 == 0, "the round keys load as 16-byte vectors");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
-};
-
-// The named barriers of this kernel (hardware ids; 0 is __syncthreads): dropout's warp pairs
-// (Traits::kDropoutPairs ids from kDropoutPair0), each the two warps of one 32-key block.
-enum class BwdBarrier : uint32_t {
-  kDropoutPair0 = kFirstNamedBarrier,
 };
 
 // Deterministic mode's semaphore read without acquire semantics: LDG.STRONG.GPU alone, which stalls
@@ -330,6 +331,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const float log2_scale = transform ? kLog2e : p.softmax_scale * kLog2e;
   // Read once: with a device rng_state the dropout key is in global memory.
   const DropoutMask dropout_mask = Traits::kDropout ? p.dropout_mask() : DropoutMask{};
+  [[maybe_unused]] const sm80::DropMarker drop_marker(dropout_mask);
+  // Dropout: P^T is computed times 1 / (1 - p), the kept entries' weight in the forward's output.
+  const float log2_keep_scale = Traits::kDropout ? -log2f(1.0f - p.dropout_p) : 0.0f;
   const uint32_t batch_head = static_cast<uint32_t>(loc.batch * p.heads_q + loc.head);
 
   if (visible.begin < visible.end) {
@@ -361,6 +365,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       sm80::cp_async_commit();
     };
     load_query_block(visible.begin, 0);
+    // Dropout: the drop marks of query block m into stage `stage` of the exchange, each query part's
+    // in its warp pair's buffer (read after the next barrier: load_transposed_marks).
+    const int first_key = n0 + warp_key0;
+    auto exchange = [&](int stage, int h) {
+      const int pair = warpgroup * 2 + warp / 2;
+      return reinterpret_cast<uint32_t*>(smem_aligned + Traits::kDropoutOffset + stage * Traits::kDropoutStageBytes +
+                                         (pair * kQueryParts + h) * Traits::kDropoutExchangeBytes);
+    };
+    PhiloxRoundKeys* const round_keys = reinterpret_cast<PhiloxRoundKeys*>(smem_aligned + Traits::kRoundKeysOffset);
+    [[maybe_unused]] auto store_drop_marks = [&](int m_block, int stage) {
+      const PhiloxRoundKeys keys = *round_keys;
+#pragma unroll
+      for (int h = 0; h < kQueryParts; ++h) {
+        sm80::store_transposed_marks_pair<kPartM / 16>(dropout_mask, keys, drop_marker, batch_head, first_key,
+                                                       m_block * kBlockM + wg_query0 + h * kPartM, exchange(stage, h));
+      }
+    };
+    if constexpr (Traits::kDropout) {
+      if (tid == 0) *round_keys = dropout_mask.round_keys();
+      __syncthreads();
+      store_drop_marks(visible.begin, 0);
+    }
 
     const int64_t dq_row_stride = static_cast<int64_t>(p.heads_q) * p.head_dim;
     float* dq_accum = ws.dq_accum + loc.q_flat * dq_row_stride + static_cast<int64_t>(loc.head) * p.head_dim;
@@ -402,7 +428,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // Only now, so that the publishing fence above does not wait for them.
         if (prefetch) load_query_block(m_block + 1, stage ^ 1);
       }
-      const int first_key = n0 + warp_key0;
       const bool cut = !window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN);
       // Per part, once its S^T and dP^T have landed: P^T and dS^T in registers, dS^T to shared
       // memory, then dV += P^T dO and dK += dS^T Q over the part's queries, issued so that they run
@@ -418,25 +443,18 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // the next part's products already overlap, and waiting twice measured 2-3% slower (d64),
         // so one wait serves both.
         constexpr bool kProbabilitiesFirst = kQueryParts == 1;
+        const int first_query = wg_query0 + h * kPartM;  // in the block
+        // Dropout: this part's drop marks, stored during the previous block (or the prologue).
+        [[maybe_unused]] uint32_t drop_marks[kPartM / 16][2];
+        if constexpr (Traits::kDropout) sm80::load_transposed_marks(drop_marks, exchange(stage, h), first_key);
         wgmma_wait_dynamic(2 * kQueryParts - h - (kProbabilitiesFirst ? 1 : 2));
         wgmma_fence_registers<kPartM / 2>(&acc_s[h][0][0][0]);
         if (!kProbabilitiesFirst) wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
-        const int first_query = wg_query0 + h * kPartM;  // in the block
         if (transform) {
           sm80::transform_scores_t<PartScores>(acc_s[h], p, first_key, m0 + first_query, alibi_slope, diagonal);
         }
         if (cut) sm80::mask_scores_t<PartScores>(acc_s[h], window, first_key, m0 + first_query);
-        sm80::probabilities_t<PartScores>(acc_s[h], lse_rows, first_query, log2_scale);
-        // Dropout: the decisions of this part, drawn while dP^T may still be in flight (the RNG
-        // needs no scores).
-        [[maybe_unused]] uint32_t decisions[kPartM / 16][2];
-        if constexpr (Traits::kDropout) {
-          const int pair = warpgroup * 2 + warp / 2;
-          uint32_t* const exchange = reinterpret_cast<uint32_t*>(
-              smem_aligned + Traits::kDropoutOffset + (pair * kQueryParts + h) * Traits::kDropoutExchangeBytes);
-          sm80::draw_transposed_decisions_pair(decisions, dropout_mask, batch_head, first_key, m0 + first_query,
-                                               exchange, static_cast<uint32_t>(BwdBarrier::kDropoutPair0) + pair);
-        }
+        sm80::probabilities_t<PartScores>(acc_s[h], lse_rows, first_query, log2_scale, log2_keep_scale);
         if (kProbabilitiesFirst) {
           wgmma_wait_dynamic(2 * kQueryParts - h - 2);
           wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
@@ -451,15 +469,16 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
             pack_a_operand<Element, kPartM / 8>(probabilities, p_frag[h]);
           }
         };
-        if constexpr (Traits::kDropout) {  // kept P^T, and dP^T o Z
+        if constexpr (Traits::kDropout) {  // dS^T, and P^T o Z for dV
           float kept[1][kPartM / 8][4];
-          sm80::apply_transposed_decisions(decisions, dropout_mask, acc_s[h], kept, acc_dp[h],
-                                           1.0f / (1.0f - p.dropout_p));
+          sm80::dropout_score_gradients_t<PartScores>(acc_dp[h], acc_s[h], kept, drop_marks, lse_rows, dot_rows,
+                                                      first_query, m0, first_key, p, alibi_slope, diagonal);
           keep_probabilities(kept);
+        } else {
+          sm80::score_gradients_t<PartScores>(acc_dp[h], acc_s[h], lse_rows, dot_rows, first_query, m0,
+                                              first_key, p, alibi_slope, diagonal);
+          keep_probabilities(acc_s[h]);
         }
-        sm80::score_gradients_t<PartScores>(acc_dp[h], acc_s[h], lse_rows, dot_rows, first_query, m0, first_key,
-                                            p, alibi_slope, diagonal);
-        if constexpr (!Traits::kDropout) keep_probabilities(acc_s[h]);
         sm80::store_keys_by_queries<PartScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
         if constexpr (!Traits::kSplitHeadDim) {
           pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
@@ -490,6 +509,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Wgmma<Traits::kDqColumns>::template ss<Element, 1, 1>(&acc_dq[0][0], a_desc, b_desc, kk > 0 ? 1u : 0u);
       }
       wgmma_commit();
+      // Dropout: the next block's drop marks, drawn while the tensor cores work on this block's
+      // gradients (the split layout's dQ holds twice the registers: there after its adds, below).
+      if constexpr (Traits::kDropout && !Traits::kSplitHeadDim) {
+        if (prefetch) store_drop_marks(m_block + 1, stage ^ 1);
+      }
       if constexpr (Traits::kSplitHeadDim) {
         // dV += P^T dO and dK += dS^T Q over the block's queries and this warpgroup's columns,
         // behind dQ so that its reductions below run while these products do.
@@ -514,6 +538,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, m0 + dq_query_part * 64 + warp * 16,
                                           dq_column_part * Traits::kDqColumns, loc.len_q, p.head_dim);
       if constexpr (Traits::kSplitHeadDim) {
+        if constexpr (Traits::kDropout) {
+          if (prefetch) store_drop_marks(m_block + 1, stage ^ 1);
+        }
         // The key gradients' reads of this stage's Q and dO and of P^T and dS^T finish before the
         // next block's barrier lets anyone overwrite them.
         wgmma_wait<0>();
@@ -528,8 +555,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
   }
 
-  sm80::store_key_gradients<Element, 1, kDTiles>(bp, ws, loc, acc_dk, acc_dv, n0 + warp_key0, wg_kv_col0,
-                                                 Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
+  // With dropout, dV summed P^T o Z: no 1 / (1 - p) left to apply.
+  sm80::store_key_gradients<Element, 1, kDTiles>(bp, ws, loc, acc_dk, acc_dv, n0 + warp_key0, wg_kv_col0);
 }
 
 }  // namespace flashkit::sm90

@@ -53,7 +53,8 @@ void run_bwd(const BwdProblem& problem, void* stream) {
   const int64_t num_blocks = sm80::bwd_main_grid(problem.fwd, Traits::kBlockN);
   if (num_blocks > 0) {
     const auto kernel = bwd_kernel_for<kDType, kHeadDimFamily>(problem);
-    // Dropout's instances also hold the warp pairs' Philox exchange (BwdKernelTraits::kDropoutOffset).
+    // Dropout's instances also hold the drop marks and the Philox round keys (from
+    // BwdKernelTraits::kDropoutOffset).
     const int smem_bytes = problem.fwd.dropout_p > 0.0f
                                ? BwdTraitsOf<kDType, kHeadDimFamily, false, true>::kSmemBytes
                                : Traits::kSmemBytes;
