@@ -498,21 +498,16 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           wgmma_wait<1>();  // S of this block (issued first) has landed; P V may still run
           wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
           release(bars.k_empty[cursor.stage]);
-          // O (P V of the previous block) is waited for only now, so that P V runs under the
-          // softmax. ptxas moves a wgmma wait up to the top of its basic block (and may then give
-          // the softmax the registers of P that the running P V still reads): a wait in each arm
-          // of the rescale branch sits in blocks of its own after the exponentials (SASS:
-          // WARPGROUP.DEPBAR after the last MUFU.EX2; one unbranched wait sat before the first).
-          auto settle_output = [&] {
-            wgmma_wait<0>();
-            wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
-          };
-          if (softmax_block(acc_s, n_block * kBlockN, rescale)) {
-            settle_output();
-            softmax.rescale_output(acc_o, rescale);
-          } else {
-            settle_output();
-          }
+          // O (P V of the previous block) is waited for after the softmax in the source; ptxas may
+          // hoist the wait to the top of this basic block. Splitting it into the arms of the
+          // rescale branch keeps it after the exponentials (+1-2% measured) but is undefined:
+          // wgmma.wait_group is .aligned, every warp of the warpgroup must execute the same one,
+          // and the rescale decision is per warp (compute-sanitizer synccheck flags it); a
+          // warpgroup vote (bar.red.or) to make the branch uniform cost 3-9% (bench/NOTES.md).
+          const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
+          wgmma_wait<0>();
+          wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+          if (any_rescale) softmax.rescale_output(acc_o, rescale);
           release(bars.v_empty[previous.stage]);
           pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
         }
