@@ -17,7 +17,8 @@
 // d64, measured on an H200 (bench/NOTES.md, 2026-11-23, forward, bf16 + fp16, 2k/8k/16k, causal and
 // not, geometric mean over the 12 cells vs SDPA cuDNN in the same run): 128 x 128 0.927, 192 x 128
 // with the serial schedule (fits 160 registers) 0.938, 192 x 128 pipelined (spilling) 0.988,
-// 192 x 96 pipelined 1.002.
+// 192 x 96 pipelined 1.002 (those runs also waited for P V after the softmax, a placement since
+// reverted as undefined: bench/NOTES.md; the final grid of that session read d64 at 0.999).
 #pragma once
 
 namespace flashkit::sm90 {
