@@ -1,24 +1,90 @@
 // src/cuda/sm80/decode_combine.cuh
-// \brief The combine pass of split-KV decoding: per query row, the fp32 partial outputs O_s and
-// log-sum-exps L_s of the splits merge into
+// \brief Combining the splits of split-KV decoding, inside the decode kernel: the last CTA to
+// finish among the splits of one (sequence, kv head, block of packed query rows) merges the
+// splits' fp32 partial outputs O_s and log-sum-exps L_s of its rows into
 //     L = log(sum_s exp(L_s)),   O = sum_s exp(L_s - L) O_s,
 // written as the 16-bit output and softmax_lse. A split that saw no key has L_s = -inf (weight 0);
 // a row no split saw gets O = 0 and L = -inf, as an unsplit launch writes.
 //
-// One warp per row (rows ordered [batch, heads_q, seqlen_q] like the workspace); lanes hold four
-// columns each per 128-column pass, so every partial row is read once with 16-byte loads.
+// Why in the decode kernel: a separate combine kernel cost ~3.5 us per call on the H200 although
+// launched as a programmatic dependent (its wait for the whole decode grid, then its L2 round
+// trips), and another ~4 us of host enqueue; the partials the last CTA reads are still in L2.
+//
+// Who is last: one 64-bit arrival word per block in the workspace, (tag << kArrivalBits) |
+// arrivals, where the tag is a value the host draws per launch (next_split_merge_tag). The
+// workspace's contents on entry are arbitrary (kvcache_params.h), so nothing may rely on a zeroed
+// word:
+//   claim     prologue, thread 0: read the word (guess); unless it carries this launch's tag,
+//             compare-and-swap it from guess to (tag, 0). Only this launch writes the word while it
+//             runs, and only values with its tag, so a failed swap means another split already
+//             claimed it: after its own swap every CTA knows the word carries the tag (the result
+//             is not waited for: the swap and the add below are one thread's accesses to one
+//             location, hence in that order).
+//   arrive    after the partial stores and a barrier, thread 0: release fence, add 1. The split
+//             whose add returns splits - 1 arrivals is the last; it fences (acquire), stores
+//             (tag, 0) back, and the whole CTA merges after a barrier.
+// The reset makes a replay of the same launch (a CUDA graph: same tag, same workspace) find
+// (tag, 0) and count from zero; any other launch draws a new tag and claims the word afresh,
+// whatever the word held: garbage, a stale tag, 0xff bytes. The one input this misreads is a word
+// that already carries this launch's 56-bit tag with a non-zero count without having been written
+// by it: the tags are drawn through a 64-bit mix (never 0 or all ones) so no fixed pattern is
+// likely to hold one (a chance of 2^-56 per word and launch for anything else).
+//
+// Memory order (PTX model, as in cooperative groups' grid sync): every thread's partial stores
+// precede the barrier, which precedes thread 0's fence and add: the fence is cumulative over what
+// the barrier ordered before it, so the add releases the whole CTA's partials. The last split's add
+// reads the value the chain of earlier adds wrote, each behind its own release; its acquire fence
+// then orders every split's partials before the loads of the merge, which the merging warps issue
+// after a barrier behind that fence. The merge reads with ld.global.cg: read once, from L2.
+//
+// The merge: one warp per row (rows ordered [batch, heads_q, seqlen_q] like the workspace); lanes
+// hold four columns each per 128-column pass, so every partial row is read once with 16-byte loads.
 #pragma once
 
 #include <cstdint>
 
 #include "common/kvcache_problem.h"
 #include "cuda/common/mma_sm80.cuh"
-#include "cuda/common/programmatic_launch.cuh"
 #include "cuda/sm80/decode_sm80.h"
 
 namespace flashkit::sm80 {
 
-constexpr int kCombineWarps = 4;
+// The arrival word's low bits count arrivals (at most kDecodeMaxSplits); the rest is the tag.
+constexpr int kArrivalBits = 8;
+constexpr unsigned long long kArrivalMask = (1ull << kArrivalBits) - 1;
+static_assert(kDecodeMaxSplits <= kArrivalMask, "an arrival count fits the word's low bits");
+
+// The arrival word of the block of packed rows `m_block` of sequence b, kv head kv_head.
+__device__ __forceinline__ unsigned long long* split_arrival_word(const KvcacheProblem& p,
+                                                                  const DecodeWorkspaceLayout& layout,
+                                                                  int b, int kv_head, int m_block) {
+  auto* words = reinterpret_cast<unsigned long long*>(static_cast<char*>(p.workspace) +
+                                                      layout.arrivals_offset);
+  return words + (static_cast<int64_t>(b) * p.heads_kv + kv_head) * decode_row_blocks(p) + m_block;
+}
+
+__device__ __forceinline__ unsigned long long load_relaxed(const unsigned long long* word) {
+  unsigned long long value;
+  asm volatile("ld.relaxed.gpu.global.b64 %0, [%1];\n" : "=l"(value) : "l"(word) : "memory");
+  return value;
+}
+
+// Claim: `guess` is the word as read earlier in this launch (load_relaxed).
+__device__ __forceinline__ void claim_arrival_word(unsigned long long* word, unsigned long long guess,
+                                                   unsigned long long tag) {
+  if (guess >> kArrivalBits != tag) atomicCAS(word, guess, tag << kArrivalBits);
+}
+
+// Arrive, by thread 0 after a barrier behind the CTA's partial stores; true for the last of
+// `splits` arrivals, which leaves the word at (tag, 0) for a replay.
+__device__ __forceinline__ bool arrive_last(unsigned long long* word, unsigned long long tag, int splits) {
+  __threadfence();  // release: the CTA's partials before the arrival
+  const unsigned long long before = atomicAdd(word, 1ull);
+  if (static_cast<int>(before & kArrivalMask) + 1 != splits) return false;
+  __threadfence();  // acquire: the other splits' partials before the merge's loads
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;\n" ::"l"(word), "l"(tag << kArrivalBits) : "memory");
+  return true;
+}
 
 // Splits whose partial rows a lane loads before it sums any: 16 (64 registers at D <= 128) covers
 // a batch-1 launch (16 splits at GQA 32/8 on 132 SMs) in one round trip.
@@ -27,26 +93,21 @@ constexpr int combine_splits_in_flight() {
   return kHeadDim <= 128 ? 16 : 8;
 }
 
-// The lse values of up to 32 x kMaxSplitChunks splits, lane j holding splits j, j + 32, ...:
-// mha_fwd_kvcache allows at most 128 splits.
+// The lse values of up to 32 x kMaxSplitChunks splits, lane j holding splits j, j + 32, ...
 constexpr int kMaxSplitChunks = 4;
+static_assert(kDecodeMaxSplits <= 32 * kMaxSplitChunks, "every split's lse has a lane");
 
+// Merges the splits of workspace row `row` ([batch, heads_q, seqlen_q] order) into out and lse;
+// called by a whole warp.
 template <typename Element, int kHeadDim>
-__global__ void __launch_bounds__(kCombineWarps * 32)
-    decode_combine_kernel(const __grid_constant__ KvcacheProblem p) {
-  // Launched as a programmatic dependent of the decode kernel: its launch overlaps the decode's
-  // tail, and it waits here for the decode's partials.
-  wait_for_prior_grids();
-  allow_dependent_grids();
+__device__ __forceinline__ void combine_split_row(const KvcacheProblem& p,
+                                                  const DecodeWorkspaceLayout& layout, int64_t row) {
   constexpr int kPasses = (kHeadDim + 127) / 128;
   constexpr int kInFlight = combine_splits_in_flight<kHeadDim>();
   static_assert(32 % kInFlight == 0, "a group of splits lies within one lane chunk of 32");
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
-  const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
-  if (row >= rows) return;
   const int splits = p.num_splits;
-  const DecodeWorkspaceLayout layout = decode_workspace_layout(p, splits);
   const float* lse_accum = static_cast<const float*>(p.workspace);
   const float* out_accum =
       reinterpret_cast<const float*>(static_cast<const char*>(p.workspace) + layout.out_offset);
@@ -61,7 +122,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
         const int col = pass * 128 + lane * 4;
-        x[u][pass] = s < splits && col < p.head_dim ? *reinterpret_cast<const float4*>(partial + col)
+        x[u][pass] = s < splits && col < p.head_dim ? __ldcg(reinterpret_cast<const float4*>(partial + col))
                                                     : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
       }
     }
@@ -73,7 +134,7 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
 #pragma unroll
   for (int c = 0; c < kMaxSplitChunks; ++c) {
     const int s = c * 32 + lane;
-    split_lse[c] = s < splits ? lse_accum[s * rows + row] : -INFINITY;
+    split_lse[c] = s < splits ? __ldcg(lse_accum + s * rows + row) : -INFINITY;
   }
 
   float m = -INFINITY;

@@ -7,7 +7,8 @@
 //     head kv_head * group + r % group). Every query head of a group (and every query token) shares
 //     one read of its kv head; with seqlen_q * group <= 16 the cache is read exactly once.
 //   * Split-KV: the CTA takes split `s` of the key blocks of its (sequence, kv head); partial
-//     outputs and log-sum-exps go to the workspace in fp32 and decode_combine.cuh merges them.
+//     outputs and log-sum-exps go to the workspace in fp32, and the last split CTA of the block to
+//     finish merges them (decode_combine.cuh).
 //   * Warps split keys, not rows: each K/V block of 64 keys is cut into four 16-key slices, one
 //     per warp, with its own online softmax; the four partial results merge through shared memory
 //     at the end (weighted by exp(lse_warp - lse_total), like the splits).
@@ -17,9 +18,10 @@
 //     path. A contiguous cache needs no lookup: each thread walks its rows with a running pointer.
 //   * Pipeline depth: decode_stages(family, kWholeSm), see decode_sm80.h.
 //
-//   prologue   wait for the kernel before (PDL); page lookups, then cp.async K/V of the first
-//              kStages - 1 blocks of this split, one commit group each; then Q rows gathered
-//              (rotated when rotary is on) into shared memory
+//   prologue   wait for the kernel before (PDL); split: read the block's arrival word; page
+//              lookups, then cp.async K/V of the first kStages - 1 blocks of this split, one
+//              commit group each; then Q rows gathered (rotated when rotary is on) into shared
+//              memory; split: claim the arrival word for this launch
 //   per block  wait until block n landed; barrier    (every warp is done with block n - 1's stage)
 //              cp.async K/V of block n + kStages - 1 into block n - 1's stage; page lookups of
 //              block n + kStages
@@ -28,7 +30,9 @@
 //              online softmax; O += P V               (P straight from registers)
 //   epilogue   per-warp normalise; lse of each warp to shared memory; barrier; each warp scales its
 //              O by exp(lse_warp - lse_total) into shared memory; barrier; sum over warps and store
-//              (16-bit out + lse, or fp32 partials for the combine)
+//              (16-bit out + lse, or fp32 partials)
+//   split      barrier; thread 0 arrives; the last split's CTA merges every split's partials of
+//              its rows into out + lse (decode_combine.cuh), the others exit
 #pragma once
 
 #include <cuda_bf16.h>
@@ -42,6 +46,7 @@
 #include "cuda/common/online_softmax.cuh"
 #include "cuda/common/programmatic_launch.cuh"
 #include "cuda/common/swizzled_tile.cuh"
+#include "cuda/sm80/decode_combine.cuh"
 #include "cuda/sm80/decode_rotary.cuh"
 #include "cuda/sm80/decode_sm80.h"
 
@@ -137,7 +142,7 @@ __device__ __forceinline__ void decode_mask_scores(float (&s)[1][2][4], const Ke
 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads)
-    decode_kernel(const __grid_constant__ KvcacheProblem p) {
+    decode_kernel(const __grid_constant__ KvcacheProblem p, unsigned long long merge_tag) {
   using Element = typename Traits::Element;
   using QTile = typename Traits::QTile;
   using KvTile = typename Traits::KvTile;
@@ -152,9 +157,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
   float* lse_smem = reinterpret_cast<float*>(smem + Traits::kLseOffset);
   float* merge = reinterpret_cast<float*>(smem + Traits::kKvOffset);
 
-  // Everything below may read what the kernel before wrote (the append pass, the caller's Q).
+  // Everything below may read what the kernel before wrote (the append pass, the caller's Q, the
+  // workspace of the decode call before).
   wait_for_prior_grids();
-  allow_dependent_grids();  // the combine pass may launch; it waits for this grid to finish
+  allow_dependent_grids();  // whatever follows may launch; it waits for this grid to finish
 
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
@@ -169,6 +175,16 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int m0 = m_block * kRows;
   const int rows_here = min(kRows, packed_rows - m0);
   const int head_chunks = p.head_dim / 8;
+
+  // Split: the block's arrival word (decode_combine.cuh), read now so that its claim after the Q
+  // gather need not wait. (Its address is recomputed from the block index where it is used: fewer
+  // live registers through the main loop.)
+  const bool partial = num_splits > 1;
+  auto arrival_word = [&] {
+    return split_arrival_word(p, decode_workspace_layout(p, num_splits), static_cast<int>(blockIdx.z),
+                              static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x) / num_splits);
+  };
+  const unsigned long long arrival_guess = partial && tid == 0 ? load_relaxed(arrival_word()) : 0;
 
   const DecodeSequence seq = DecodeSequence::locate(p, b);
   const KeyWindow window{p.seqlen_q, seq.len_k, p.window_left, p.window_right};
@@ -325,6 +341,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
                    "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w));
     }
   }
+  if (partial && tid == 0) claim_arrival_word(arrival_word(), arrival_guess, merge_tag);
 
   // Per lane: rows g and g + 8 of the tile; their tokens (clamped for padding rows) and slopes.
   int row_token[2];
@@ -426,7 +443,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
   __syncthreads();
 
   // ---- Store: 4 columns per item, rows of this tile that exist, columns below head_dim.
-  const bool partial = num_splits > 1;
   float* lse_accum = static_cast<float*>(p.workspace);
   const DecodeWorkspaceLayout layout = decode_workspace_layout(p, num_splits);
   float* out_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + layout.out_offset);
@@ -460,6 +476,18 @@ __global__ void __launch_bounds__(Traits::kThreads)
       *reinterpret_cast<uint2*>(out) = make_uint2(pack2<Element>(sum.x, sum.y), pack2<Element>(sum.z, sum.w));
       if (writes_lse) p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = total_lse(row);
     }
+  }
+  if (!partial) return;
+
+  // ---- Split: arrive; the last split of this block of rows merges them all (decode_combine.cuh).
+  __syncthreads();  // every thread's partial stores before thread 0's release
+  if (!__syncthreads_or(tid == 0 && arrive_last(arrival_word(), merge_tag, num_splits))) return;
+  for (int row = warp; row < rows_here; row += Traits::kWarps) {
+    const int packed = m0 + row;
+    const int token = packed / group;
+    const int head = kv_head * group + packed % group;
+    const int64_t workspace_row = (static_cast<int64_t>(b) * p.heads_q + head) * p.seqlen_q + token;
+    combine_split_row<Element, kHeadDim>(p, layout, workspace_row);
   }
 }
 
