@@ -468,11 +468,11 @@ TEST(GpuKvcache, SplitCountersOnReusedWorkspace) {
   call(128, "more splits");
   FK_CUDA_CHECK(cudaMemsetAsync(workspace.get(), 0, bytes, s));
   call(3, "zeros");
-  std::vector<uint64_t> random(bytes / 8);
+  std::vector<uint64_t> noise(bytes / 8);
   uint64_t state = 12345;
-  for (uint64_t& word : random) word = splitmix64(state++);
+  for (uint64_t& word : noise) word = splitmix64(state++);
   FK_CUDA_CHECK(
-      cudaMemcpyAsync(workspace.get(), random.data(), random.size() * 8, cudaMemcpyHostToDevice, s));
+      cudaMemcpyAsync(workspace.get(), noise.data(), noise.size() * 8, cudaMemcpyHostToDevice, s));
   call(16, "random bytes");
   fill_words(0x0123456789abcd07ull);
   call(16, "a stale tag with 7 arrivals");
