@@ -413,7 +413,7 @@ TEST(GpuKvcache, EmptySequencesGiveZeroAndMinusInf) {
 // workspace whose contents on entry are arbitrary (kvcache_params.h). One workspace, one call after
 // another, output checked after each: 0xff bytes; the same call again (counters left by it); other
 // split counts, which move the counters onto old partials; zeros; random bytes; words holding a
-// stale tag with 7 and with 255 arrivals; and a CUDA graph replayed (same launch, same tag) with
+// stale tag with non-zero counts; and a CUDA graph replayed (same launch, same tag) with
 // eager calls on the workspace between replays. Two blocks of rows per kv head (32 packed rows).
 TEST(GpuKvcache, SplitCountersOnReusedWorkspace) {
   if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
@@ -475,9 +475,9 @@ TEST(GpuKvcache, SplitCountersOnReusedWorkspace) {
       cudaMemcpyAsync(workspace.get(), noise.data(), noise.size() * 8, cudaMemcpyHostToDevice, s));
   call(16, "random bytes");
   fill_words(0x0123456789abcd07ull);
-  call(16, "a stale tag with 7 arrivals");
+  call(16, "a stale tag with counts 0xcd and 7");
   fill_words(0x0123456789abcdffull);
-  call(7, "a stale tag with 255 arrivals");
+  call(7, "a stale tag with counts 0xcd and 0xff");
 
   // A captured call replays with one tag: the last split leaves the counters at (tag, 0).
   dev.params.num_splits = 7;
@@ -502,7 +502,7 @@ TEST(GpuKvcache, SplitCountersOnReusedWorkspace) {
   call(2, "an eager call with 2 splits");
   replay("graph replay after 2 splits");
   fill_words(0x0123456789abcd03ull);
-  replay("graph replay on a stale tag with 3 arrivals");
+  replay("graph replay on a stale tag with counts 0xcd and 3");
   FK_CUDA_CHECK(cudaGraphExecDestroy(exec));
   FK_CUDA_CHECK(cudaGraphDestroy(graph));
 }

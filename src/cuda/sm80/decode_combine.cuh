@@ -6,36 +6,39 @@
 // written as the 16-bit output and softmax_lse. A split that saw no key has L_s = -inf (weight 0);
 // a row no split saw gets O = 0 and L = -inf, as an unsplit launch writes.
 //
-// Why in the decode kernel: a separate combine kernel cost ~3.5 us per call on the H200 although
-// launched as a programmatic dependent (its wait for the whole decode grid, then its L2 round
-// trips), and another ~4 us of host enqueue; the partials the last CTA reads are still in L2.
+// Why in the decode kernel: a separate combine kernel is a second launch (~4 us of host enqueue per
+// call) and waits for the whole decode grid before its L2 round trip for the partials.
 //
-// Who is last: one 64-bit arrival word per block in the workspace, (tag << kArrivalBits) |
-// arrivals, where the tag is a value the host draws per launch (next_split_merge_tag). The
+// Who is last: one 64-bit word per block in the workspace, (tag << 16) | (published << 8) |
+// arrived, where the tag is a value the host draws per launch (next_split_merge_tag). The
 // workspace's contents on entry are arbitrary (kvcache_params.h), so nothing may rely on a zeroed
-// word:
-//   claim     prologue, thread 0: read the word (guess); unless it carries this launch's tag,
-//             compare-and-swap it from guess to (tag, 0). Only this launch writes the word while it
-//             runs, and only values with its tag, so a failed swap means another split already
-//             claimed it: after its own swap every CTA knows the word carries the tag (the result
-//             is not waited for: the swap and the add below are one thread's accesses to one
-//             location, hence in that order).
-//   arrive    after the partial stores and a barrier, thread 0: release fence, add 1. The split
-//             whose add returns splits - 1 arrivals is the last; it fences (acquire), stores
-//             (tag, 0) back, and the whole CTA merges after a barrier.
+// word. Thread 0 of each split CTA:
+//   claim     prologue: read the word (guess); after the Q gather, unless it carries this launch's
+//             tag, compare-and-swap it from guess to (tag, 0, 0). Only this launch writes the word
+//             while it runs, and only values with its tag, so a failed swap means another split
+//             claimed it first. Nothing waits for the swap: the add below is the same thread's
+//             later access to the same location, hence after it in the word's coherence order.
+//   arrive    right after the main loop (the add's round trip hides behind the cross-warp merge):
+//             add 1 to `arrived`. The split whose add returns splits - 1 arrivals is the last.
+//   publish   every other split: store its partials; barrier; fence (release, cumulative over what
+//             the barrier ordered); add 1 to `published`.
+//   merge     the last split does not store its partial: it keeps it in shared memory, waits until
+//             `published` reaches splits - 1 (the value its arrival returned, else polling), fences
+//             (acquire), stores (tag, 0, 0) back, and after a barrier merges every split's rows.
+// So the last split's path from its main loop to the merge's loads is one atomic round trip, hidden
+// under its own epilogue, unless another split is still publishing.
 // The reset makes a replay of the same launch (a CUDA graph: same tag, same workspace) find
-// (tag, 0) and count from zero; any other launch draws a new tag and claims the word afresh,
+// (tag, 0, 0) and count from zero; any other launch draws a new tag and claims the word afresh,
 // whatever the word held: garbage, a stale tag, 0xff bytes. The one input this misreads is a word
-// that already carries this launch's 56-bit tag with a non-zero count without having been written
-// by it: the tags are drawn through a 64-bit mix (never 0 or all ones) so no fixed pattern is
-// likely to hold one (a chance of 2^-56 per word and launch for anything else).
+// that already carries this launch's 48-bit tag with non-zero counts without having been written by
+// it: the tags are drawn through a 64-bit mix (never 0 or all ones), so no fixed pattern is likely
+// to hold one (a chance of 2^-48 per word and launch for anything else).
 //
-// Memory order (PTX model, as in cooperative groups' grid sync): every thread's partial stores
-// precede the barrier, which precedes thread 0's fence and add: the fence is cumulative over what
-// the barrier ordered before it, so the add releases the whole CTA's partials. The last split's add
-// reads the value the chain of earlier adds wrote, each behind its own release; its acquire fence
-// then orders every split's partials before the loads of the merge, which the merging warps issue
-// after a barrier behind that fence. The merge reads with ld.global.cg: read once, from L2.
+// Memory order (PTX model): a publishing split's partial stores precede the barrier, which precedes
+// thread 0's fence.acq_rel and add (a release pattern); the last split's read of `published` (its
+// arrival add or a poll) observes that add through the word's chain of atomic adds, and its
+// fence.acq_rel (the acquire pattern) orders every publisher's partials before the merge's loads,
+// issued after a barrier behind that fence. The merge reads with ld.global.cg: read once, from L2.
 //
 // The merge: one warp per row (rows ordered [batch, heads_q, seqlen_q] like the workspace); lanes
 // hold four columns each per 128-column pass, so every partial row is read once with 16-byte loads.
@@ -49,10 +52,11 @@
 
 namespace flashkit::sm80 {
 
-// The arrival word's low bits count arrivals (at most kDecodeMaxSplits); the rest is the tag.
-constexpr int kArrivalBits = 8;
-constexpr unsigned long long kArrivalMask = (1ull << kArrivalBits) - 1;
-static_assert(kDecodeMaxSplits <= kArrivalMask, "an arrival count fits the word's low bits");
+// The word's fields: arrivals and publications (at most kDecodeMaxSplits each), then the tag.
+constexpr int kPublishedShift = 8;
+constexpr int kTagShift = 16;
+constexpr unsigned long long kCountMask = (1ull << kPublishedShift) - 1;
+static_assert(kDecodeMaxSplits <= kCountMask, "a count fits its 8 bits");
 
 // The arrival word of the block of packed rows `m_block` of sequence b, kv head kv_head.
 __device__ __forceinline__ unsigned long long* split_arrival_word(const KvcacheProblem& p,
@@ -69,21 +73,35 @@ __device__ __forceinline__ unsigned long long load_relaxed(const unsigned long l
   return value;
 }
 
+__device__ __forceinline__ void fence_acq_rel() { asm volatile("fence.acq_rel.gpu;\n" ::: "memory"); }
+
 // Claim: `guess` is the word as read earlier in this launch (load_relaxed).
 __device__ __forceinline__ void claim_arrival_word(unsigned long long* word, unsigned long long guess,
                                                    unsigned long long tag) {
-  if (guess >> kArrivalBits != tag) atomicCAS(word, guess, tag << kArrivalBits);
+  if (guess >> kTagShift != tag) atomicCAS(word, guess, tag << kTagShift);
 }
 
-// Arrive, by thread 0 after a barrier behind the CTA's partial stores; true for the last of
-// `splits` arrivals, which leaves the word at (tag, 0) for a replay.
-__device__ __forceinline__ bool arrive_last(unsigned long long* word, unsigned long long tag, int splits) {
-  __threadfence();  // release: the CTA's partials before the arrival
-  const unsigned long long before = atomicAdd(word, 1ull);
-  if (static_cast<int>(before & kArrivalMask) + 1 != splits) return false;
-  __threadfence();  // acquire: the other splits' partials before the merge's loads
-  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;\n" ::"l"(word), "l"(tag << kArrivalBits) : "memory");
-  return true;
+// Arrive: returns the word before this split's arrival (is_last_arrival reads it).
+__device__ __forceinline__ unsigned long long arrive(unsigned long long* word) { return atomicAdd(word, 1ull); }
+
+__device__ __forceinline__ bool is_last_arrival(unsigned long long before, int splits) {
+  return static_cast<int>(before & kCountMask) + 1 == splits;
+}
+
+// Publish, by thread 0 of a split that is not last, after a barrier behind its partial stores.
+__device__ __forceinline__ void publish_partials(unsigned long long* word) {
+  fence_acq_rel();
+  atomicAdd(word, 1ull << kPublishedShift);
+}
+
+// By thread 0 of the last split: returns once every other split's partials are visible to the CTA
+// (after the caller's barrier), leaving the word at (tag, 0, 0) for a replay.
+__device__ __forceinline__ void wait_for_partials(unsigned long long* word, unsigned long long before,
+                                                  unsigned long long tag, int splits) {
+  unsigned long long seen = before;
+  while (static_cast<int>((seen >> kPublishedShift) & kCountMask) != splits - 1) seen = load_relaxed(word);
+  fence_acq_rel();
+  asm volatile("st.relaxed.gpu.global.b64 [%0], %1;\n" ::"l"(word), "l"(tag << kTagShift) : "memory");
 }
 
 // Splits whose partial rows a lane loads before it sums any: 16 (64 registers at D <= 128) covers
@@ -98,10 +116,12 @@ constexpr int kMaxSplitChunks = 4;
 static_assert(kDecodeMaxSplits <= 32 * kMaxSplitChunks, "every split's lse has a lane");
 
 // Merges the splits of workspace row `row` ([batch, heads_q, seqlen_q] order) into out and lse;
-// called by a whole warp.
+// called by a whole warp. Split `own` (the caller's) is not in the workspace: its partial row is
+// `own_partial` (shared memory, fp32) and its lse `own_lse`.
 template <typename Element, int kHeadDim>
 __device__ __forceinline__ void combine_split_row(const KvcacheProblem& p,
-                                                  const DecodeWorkspaceLayout& layout, int64_t row) {
+                                                  const DecodeWorkspaceLayout& layout, int64_t row,
+                                                  int own, const float* own_partial, float own_lse) {
   constexpr int kPasses = (kHeadDim + 127) / 128;
   constexpr int kInFlight = combine_splits_in_flight<kHeadDim>();
   static_assert(32 % kInFlight == 0, "a group of splits lies within one lane chunk of 32");
@@ -122,8 +142,9 @@ __device__ __forceinline__ void combine_split_row(const KvcacheProblem& p,
 #pragma unroll
       for (int pass = 0; pass < kPasses; ++pass) {
         const int col = pass * 128 + lane * 4;
-        x[u][pass] = s < splits && col < p.head_dim ? __ldcg(reinterpret_cast<const float4*>(partial + col))
-                                                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        x[u][pass] = !(s < splits && col < p.head_dim) ? make_float4(0.0f, 0.0f, 0.0f, 0.0f)
+                     : s == own ? *reinterpret_cast<const float4*>(own_partial + col)
+                                : __ldcg(reinterpret_cast<const float4*>(partial + col));
       }
     }
   };
@@ -134,7 +155,7 @@ __device__ __forceinline__ void combine_split_row(const KvcacheProblem& p,
 #pragma unroll
   for (int c = 0; c < kMaxSplitChunks; ++c) {
     const int s = c * 32 + lane;
-    split_lse[c] = s < splits ? __ldcg(lse_accum + s * rows + row) : -INFINITY;
+    split_lse[c] = !(s < splits) ? -INFINITY : s == own ? own_lse : __ldcg(lse_accum + s * rows + row);
   }
 
   float m = -INFINITY;

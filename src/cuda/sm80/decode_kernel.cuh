@@ -28,11 +28,12 @@
 //              S = Q K^T on this warp's 16 keys       (mma.sync m16n8k16, fp32)
 //              scale / softcap / ALiBi / mask        (mask only on blocks the window or end cuts)
 //              online softmax; O += P V               (P straight from registers)
-//   epilogue   per-warp normalise; lse of each warp to shared memory; barrier; each warp scales its
-//              O by exp(lse_warp - lse_total) into shared memory; barrier; sum over warps and store
-//              (16-bit out + lse, or fp32 partials)
-//   split      barrier; thread 0 arrives; the last split's CTA merges every split's partials of
-//              its rows into out + lse (decode_combine.cuh), the others exit
+//   epilogue   split: arrive (thread 0); per-warp normalise; lse of each warp to shared memory;
+//              barrier; each warp scales its O by exp(lse_warp - lse_total) into shared memory;
+//              barrier (split: which split is last); sum over warps and store (16-bit out + lse,
+//              fp32 partials, or the last split's own rows kept in shared memory)
+//   split      barrier; the other splits publish their partials and exit; the last one waits for
+//              them and merges every split's rows into out + lse (decode_combine.cuh)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -409,6 +410,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
   }
   cp_async_wait<0>();
+  // Split: arrive now, so that the add's round trip hides behind the warps' merge below.
+  const unsigned long long arrival = partial && tid == 0 ? arrive(arrival_word()) : 0;
 
   // ---- Merge the warps' partial results.
   float lse[2];
@@ -440,9 +443,11 @@ __global__ void __launch_bounds__(Traits::kThreads)
           make_float2(acc_o[0][dt][2 * half] * weight, acc_o[0][dt][2 * half + 1] * weight);
     }
   }
-  __syncthreads();
+  // Every warp's weighted rows are in `merge`; the split learns whether it is the last.
+  const bool last_split = __syncthreads_or(partial && tid == 0 && is_last_arrival(arrival, num_splits));
 
-  // ---- Store: 4 columns per item, rows of this tile that exist, columns below head_dim.
+  // ---- Store: 4 columns per item, rows of this tile that exist, columns below head_dim. The last
+  // split keeps its rows in `merge` (warp 0's rows, each item in place by the thread that read it).
   float* lse_accum = static_cast<float*>(p.workspace);
   const DecodeWorkspaceLayout layout = decode_workspace_layout(p, num_splits);
   float* out_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + layout.out_offset);
@@ -466,7 +471,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const int token = packed / group;
     const int head = kv_head * group + packed % group;
     const bool writes_lse = col == 0;
-    if (partial) {
+    if (last_split) {
+      *reinterpret_cast<float4*>(merge + row * kHeadDim + col) = sum;
+    } else if (partial) {
       const int64_t out_row = split * rows_per_split + (static_cast<int64_t>(b) * p.heads_q + head) * p.seqlen_q + token;
       *reinterpret_cast<float4*>(out_accum + out_row * p.head_dim + col) = sum;
       if (writes_lse) lse_accum[out_row] = total_lse(row);
@@ -479,15 +486,21 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
   if (!partial) return;
 
-  // ---- Split: arrive; the last split of this block of rows merges them all (decode_combine.cuh).
-  __syncthreads();  // every thread's partial stores before thread 0's release
-  if (!__syncthreads_or(tid == 0 && arrive_last(arrival_word(), merge_tag, num_splits))) return;
+  // ---- Split: publish the partials, or (the last split) merge every split's rows.
+  __syncthreads();  // the partial stores before thread 0's release; the last split's rows in `merge`
+  if (!last_split) {
+    if (tid == 0) publish_partials(arrival_word());
+    return;
+  }
+  if (tid == 0) wait_for_partials(arrival_word(), arrival, merge_tag, num_splits);
+  __syncthreads();
   for (int row = warp; row < rows_here; row += Traits::kWarps) {
     const int packed = m0 + row;
     const int token = packed / group;
     const int head = kv_head * group + packed % group;
     const int64_t workspace_row = (static_cast<int64_t>(b) * p.heads_q + head) * p.seqlen_q + token;
-    combine_split_row<Element, kHeadDim>(p, layout, workspace_row);
+    combine_split_row<Element, kHeadDim>(p, layout, workspace_row, split, merge + row * kHeadDim,
+                                         total_lse(row));
   }
 }
 

@@ -43,7 +43,7 @@ void opt_in_decode_smem() {
 
 // A fresh tag per launch for the workspace's arrival words (decode_combine.cuh): a process-wide
 // count (per shared library: an inline function's static) through the splitmix64 finaliser, cut
-// to the 56 bits above the arrival count, never 0 or all ones (zeroed and 0xff-filled memory).
+// to the 48 bits above the word's counts, never 0 or all ones (zeroed and 0xff-filled memory).
 // Tags need not be unique, only unlikely to sit in a word this launch did not write.
 inline unsigned long long next_split_merge_tag() {
   static std::atomic<uint64_t> launches{0};
@@ -51,7 +51,7 @@ inline unsigned long long next_split_merge_tag() {
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
   z ^= z >> 31;
-  const uint64_t tag_mask = ~uint64_t{0} >> kArrivalBits;
+  const uint64_t tag_mask = ~uint64_t{0} >> kTagShift;
   const uint64_t tag = z & tag_mask;
   return tag == 0 || tag == tag_mask ? 1 : tag;
 }
