@@ -40,9 +40,6 @@ using api::debug_enabled;
 
 #ifdef FLASHKIT_WITH_CUDA
 
-static_assert(api::kMaxKvcacheSplits <= sm80::kDecodeMaxSplits,
-              "the decode kernels combine every split count the API accepts");
-
 using RunDecode = void (*)(const KvcacheProblem&, const sm80::DecodeLaunchPlan&, void*);
 
 RunDecode find_sm80_decode(DType dtype, int family) {

@@ -4,7 +4,7 @@
 //
 // The decode kernel runs one CTA per (sequence, kv head, 16 packed query rows, split). A decode
 // step is memory bound: it is fast when every SM streams K/V, and when no SM idles through a ragged
-// last wave. Splitting the keys multiplies the CTAs at the price of a combine step (small: fp32
+// last wave. Splitting the keys multiplies the CTAs at the price of a combine pass (small: fp32
 // partials of the query rows only) and of a fixed cost per CTA (prologue, pipeline fill, the
 // cross-warp merge).
 //

@@ -7,8 +7,7 @@
 //     head kv_head * group + r % group). Every query head of a group (and every query token) shares
 //     one read of its kv head; with seqlen_q * group <= 16 the cache is read exactly once.
 //   * Split-KV: the CTA takes split `s` of the key blocks of its (sequence, kv head); partial
-//     outputs and log-sum-exps go to the workspace in fp32, and the last split CTA of the block to
-//     finish merges them (decode_combine.cuh).
+//     outputs and log-sum-exps go to the workspace in fp32 and decode_combine.cuh merges them.
 //   * Warps split keys, not rows: each K/V block of 64 keys is cut into four 16-key slices, one
 //     per warp, with its own online softmax; the four partial results merge through shared memory
 //     at the end (weighted by exp(lse_warp - lse_total), like the splits).
@@ -18,22 +17,18 @@
 //     path. A contiguous cache needs no lookup: each thread walks its rows with a running pointer.
 //   * Pipeline depth: decode_stages(family, kWholeSm), see decode_sm80.h.
 //
-//   prologue   wait for the kernel before (PDL); split: read the block's arrival word; page
-//              lookups, then cp.async K/V of the first kStages - 1 blocks of this split, one
-//              commit group each; then Q rows gathered (rotated when rotary is on) into shared
-//              memory; split: claim the arrival word for this launch
+//   prologue   wait for the kernel before (PDL); page lookups, then cp.async K/V of the first
+//              kStages - 1 blocks of this split, one commit group each; then Q rows gathered
+//              (rotated when rotary is on) into shared memory
 //   per block  wait until block n landed; barrier    (every warp is done with block n - 1's stage)
 //              cp.async K/V of block n + kStages - 1 into block n - 1's stage; page lookups of
 //              block n + kStages
 //              S = Q K^T on this warp's 16 keys       (mma.sync m16n8k16, fp32)
 //              scale / softcap / ALiBi / mask        (mask only on blocks the window or end cuts)
 //              online softmax; O += P V               (P straight from registers)
-//   epilogue   split: arrive (thread 0); per-warp normalise; lse of each warp to shared memory;
-//              barrier; each warp scales its O by exp(lse_warp - lse_total) into shared memory;
-//              barrier (split: which split is last); sum over warps and store (16-bit out + lse,
-//              fp32 partials, or the last split's own rows kept in shared memory)
-//   split      barrier; the other splits publish their partials and exit; the last one waits for
-//              them and merges every split's rows into out + lse (decode_combine.cuh)
+//   epilogue   per-warp normalise; lse of each warp to shared memory; barrier; each warp scales its
+//              O by exp(lse_warp - lse_total) into shared memory; barrier; sum over warps and store
+//              (16-bit out + lse, or fp32 partials for the combine)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -47,7 +42,6 @@
 #include "cuda/common/online_softmax.cuh"
 #include "cuda/common/programmatic_launch.cuh"
 #include "cuda/common/swizzled_tile.cuh"
-#include "cuda/sm80/decode_combine.cuh"
 #include "cuda/sm80/decode_rotary.cuh"
 #include "cuda/sm80/decode_sm80.h"
 
@@ -143,7 +137,7 @@ __device__ __forceinline__ void decode_mask_scores(float (&s)[1][2][4], const Ke
 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads)
-    decode_kernel(const __grid_constant__ KvcacheProblem p, unsigned long long merge_tag) {
+    decode_kernel(const __grid_constant__ KvcacheProblem p) {
   using Element = typename Traits::Element;
   using QTile = typename Traits::QTile;
   using KvTile = typename Traits::KvTile;
@@ -158,10 +152,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
   float* lse_smem = reinterpret_cast<float*>(smem + Traits::kLseOffset);
   float* merge = reinterpret_cast<float*>(smem + Traits::kKvOffset);
 
-  // Everything below may read what the kernel before wrote (the append pass, the caller's Q, the
-  // workspace of the decode call before).
+  // Everything below may read what the kernel before wrote (the append pass, the caller's Q).
   wait_for_prior_grids();
-  allow_dependent_grids();  // whatever follows may launch; it waits for this grid to finish
+  allow_dependent_grids();  // the combine pass may launch; it waits for this grid to finish
 
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
@@ -176,16 +169,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int m0 = m_block * kRows;
   const int rows_here = min(kRows, packed_rows - m0);
   const int head_chunks = p.head_dim / 8;
-
-  // Split: the block's arrival word (decode_combine.cuh), read now so that its claim after the Q
-  // gather need not wait. (Its address is recomputed from the block index where it is used: fewer
-  // live registers through the main loop.)
-  const bool partial = num_splits > 1;
-  auto arrival_word = [&] {
-    return split_arrival_word(p, decode_workspace_layout(p, num_splits), static_cast<int>(blockIdx.z),
-                              static_cast<int>(blockIdx.y), static_cast<int>(blockIdx.x) / num_splits);
-  };
-  const unsigned long long arrival_guess = partial && tid == 0 ? load_relaxed(arrival_word()) : 0;
 
   const DecodeSequence seq = DecodeSequence::locate(p, b);
   const KeyWindow window{p.seqlen_q, seq.len_k, p.window_left, p.window_right};
@@ -342,7 +325,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
                    "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w));
     }
   }
-  if (partial && tid == 0) claim_arrival_word(arrival_word(), arrival_guess, merge_tag);
 
   // Per lane: rows g and g + 8 of the tile; their tokens (clamped for padding rows) and slopes.
   int row_token[2];
@@ -410,8 +392,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
   }
   cp_async_wait<0>();
-  // Split: arrive now, so that the add's round trip hides behind the warps' merge below.
-  const unsigned long long arrival = partial && tid == 0 ? arrive(arrival_word()) : 0;
 
   // ---- Merge the warps' partial results.
   float lse[2];
@@ -443,11 +423,10 @@ __global__ void __launch_bounds__(Traits::kThreads)
           make_float2(acc_o[0][dt][2 * half] * weight, acc_o[0][dt][2 * half + 1] * weight);
     }
   }
-  // Every warp's weighted rows are in `merge`; the split learns whether it is the last.
-  const bool last_split = __syncthreads_or(partial && tid == 0 && is_last_arrival(arrival, num_splits));
+  __syncthreads();
 
-  // ---- Store: 4 columns per item, rows of this tile that exist, columns below head_dim. The last
-  // split keeps its rows in `merge` (warp 0's rows, each item in place by the thread that read it).
+  // ---- Store: 4 columns per item, rows of this tile that exist, columns below head_dim.
+  const bool partial = num_splits > 1;
   float* lse_accum = static_cast<float*>(p.workspace);
   const DecodeWorkspaceLayout layout = decode_workspace_layout(p, num_splits);
   float* out_accum = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + layout.out_offset);
@@ -471,9 +450,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const int token = packed / group;
     const int head = kv_head * group + packed % group;
     const bool writes_lse = col == 0;
-    if (last_split) {
-      *reinterpret_cast<float4*>(merge + row * kHeadDim + col) = sum;
-    } else if (partial) {
+    if (partial) {
       const int64_t out_row = split * rows_per_split + (static_cast<int64_t>(b) * p.heads_q + head) * p.seqlen_q + token;
       *reinterpret_cast<float4*>(out_accum + out_row * p.head_dim + col) = sum;
       if (writes_lse) lse_accum[out_row] = total_lse(row);
@@ -483,24 +460,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
       *reinterpret_cast<uint2*>(out) = make_uint2(pack2<Element>(sum.x, sum.y), pack2<Element>(sum.z, sum.w));
       if (writes_lse) p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = total_lse(row);
     }
-  }
-  if (!partial) return;
-
-  // ---- Split: publish the partials, or (the last split) merge every split's rows.
-  __syncthreads();  // the partial stores before thread 0's release; the last split's rows in `merge`
-  if (!last_split) {
-    if (tid == 0) publish_partials(arrival_word());
-    return;
-  }
-  if (tid == 0) wait_for_partials(arrival_word(), arrival, merge_tag, num_splits);
-  __syncthreads();
-  for (int row = warp; row < rows_here; row += Traits::kWarps) {
-    const int packed = m0 + row;
-    const int token = packed / group;
-    const int head = kv_head * group + packed % group;
-    const int64_t workspace_row = (static_cast<int64_t>(b) * p.heads_q + head) * p.seqlen_q + token;
-    combine_split_row<Element, kHeadDim>(p, layout, workspace_row, split, merge + row * kHeadDim,
-                                         total_lse(row));
   }
 }
 

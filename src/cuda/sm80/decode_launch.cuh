@@ -1,7 +1,7 @@
 // src/cuda/sm80/decode_launch.cuh
-// \brief Host side of the sm80 decode path: append pass, then the split decode kernel (the
-// shared-SM or the whole-SM pipeline, decode_sm80.h; it also combines the splits), in that order
-// on one stream. Included only by the generated per-(dtype, family) instance files.
+// \brief Host side of the sm80 decode path: append pass, split decode kernel (the shared-SM or
+// the whole-SM pipeline, decode_sm80.h), combine pass, in that order on one stream. Included only
+// by the generated per-(dtype, family) instance files.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,6 +13,7 @@
 #include "cuda/common/programmatic_launch.cuh"
 #include "cuda/cuda_check.h"
 #include "cuda/sm80/decode_append.cuh"
+#include "cuda/sm80/decode_combine.cuh"
 #include "cuda/sm80/decode_kernel.cuh"
 #include "cuda/sm80/decode_sm80.h"
 #include "flashkit/error.h"
@@ -41,27 +42,12 @@ void opt_in_decode_smem() {
   opted_in_devices.fetch_or(device_bit, std::memory_order_release);
 }
 
-// A fresh tag per launch for the workspace's arrival words (decode_combine.cuh): a process-wide
-// count (per shared library: an inline function's static) through the splitmix64 finaliser, cut
-// to the 48 bits above the word's counts, never 0 or all ones (zeroed and 0xff-filled memory).
-// Tags need not be unique, only unlikely to sit in a word this launch did not write.
-inline unsigned long long next_split_merge_tag() {
-  static std::atomic<uint64_t> launches{0};
-  uint64_t z = launches.fetch_add(1, std::memory_order_relaxed) + 0x9e3779b97f4a7c15ull;
-  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-  z ^= z >> 31;
-  const uint64_t tag_mask = ~uint64_t{0} >> kTagShift;
-  const uint64_t tag = z & tag_mask;
-  return tag == 0 || tag == tag_mask ? 1 : tag;
-}
-
 template <typename Traits>
 void launch_decode_kernel(const KvcacheProblem& problem, dim3 grid, bool programmatic,
                           cudaStream_t stream) {
   opt_in_decode_smem<Traits>();
   launch_kernel(decode_kernel<Traits>, grid, dim3(Traits::kThreads), Traits::kSmemBytes, stream,
-                programmatic, "sm80 decode_kernel", problem, next_split_merge_tag());
+                programmatic, "sm80 decode_kernel", problem);
 }
 
 template <DType kDType, int kHeadDimFamily>
@@ -80,7 +66,8 @@ void run_decode(const KvcacheProblem& problem, const DecodeLaunchPlan& plan, voi
     cuda::check_last_launch("sm80 decode_append_kernel");
   }
 
-  const int64_t m_blocks = decode_row_blocks(problem);
+  const int64_t packed_rows = static_cast<int64_t>(problem.seqlen_q) * (problem.heads_q / problem.heads_kv);
+  const int64_t m_blocks = (packed_rows + kDecodeRows - 1) / kDecodeRows;
   if (m_blocks == 0) return;
   const int64_t grid_x = m_blocks * problem.num_splits;
   if (grid_x > INT32_MAX) {
@@ -94,6 +81,14 @@ void run_decode(const KvcacheProblem& problem, const DecodeLaunchPlan& plan, voi
   } else {
     launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, false>>(problem, grid, plan.programmatic,
                                                                        stream);
+  }
+
+  if (problem.num_splits > 1) {
+    const int64_t rows = static_cast<int64_t>(problem.batch) * problem.heads_q * problem.seqlen_q;
+    const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
+    launch_kernel(decode_combine_kernel<Element, kHeadDimFamily>, dim3(static_cast<unsigned>(blocks)),
+                  dim3(kCombineWarps * 32), 0, stream, plan.programmatic, "sm80 decode_combine_kernel",
+                  problem);
   }
 }
 
