@@ -59,7 +59,9 @@ struct MhaFwdKvcacheParams {
   int num_splits = 0;
   // Scratch memory on q's device for the fp32 partial outputs and log-sum-exps of the splits, at
   // least mha_fwd_kvcache_workspace_size(params) bytes, 256-byte aligned; its contents on entry do
-  // not matter. May be null when the size query returns 0 (no split, or CPU views).
+  // not matter (calls one after another on a stream, and replays of a captured call, may share one
+  // workspace; calls that may run at the same time may not). May be null when the size query
+  // returns 0 (no split, or CPU views).
   void* workspace = nullptr;
   size_t workspace_bytes = 0;
 };

@@ -83,47 +83,68 @@ struct KvcacheRun {
   int num_splits = 0;
 };
 
+// A case's device copies of its inputs and outputs, and the params over them (no workspace yet).
+struct DeviceKvcache {
+  DeviceBuffer q, k_cache, v_cache, k_new, v_new, cos, sin, alibi, seqlens, leftpad, batch_idx,
+      table, out, lse;
+  MhaFwdKvcacheParams params;
+
+  DeviceKvcache(const KvcacheCase& c, const KvcacheInputs& in, cudaStream_t stream)
+      : q(upload(in.q, stream)), k_cache(upload(in.k_cache, stream)), v_cache(upload(in.v_cache, stream)),
+        k_new(upload(in.k_new, stream)), v_new(upload(in.v_new, stream)),
+        cos(upload(in.rotary_cos, stream)), sin(upload(in.rotary_sin, stream)),
+        alibi(upload(in.alibi, stream)), seqlens(upload(in.seqlens, stream)),
+        leftpad(upload(in.leftpad, stream)), batch_idx(upload(in.batch_idx, stream)),
+        table(upload(in.block_table, stream)), out(in.q.size() * 2),
+        lse(int64_t{c.batch} * c.heads_q * c.seqlen_q * sizeof(float)) {
+    KvcacheBuffers buf;
+    buf.q = q.get();
+    buf.k_cache = k_cache.get();
+    buf.v_cache = v_cache.get();
+    buf.k_new = k_new.get();
+    buf.v_new = v_new.get();
+    buf.rotary_cos = cos.get();
+    buf.rotary_sin = sin.get();
+    buf.alibi = alibi.get();
+    buf.seqlens = seqlens.get();
+    buf.leftpad = leftpad.get();
+    buf.batch_idx = batch_idx.get();
+    buf.block_table = table.get();
+    buf.out = out.get();
+    buf.lse = lse.get();
+    params = kvcache_params(c, in, buf, Device{DeviceKind::kCuda, current_device()});
+  }
+
+  void poison_outputs(cudaStream_t stream) const {
+    out.poison(stream);
+    lse.poison(stream);
+  }
+
+  // Waits for `stream`.
+  KvcacheRun download_all(const KvcacheCase& c, const KvcacheInputs& in, cudaStream_t stream) const {
+    KvcacheRun run;
+    run.out = download<uint16_t>(out, in.q.size(), stream);
+    run.lse = download<float>(lse, int64_t{c.batch} * c.heads_q * c.seqlen_q, stream);
+    run.k_cache = download<uint16_t>(k_cache, in.k_cache.size(), stream);
+    run.v_cache = download<uint16_t>(v_cache, in.v_cache.size(), stream);
+    FK_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return run;
+  }
+};
+
 KvcacheRun run_on_gpu(const KvcacheCase& c, const KvcacheInputs& in, cudaStream_t stream) {
-  DeviceBuffer q = upload(in.q, stream), k_cache = upload(in.k_cache, stream),
-               v_cache = upload(in.v_cache, stream), k_new = upload(in.k_new, stream),
-               v_new = upload(in.v_new, stream), cos = upload(in.rotary_cos, stream),
-               sin = upload(in.rotary_sin, stream), alibi = upload(in.alibi, stream),
-               seqlens = upload(in.seqlens, stream), leftpad = upload(in.leftpad, stream),
-               batch_idx = upload(in.batch_idx, stream), table = upload(in.block_table, stream);
-  DeviceBuffer out(in.q.size() * 2);
-  DeviceBuffer lse(int64_t{c.batch} * c.heads_q * c.seqlen_q * sizeof(float));
-  out.poison(stream);
-  lse.poison(stream);
-  KvcacheBuffers buf;
-  buf.q = q.get();
-  buf.k_cache = k_cache.get();
-  buf.v_cache = v_cache.get();
-  buf.k_new = k_new.get();
-  buf.v_new = v_new.get();
-  buf.rotary_cos = cos.get();
-  buf.rotary_sin = sin.get();
-  buf.alibi = alibi.get();
-  buf.seqlens = seqlens.get();
-  buf.leftpad = leftpad.get();
-  buf.batch_idx = batch_idx.get();
-  buf.block_table = table.get();
-  buf.out = out.get();
-  buf.lse = lse.get();
-  MhaFwdKvcacheParams params = kvcache_params(c, in, buf, Device{DeviceKind::kCuda, current_device()});
-  const size_t workspace_bytes = mha_fwd_kvcache_workspace_size(params);
+  DeviceKvcache dev(c, in, stream);
+  dev.poison_outputs(stream);
+  const size_t workspace_bytes = mha_fwd_kvcache_workspace_size(dev.params);
   DeviceBuffer workspace(std::max<size_t>(workspace_bytes, 1));
   workspace.poison(stream);
-  params.workspace = workspace_bytes > 0 ? workspace.get() : nullptr;
-  params.workspace_bytes = workspace_bytes;
-  KvcacheRun run;
-  run.num_splits = mha_fwd_kvcache_num_splits(params);
-  mha_fwd_kvcache(params, stream);
+  dev.params.workspace = workspace_bytes > 0 ? workspace.get() : nullptr;
+  dev.params.workspace_bytes = workspace_bytes;
+  const int num_splits = mha_fwd_kvcache_num_splits(dev.params);
+  mha_fwd_kvcache(dev.params, stream);
   FK_CUDA_CHECK(cudaGetLastError());
-  run.out = download<uint16_t>(out, in.q.size(), stream);
-  run.lse = download<float>(lse, int64_t{c.batch} * c.heads_q * c.seqlen_q, stream);
-  run.k_cache = download<uint16_t>(k_cache, in.k_cache.size(), stream);
-  run.v_cache = download<uint16_t>(v_cache, in.v_cache.size(), stream);
-  FK_CUDA_CHECK(cudaStreamSynchronize(stream));
+  KvcacheRun run = dev.download_all(c, in, stream);
+  run.num_splits = num_splits;
   return run;
 }
 
@@ -388,6 +409,105 @@ TEST(GpuKvcache, EmptySequencesGiveZeroAndMinusInf) {
   }
 }
 
+// One workspace, one call after another, output checked after each (kvcache_params.h: the
+// workspace's contents on entry do not matter; sequential calls and graph replays may share one):
+// 0xff bytes; the same call again; other split counts over each other's partials; zeros; random
+// bytes; arbitrary words; and a CUDA graph (the decode and combine kernels, programmatic
+// dependents) replayed four times with eager calls of other split counts between replays. Two
+// blocks of rows per kv head (32 packed rows). (Written for an in-kernel combine whose last-split
+// counters lived in the workspace, bench/NOTES.md decode4; kept for the contract it checks.)
+TEST(GpuKvcache, ReusedWorkspaceAndGraphReplay) {
+  if (!has_cuda_device()) GTEST_SKIP() << "no CUDA device";
+  KvcacheCase c = decode_case("reused_workspace");
+  c.seqlen_new = 0;  // no append: every call computes the same output
+  c.rotary_dim = 0;
+  c.page_block_size = 0;
+  c.capacity = 2048;
+  c.batch = 2;
+  c.heads_q = 16;
+  c.heads_kv = 1;
+  c.seqlen_q = 2;
+  c.causal = true;
+  c.seed = 79;
+  if (const std::string why = unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const KvcacheInputs in = make_kvcache_inputs(c);
+  const KvcacheOracle oracle = run_kvcache_oracle(c, in);
+  Stream stream;
+  const cudaStream_t s = stream.get();
+  DeviceKvcache dev(c, in, s);
+  const int split_counts[] = {16, 5, 128, 3, 7, 2};
+  size_t bytes = 0;
+  for (int splits : split_counts) {
+    dev.params.num_splits = splits;
+    bytes = std::max(bytes, mha_fwd_kvcache_workspace_size(dev.params));
+  }
+  DeviceBuffer workspace(bytes);
+  dev.params.workspace = workspace.get();
+  dev.params.workspace_bytes = bytes;
+  auto fill_words = [&](uint64_t word) {
+    const std::vector<uint64_t> words(bytes / 8, word);
+    FK_CUDA_CHECK(
+        cudaMemcpyAsync(workspace.get(), words.data(), words.size() * 8, cudaMemcpyHostToDevice, s));
+    FK_CUDA_CHECK(cudaStreamSynchronize(s));
+  };
+  auto check = [&](const std::string& what) {
+    FK_CUDA_CHECK(cudaGetLastError());
+    const std::string failure = compare(c, oracle, dev.download_all(c, in, s));
+    EXPECT_TRUE(failure.empty()) << what << " (splits " << dev.params.num_splits << ")\n" << failure;
+  };
+  auto call = [&](int splits, const std::string& what) {
+    dev.params.num_splits = splits;
+    dev.poison_outputs(s);
+    mha_fwd_kvcache(dev.params, s);
+    check(what);
+  };
+
+  workspace.poison(s);
+  call(16, "0xff bytes");
+  call(16, "the same call again");
+  call(5, "fewer splits over the last call's partials");
+  call(128, "more splits");
+  FK_CUDA_CHECK(cudaMemsetAsync(workspace.get(), 0, bytes, s));
+  call(3, "zeros");
+  std::vector<uint64_t> noise(bytes / 8);
+  uint64_t state = 12345;
+  for (uint64_t& word : noise) word = splitmix64(state++);
+  FK_CUDA_CHECK(
+      cudaMemcpyAsync(workspace.get(), noise.data(), noise.size() * 8, cudaMemcpyHostToDevice, s));
+  call(16, "random bytes");
+  fill_words(0x0123456789abcd07ull);
+  call(16, "words 0x0123456789abcd07");
+  fill_words(0x0123456789abcdffull);
+  call(7, "words 0x0123456789abcdff");
+
+  // A captured call, replayed.
+  dev.params.num_splits = 7;
+  cudaGraph_t graph = nullptr;
+  FK_CUDA_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
+  mha_fwd_kvcache(dev.params, s);
+  FK_CUDA_CHECK(cudaStreamEndCapture(s, &graph));
+  cudaGraphExec_t exec = nullptr;
+  FK_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  auto replay = [&](const std::string& what) {
+    dev.params.num_splits = 7;
+    dev.poison_outputs(s);
+    FK_CUDA_CHECK(cudaGraphLaunch(exec, s));
+    check(what);
+  };
+  workspace.poison(s);
+  replay("graph, first replay on 0xff bytes");
+  replay("graph, second replay");
+  replay("graph, third replay");
+  call(7, "an eager call between replays, same split count");
+  replay("graph replay after an eager call");
+  call(2, "an eager call with 2 splits");
+  replay("graph replay after 2 splits");
+  fill_words(0x0123456789abcd03ull);
+  replay("graph replay on words 0x0123456789abcd03");
+  FK_CUDA_CHECK(cudaGraphExecDestroy(exec));
+  FK_CUDA_CHECK(cudaGraphDestroy(graph));
+}
+
 // The device-side promises are checked on request: FLASHKIT_CHECK_KVCACHE=1 copies the index
 // arrays to the host and rejects a page out of range before any launch. And a workspace smaller
 // than the size query's answer is rejected.
@@ -400,26 +520,8 @@ TEST(GpuKvcache, ContentsCheckAndWorkspaceSize) {
   KvcacheInputs in = make_kvcache_inputs(c);
   in.block_table[0] = c.num_blocks() + 5;
   Stream stream;
-  DeviceBuffer q = upload(in.q, stream.get()), k_cache = upload(in.k_cache, stream.get()),
-               v_cache = upload(in.v_cache, stream.get()), k_new = upload(in.k_new, stream.get()),
-               v_new = upload(in.v_new, stream.get()), cos = upload(in.rotary_cos, stream.get()),
-               sin = upload(in.rotary_sin, stream.get()), seqlens = upload(in.seqlens, stream.get()),
-               table = upload(in.block_table, stream.get());
-  DeviceBuffer out(in.q.size() * 2), lse(int64_t{c.batch} * c.heads_q * c.seqlen_q * 4);
-  KvcacheBuffers buf;
-  buf.q = q.get();
-  buf.k_cache = k_cache.get();
-  buf.v_cache = v_cache.get();
-  buf.k_new = k_new.get();
-  buf.v_new = v_new.get();
-  buf.rotary_cos = cos.get();
-  buf.rotary_sin = sin.get();
-  buf.seqlens = seqlens.get();
-  buf.block_table = table.get();
-  buf.out = out.get();
-  buf.lse = lse.get();
-  MhaFwdKvcacheParams params =
-      kvcache_params(c, in, buf, Device{DeviceKind::kCuda, current_device()});
+  DeviceKvcache dev(c, in, stream.get());
+  MhaFwdKvcacheParams& params = dev.params;
   const size_t bytes = mha_fwd_kvcache_workspace_size(params);
   ASSERT_GT(bytes, 0u);
   DeviceBuffer workspace(bytes);
