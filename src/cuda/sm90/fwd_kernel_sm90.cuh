@@ -437,12 +437,13 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   // here while this tile's epilogue runs.
   float acc_s[1][kNTiles][4];
   // The tile's first turn (pipelined schedule): issue S = Q K^T of its first (last-visited) key
-  // block, not waited for.
-  auto start_tile = [&]() {
+  // block, not waited for. Consumer 0 takes the first turn: the last consumer hands it over here
+  // (`hand_over`) unless it passed its last turn of the previous tile straight on.
+  auto start_tile = [&](bool hand_over) {
     mbarrier_wait(smem_u32(&bars.q_full), q_loads & 1u);
     ++q_loads;
     mbarrier_wait(smem_u32(&bars.k_full[ring.stage]), ring.phase);
-    if (consumer == kLastConsumer) turn.pass();  // consumer 0 takes the tile's first turn
+    if (hand_over && consumer == kLastConsumer) turn.pass();
     turn.wait();
     wgmma_fence();
     issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(ring));
@@ -461,7 +462,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   FwdTile tile;
   bool have_tile = next_tile(tile);
   if (kPipelined && have_tile && tile.has_keys()) {
-    start_tile();
+    start_tile(true);
     wgmma_wait<0>();
     wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
   }
@@ -500,6 +501,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       return any;
     };
 
+    FwdTile next;
+    bool have_next;
     if (tile.has_keys()) {
       uint32_t p_frag[kBlockN / 16][4];
       float rescale[2];
@@ -524,6 +527,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           ring.advance();
         }
         release(bars.q_empty);
+        have_next = next_tile(next);
       } else {
         Cursor cursor = ring;  // the block whose scores are being computed
         Cursor previous;       // the block whose P V is pending
@@ -565,19 +569,23 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
         }
 
+        have_next = next_tile(next);
         mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
         turn.wait();
         wgmma_fence();
         issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(cursor));
-        // Every consumer but the last passes this last turn on; the last one passes it to consumer
-        // 0 in the next tile's start_tile.
-        if (consumer != kLastConsumer) turn.pass();
+        // Every consumer but the last passes this last turn on. The last one passes it to consumer
+        // 0 here when the next tile has keys (consumer 0 then issues that tile's first S while this
+        // P V still runs), else in the start_tile of the next tile with keys.
+        if (consumer != kLastConsumer || (have_next && next.has_keys())) turn.pass();
         wgmma_wait<0>();
         wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
         release(bars.v_empty[cursor.stage]);
         cursor.advance();
         ring = cursor;
       }
+    } else {
+      have_next = next_tile(next);
     }
 
     // Epilogue: normalize, store this lane's pairs of columns of its two rows.
@@ -615,10 +623,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     // wait sit in one branch: with the wait after a join, ptxas cannot tell the paths apart, sees
     // the accumulators of an S in flight copied at the join and serializes every wgmma of the kernel.
     // The condition is the same for the whole CTA, so every warp of a warpgroup runs the same wait.
-    FwdTile next;
-    const bool have_next = next_tile(next);
     if (kPipelined && have_next && next.has_keys()) {
-      start_tile();
+      start_tile(!tile.has_keys());
       store_output();
       wgmma_wait<0>();
       wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
