@@ -19,7 +19,7 @@
 //   consumers (warpgroups 1 .. kConsumerWarpgroups, 232 registers for two, 160 for three; 64 query
 //   rows each), software-pipelined by one block so that each block's softmax overlaps the tensor
 //   cores:
-//     start (the previous tile's epilogue, or the kernel's start, waits for it):
+//     start (before the previous tile's epilogue; the CTA's first tile's at once):
 //             wait q_full; [turn] issue S = Q K^T of the first block (wgmma SS) [pass turn]
 //     first block:  release K; softmax S -> P (registers)
 //     each next block n, previous block p:
@@ -29,9 +29,10 @@
 //     release Q (q_empty) as soon as the tile's last S has landed: with several tiles per CTA, the
 //                          producer loads the next tile's Q under this tile's last softmax and P V,
 //                          as it loads the next tile's K and V into the stages this tile frees
-//     last:   [turn] O += P V [pass turn]
-//     the next tile's start (persistent grid): its first S runs under this tile's epilogue
-//     wait O; release V
+//     last:   [turn] O += P V [pass turn: the last consumer passes it to consumer 0 only when
+//             the next tile has keys, so that consumer 0's next start need not wait for this P V];
+//             wait O; release V
+//     the next tile's start (several tiles per CTA), so that its first S runs under the epilogue
 //     epilogue: O / rowsum -> 16-bit, stored from registers (4 bytes per lane, rows inside the
 //               sequence, columns inside head_dim); LSE per row; wait for the next tile's first S.
 //   [turn] passes round the consumers (named barriers kScheduler0/1/2; ping-pong with two): a
@@ -620,9 +621,10 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     // Persistent grid: the next tile's first S = Q K^T is issued before this tile's epilogue, so the
     // tensor cores compute it while this warpgroup normalises and stores O (the tile-to-tile gap of
     // the ping-pong otherwise held the epilogue of every consumer). The issue, the epilogue and the
-    // wait sit in one branch: with the wait after a join, ptxas cannot tell the paths apart, sees
-    // the accumulators of an S in flight copied at the join and serializes every wgmma of the kernel.
-    // The condition is the same for the whole CTA, so every warp of a warpgroup runs the same wait.
+    // wait sit in one branch: with the wait after the join of this branch and its else, ptxas
+    // (nvcc 13.0) reported the accumulators of a wgmma defined between its issue and its wait
+    // (C7515) and serialized every wgmma of the kernel. The condition is the same for the whole
+    // CTA, so every warp of a warpgroup runs the same wait.
     if (kPipelined && have_next && next.has_keys()) {
       start_tile(!tile.has_keys());
       store_output();
