@@ -74,16 +74,36 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
                                   problem.heads_kv, problem.v_row_stride, problem.v_head_stride,
                                   problem.v_batch_stride, Traits::kBlockN, "v");
 
-  // Grid. For fixed-length problems one CTA per SM walks the tiles (persistent, CtaTiles in
-  // fwd_kernel_sm90.cuh): the next tile's Q, K and V load under the previous tile's last products,
-  // and its first S = Q K^T runs under the previous epilogue, instead of a CTA launch between them.
-  // H200, bf16, 2026-11-23: +1% to +3% over one CTA per tile in all nine unmasked cells
-  // (bench/NOTES.md); under a mask see the tile order below. With variable lengths the tiles differ
-  // by whole sequences, which a static order cannot balance: one CTA per tile, the hardware handing
-  // them to SMs as they free up. FLASHKIT_SM90_GRID=persistent or =tile forces either (measurement
-  // switch).
+  // Tile order (TileOrder in fwd_kernel_sm90.cuh). Under a causal or sliding-window mask the tiles
+  // of one (batch, head) pair cost different numbers of key blocks; with the pairs one after another
+  // (1 pair per group) the heavy tiles of the last pairs started late and set the end. Groups of
+  // about kPairsPerGroup pairs hand the heaviest tiles out first and end every group on light ones:
+  // H200, bf16, 2026-11-23, causal +1% (d64 2k) to +11% (d256 2k) over the old order in the same
+  // run (bench/NOTES.md). Without a window every tile costs the same and the grouping only spreads
+  // the CTAs in flight over more pairs (-2% to -4% at d128/d256 8k in that run), so one pair per
+  // group stays. FLASHKIT_SM90_TILE_GROUP=<pairs per group> overrides both (measurement switch).
+  constexpr int kPairsPerGroup = 8;
+  const int64_t batch_heads = static_cast<int64_t>(problem.batch) * problem.heads_q;
+  const bool uneven_tiles = problem.window_left >= 0 || problem.window_right >= 0;
+  const char* group_env = std::getenv("FLASHKIT_SM90_TILE_GROUP");
+  const int64_t pairs_per_group = group_env != nullptr ? std::max(1, std::atoi(group_env))
+                                  : uneven_tiles      ? kPairsPerGroup
+                                                      : 1;
+  params.tile_groups = static_cast<int>(std::max<int64_t>(1, batch_heads / pairs_per_group));
+
+  // Grid. Where every tile costs the same (no window, fixed lengths), one CTA per SM walks the tiles
+  // (persistent, CtaTiles in fwd_kernel_sm90.cuh): the next tile's Q, K and V load under the
+  // previous tile's last products and its first S runs under the previous epilogue, instead of a
+  // CTA launch between them. H200, bf16, 2026-11-23: +1% to +3% over one CTA per tile in all nine
+  // unmasked cells of the grid (bench/NOTES.md). Under a mask, or with sequences of different
+  // lengths, the tiles differ; the hardware handing one-tile CTAs to SMs as they free up balances
+  // them. A static balanced order (CtaTiles' snake over every pair's heaviest tiles first) measured
+  // 1-13% slower than one CTA per tile on causal cells (H200, bench/NOTES.md, hx/fwdsched): it
+  // spreads the CTAs in flight over every pair, whose K and V, by the count there, no longer stay
+  // in L2 (not profiled).
+  // FLASHKIT_SM90_GRID=persistent or =tile forces either (measurement switch).
   const char* grid = std::getenv("FLASHKIT_SM90_GRID");
-  const bool persistent = grid != nullptr ? std::string(grid) == "persistent" : !varlen;
+  const bool persistent = grid != nullptr ? std::string(grid) == "persistent" : !uneven_tiles && !varlen;
   int64_t ctas = num_blocks;
   if (persistent) {
     int device = 0;
@@ -93,25 +113,6 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
                 "cudaDeviceGetAttribute(multiprocessor count)");
     ctas = std::min<int64_t>(num_blocks, sm_count);
   }
-
-  // Tile order (TileOrder in fwd_kernel_sm90.cuh). Without a window every tile costs the same: one
-  // (batch, head) pair after another, so that the CTAs in flight share one or two pairs' K and V in
-  // L2 (spreading them over 8 pairs cost 2-4% at d128/d256 8k, H200, bench/NOTES.md). Under a causal
-  // or sliding-window mask the tiles of a pair cost different numbers of key blocks, heavier for
-  // later m-blocks: persistent, one group of all pairs, i.e. every pair's heaviest tiles first, then
-  // the next lighter level, so that each round of CtaTiles' snake holds tiles of about one cost; one
-  // CTA per tile, groups of kPairsPerGroup pairs, each ending on light tiles (+1% to +11% causal
-  // over one pair after another in the same run, H200). FLASHKIT_SM90_TILE_GROUP=<pairs per group>
-  // overrides all three (measurement switch).
-  constexpr int kPairsPerGroup = 8;
-  const int64_t batch_heads = static_cast<int64_t>(problem.batch) * problem.heads_q;
-  const bool uneven_tiles = problem.window_left >= 0 || problem.window_right >= 0;
-  const char* group_env = std::getenv("FLASHKIT_SM90_TILE_GROUP");
-  const int64_t pairs_per_group = group_env != nullptr ? std::max(1, std::atoi(group_env))
-                                  : !uneven_tiles       ? 1
-                                  : persistent          ? batch_heads
-                                                        : kPairsPerGroup;
-  params.tile_groups = static_cast<int>(std::max<int64_t>(1, batch_heads / pairs_per_group));
 
   auto kernel = fwd_kernel<Traits, kPipelined>;
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
