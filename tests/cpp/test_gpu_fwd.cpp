@@ -427,9 +427,8 @@ TEST_F(GpuFwdTest, GridBatch4500Heads16) {
   run_sampled_case(c, 400);
 }
 
-// Several tiles per CTA under a causal mask with seqlen_q > seqlen_k (the sm90 path's persistent
-// grid): CTAs walk from tiles with keys to tiles whose rows see none (O = 0, LSE = -inf), each
-// tile's epilogue running under the next keyed tile's first S.
+// Many tiles under a causal mask with seqlen_q > seqlen_k: tiles with keys beside tiles whose rows
+// see none (O = 0, LSE = -inf); with FLASHKIT_SM90_GRID=persistent a CTA walks both kinds.
 TEST_F(GpuFwdTest, GridCausalRowsWithoutKeys) {
   FwdCase c = fixed_case(DType::kBFloat16, 64, 6, 2, 64, 239, 17);
   c.causal = true;

@@ -2,11 +2,10 @@
 // \brief The warp-specialized forward kernel on wgmma + TMA (sm_90a, Hopper).
 //
 // A CTA walks tiles of kBlockM = 64 x kConsumerWarpgroups (128 or 192, fwd_tile_config_sm90.h)
-// query rows of one (batch, head), in the order of TileOrder (heaviest first within groups of
-// (batch, head) pairs). For fixed-length problems the grid is persistent (one CTA per SM, its tiles
-// dealt by CtaTiles: a snake over rounds of gridDim.x tiles, which balances causal tiles without a
-// counter); with variable lengths it has one CTA per tile (fwd_launch_sm90.cuh says why). Its
-// warpgroups:
+// query rows of one (batch, head): tile blockIdx.x, then every gridDim.x-th after it, in the order
+// of TileOrder (heaviest first within groups of (batch, head) pairs). Where all tiles cost the same
+// the grid is persistent (one CTA per SM, several tiles each); under a mask or with variable lengths
+// it has one CTA per tile (fwd_launch_sm90.cuh says why). Its warpgroups:
 //
 //   producer  (warpgroup 0, 40 or 32 registers; its first warp works, one lane issues the copies)
 //     per tile: wait q_empty; TMA Q (kBlockM x D)      -> q_full
@@ -19,22 +18,18 @@
 //   consumers (warpgroups 1 .. kConsumerWarpgroups, 232 registers for two, 160 for three; 64 query
 //   rows each), software-pipelined by one block so that each block's softmax overlaps the tensor
 //   cores:
-//     start (before the previous tile's epilogue; the CTA's first tile's at once):
-//             wait q_full; [turn] issue S = Q K^T of the first block (wgmma SS) [pass turn]
-//     first block:  release K; softmax S -> P (registers)
+//     per tile: wait q_full
+//     first block:  S = Q K^T (wgmma SS); release K; softmax S -> P (registers)
 //     each next block n, previous block p:
 //       [turn]  issue S_n = Q K_n^T (SS) and O += P_p V_p (RS: P from registers)   [pass turn]
 //       wait S_n; release K_n; softcap / ALiBi / mask; advance the row maxima; S_n -> P_n
 //       wait O; release V_p; rescale O if a row maximum moved
-//     release Q (q_empty) as soon as the tile's last S has landed: with several tiles per CTA, the
-//                          producer loads the next tile's Q under this tile's last softmax and P V,
-//                          as it loads the next tile's K and V into the stages this tile frees
-//     last:   [turn] O += P V [pass turn: the last consumer passes it to consumer 0 only when
-//             the next tile has keys, so that consumer 0's next start need not wait for this P V];
-//             wait O; release V
-//     the next tile's start (several tiles per CTA), so that its first S runs under the epilogue
+//     release Q (q_empty): with several tiles per CTA, the producer loads the next tile's Q under
+//                          this tile's last P V and epilogue, as it loads the next tile's K and V
+//                          into the stages this tile frees
+//     last:   [turn] O += P V [pass turn]; release V
 //     epilogue: O / rowsum -> 16-bit, stored from registers (4 bytes per lane, rows inside the
-//               sequence, columns inside head_dim); LSE per row; wait for the next tile's first S.
+//               sequence, columns inside head_dim); LSE per row.
 //   [turn] passes round the consumers (named barriers kScheduler0/1/2; ping-pong with two): a
 //   warpgroup issues its matrix products only after the one before it has issued its own, so one
 //   warpgroup's softmax runs while the others' products occupy the tensor cores.
@@ -115,29 +110,6 @@ struct TileOrder {
     o.m_block = num_m_blocks - 1 - within / size;
     o.batch_head = first_pair + group * size + within % size;
     return o;
-  }
-};
-
-// The tiles one CTA works on, in the order it takes them (TileOrder's linear indices). With one
-// CTA per tile (gridDim.x == num_tiles) that is tile blockIdx.x alone. With a persistent grid the
-// launch's tiles are dealt in rounds of gridDim.x, CTA b taking tile b of an even round and tile
-// gridDim.x - 1 - b of an odd one (a snake). Under TileOrder's heaviest-first order the tiles of a
-// round cost about the same and the snake gives the CTA that took a round's heaviest tile the next
-// round's lightest, so causal tiles balance statically, with no tile counter: in a list-scheduling
-// model of the causal cells (132 SMs, one pair group, bench/NOTES.md) within 3% of the hardware's
-// own dispatch of one-tile CTAs, where the plain round robin lost 6-12%.
-struct CtaTiles {
-  int num_tiles;
-  int round = 0;
-
-  // The next tile, or -1 after the last.
-  __device__ __forceinline__ int next() {
-    for (int64_t base = static_cast<int64_t>(round) * gridDim.x; base < num_tiles; base += gridDim.x) {
-      const int b = (round & 1) ? static_cast<int>(gridDim.x - 1 - blockIdx.x) : static_cast<int>(blockIdx.x);
-      ++round;
-      if (base + b < num_tiles) return static_cast<int>(base + b);
-    }
-    return -1;
   }
 };
 
@@ -290,8 +262,7 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
   RingCursor<Traits::kStages> cursor;
   uint32_t tail_phase = 0;
   uint32_t q_loads = 0;
-  CtaTiles tiles{num_tiles};
-  for (int linear = tiles.next(); linear >= 0; linear = tiles.next()) {
+  for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
     const FwdTile tile = FwdTile::locate<Traits::kBlockM, kBlockN>(params, linear);
     if (!tile.has_keys()) continue;
     const int batch = varlen ? 0 : tile.batch;
@@ -434,40 +405,10 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   [[maybe_unused]] const sm80::DropMarker drop_marker(dropout_mask);
   Cursor ring;  // the next K/V stage to consume, continued across tiles
   uint32_t q_loads = 0;
-  // The scores of the block being computed; with a persistent grid, the next tile's first scores land
-  // here while this tile's epilogue runs.
-  float acc_s[1][kNTiles][4];
-  // The tile's first turn (pipelined schedule): issue S = Q K^T of its first (last-visited) key
-  // block, not waited for. Consumer 0 takes the first turn: the last consumer hands it over here
-  // (`hand_over`) unless it passed its last turn of the previous tile straight on.
-  auto start_tile = [&](bool hand_over) {
-    mbarrier_wait(smem_u32(&bars.q_full), q_loads & 1u);
-    ++q_loads;
-    mbarrier_wait(smem_u32(&bars.k_full[ring.stage]), ring.phase);
-    if (hand_over && consumer == kLastConsumer) turn.pass();
-    turn.wait();
-    wgmma_fence();
-    issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(ring));
-    turn.pass();
-  };
-  CtaTiles tiles{num_tiles};
-  // The CTA's next tile with rows to compute (varlen: tiles past their sequence's end have none).
-  auto next_tile = [&](FwdTile& t) {
-    for (int linear = tiles.next(); linear >= 0; linear = tiles.next()) {
-      t = FwdTile::locate<kBlockM, kBlockN>(params, linear);
-      if (t.rows_in_block > 0) return true;
-    }
-    return false;
-  };
 
-  FwdTile tile;
-  bool have_tile = next_tile(tile);
-  if (kPipelined && have_tile && tile.has_keys()) {
-    start_tile(true);
-    wgmma_wait<0>();
-    wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
-  }
-  while (have_tile) {
+  for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
+    const FwdTile tile = FwdTile::locate<kBlockM, kBlockN>(params, linear);
+    if (tile.rows_in_block <= 0) continue;  // varlen: the sequence is shorter than max_seqlen_q
     const int m0 = tile.m0;
     const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
     const float alibi_slope =
@@ -502,14 +443,13 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       return any;
     };
 
-    FwdTile next;
-    bool have_next;
     if (tile.has_keys()) {
+      mbarrier_wait(smem_u32(&bars.q_full), q_loads & 1u);
+      ++q_loads;
+      float acc_s[1][kNTiles][4];
       uint32_t p_frag[kBlockN / 16][4];
       float rescale[2];
       if constexpr (!kPipelined) {
-        mbarrier_wait(smem_u32(&bars.q_full), q_loads & 1u);
-        ++q_loads;
         for (int n_block = tile.n_end - 1; n_block >= tile.n_begin; --n_block) {
           mbarrier_wait(smem_u32(&bars.k_full[ring.stage]), ring.phase);
           wgmma_fence();
@@ -528,17 +468,20 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           ring.advance();
         }
         release(bars.q_empty);
-        have_next = next_tile(next);
       } else {
+        if (consumer == kLastConsumer) turn.pass();  // consumer 0 takes the tile's first turn
         Cursor cursor = ring;  // the block whose scores are being computed
         Cursor previous;       // the block whose P V is pending
         int n_block = tile.n_end - 1;
 
-        // The first block's S was issued by start_tile and has landed. Q is released as soon as the
-        // tile's last S has landed (here or in the loop), so that the producer loads the next tile's
-        // Q under this tile's last softmax and P V, in time for the next start_tile.
+        mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+        turn.wait();
+        wgmma_fence();
+        issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
+        turn.pass();
+        wgmma_wait<0>();
+        wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
         release(bars.k_empty[cursor.stage]);
-        if (n_block == tile.n_begin) release(bars.q_empty);
         softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
         pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
 
@@ -555,7 +498,6 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           wgmma_wait<1>();  // S of this block (issued first) has landed; P V may still run
           wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
           release(bars.k_empty[cursor.stage]);
-          if (n_block == tile.n_begin) release(bars.q_empty);
           // O (P V of the previous block) is waited for after the softmax in the source; ptxas may
           // hoist the wait to the top of this basic block. Splitting it into the arms of the
           // rescale branch keeps it after the exponentials (+1-2% measured) but is undefined:
@@ -569,72 +511,49 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           release(bars.v_empty[previous.stage]);
           pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
         }
+        release(bars.q_empty);  // every S of the tile has completed
 
-        have_next = next_tile(next);
         mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
         turn.wait();
         wgmma_fence();
         issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(cursor));
-        // Every consumer but the last passes this last turn on. The last one passes it to consumer
-        // 0 here when the next tile has keys (consumer 0 then issues that tile's first S while this
-        // P V still runs), else in the start_tile of the next tile with keys.
-        if (consumer != kLastConsumer || (have_next && next.has_keys())) turn.pass();
+        // Every consumer but the last passes this last turn on; the last one passes it to consumer
+        // 0 at the next tile's start.
+        if (consumer != kLastConsumer) turn.pass();
         wgmma_wait<0>();
         wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
         release(bars.v_empty[cursor.stage]);
         cursor.advance();
         ring = cursor;
       }
-    } else {
-      have_next = next_tile(next);
     }
 
     // Epilogue: normalize, store this lane's pairs of columns of its two rows.
-    auto store_output = [&]() {
-      float lse[2];
-      softmax.finalize(acc_o, log2_scale, lse, Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
-      const int g = lane / 4;
-      const int t = lane % 4;
-      const int head_chunks = p.head_dim / 8;  // the columns past head_dim are padding
-      Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride +
-                     tile.head * p.out_head_stride;
-      const int64_t q_row0 = static_cast<int64_t>(tile.q_token) + m0;
+    float lse[2];
+    softmax.finalize(acc_o, log2_scale, lse, Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
+    const int g = lane / 4;
+    const int t = lane % 4;
+    const int head_chunks = p.head_dim / 8;  // the columns past head_dim are padding
+    Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride +
+                   tile.head * p.out_head_stride;
+    const int64_t q_row0 = static_cast<int64_t>(tile.q_token) + m0;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = warp_row0 + g + half * 8;
-        if (row < tile.rows_in_block) {
-          Element* out_row = out + (q_row0 + row) * p.out_row_stride + 2 * t;
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + g + half * 8;
+      if (row < tile.rows_in_block) {
+        Element* out_row = out + (q_row0 + row) * p.out_row_stride + 2 * t;
 #pragma unroll
-          for (int dt = 0; dt < kDTiles; ++dt) {
-            if (dt < head_chunks) {
-              *reinterpret_cast<uint32_t*>(out_row + 8 * dt) =
-                  sm80::pack2<Element>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
-            }
-          }
-          if (t == 0) {
-            p.lse[tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride + m0 + row] = lse[half];
+        for (int dt = 0; dt < kDTiles; ++dt) {
+          if (dt < head_chunks) {
+            *reinterpret_cast<uint32_t*>(out_row + 8 * dt) =
+                sm80::pack2<Element>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
           }
         }
+        if (t == 0) {
+          p.lse[tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride + m0 + row] = lse[half];
+        }
       }
-    };
-
-    // Persistent grid: the next tile's first S = Q K^T is issued before this tile's epilogue, so the
-    // tensor cores compute it while this warpgroup normalises and stores O (the tile-to-tile gap of
-    // the ping-pong otherwise held the epilogue of every consumer). The issue, the epilogue and the
-    // wait sit in one branch: with the wait after the join of this branch and its else, ptxas
-    // (nvcc 13.0) reported the accumulators of a wgmma defined between its issue and its wait
-    // (C7515) and serialized every wgmma of the kernel. The condition is the same for the whole
-    // CTA, so every warp of a warpgroup runs the same wait.
-    if (kPipelined && have_next && next.has_keys()) {
-      start_tile(!tile.has_keys());
-      store_output();
-      wgmma_wait<0>();
-      wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
-    } else {
-      store_output();
     }
-    tile = next;
-    have_tile = have_next;
   }
 }
 

@@ -92,16 +92,15 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   params.tile_groups = static_cast<int>(std::max<int64_t>(1, batch_heads / pairs_per_group));
 
   // Grid. Where every tile costs the same (no window, fixed lengths), one CTA per SM walks the tiles
-  // (persistent, CtaTiles in fwd_kernel_sm90.cuh): the next tile's Q, K and V load under the
-  // previous tile's last products and its first S runs under the previous epilogue, instead of a
-  // CTA launch between them. H200, bf16, 2026-11-23: +1% to +3% over one CTA per tile in all nine
-  // unmasked cells of the grid (bench/NOTES.md). Under a mask, or with sequences of different
-  // lengths, the tiles differ; the hardware handing one-tile CTAs to SMs as they free up balances
-  // them. A static balanced order (CtaTiles' snake over every pair's heaviest tiles first) measured
-  // 1-13% slower than one CTA per tile on causal cells (H200, bench/NOTES.md, hx/fwdsched): it
-  // spreads the CTAs in flight over every pair, whose K and V, by the count there, no longer stay
-  // in L2 (not profiled).
-  // FLASHKIT_SM90_GRID=persistent or =tile forces either (measurement switch).
+  // in a static round robin (persistent): the next tile's Q, K and V load under the previous tile's
+  // last products and epilogue instead of behind a CTA launch. H200, bf16, 2026-11-23: +1% to +3%
+  // over one CTA per tile in all nine unmasked cells of the grid (bench/NOTES.md). Under a mask, or
+  // with sequences of different lengths, the tiles differ; the hardware handing one-tile CTAs to SMs
+  // as they free up balances them, where the static round robin ran causal cells 3-28% slower in
+  // that run; a static snake over every pair's heaviest tiles first, balanced in a model, still ran
+  // them 1-13% slower (hx/fwdsched: K and V of all pairs in flight at once, by count past L2), so a
+  // dynamic tile scheduler would be needed. FLASHKIT_SM90_GRID=persistent or =tile forces either
+  // (measurement switch).
   const char* grid = std::getenv("FLASHKIT_SM90_GRID");
   const bool persistent = grid != nullptr ? std::string(grid) == "persistent" : !uneven_tiles && !varlen;
   int64_t ctas = num_blocks;
