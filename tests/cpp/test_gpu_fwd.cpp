@@ -427,6 +427,16 @@ TEST_F(GpuFwdTest, GridBatch4500Heads16) {
   run_sampled_case(c, 400);
 }
 
+// Many tiles under a causal mask with seqlen_q > seqlen_k: tiles with keys beside tiles whose rows
+// see none (O = 0, LSE = -inf); with FLASHKIT_SM90_GRID=persistent a CTA walks both kinds.
+TEST_F(GpuFwdTest, GridCausalRowsWithoutKeys) {
+  FwdCase c = fixed_case(DType::kBFloat16, 64, 6, 2, 64, 239, 17);
+  c.causal = true;
+  c.name = "gridCausalRowsWithoutKeys";
+  c.seed = 34;
+  run_sampled_case(c, 400);
+}
+
 TEST_F(GpuFwdTest, GridVarlenBatch66000) {
   Rng rng(33);
   std::vector<int> lens_q(66000), lens_k(66000);

@@ -97,8 +97,10 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   // over one CTA per tile in all nine unmasked cells of the grid (bench/NOTES.md). Under a mask, or
   // with sequences of different lengths, the tiles differ; the hardware handing one-tile CTAs to SMs
   // as they free up balances them, where the static round robin ran causal cells 3-28% slower in
-  // that run (a dynamic tile scheduler would be needed). FLASHKIT_SM90_GRID=persistent or =tile
-  // forces either (measurement switch).
+  // that run; a static snake over every pair's heaviest tiles first, balanced in a model, still ran
+  // them 1-13% slower (hx/fwdsched: K and V of all pairs in flight at once, by count past L2), so a
+  // dynamic tile scheduler would be needed. FLASHKIT_SM90_GRID=persistent or =tile forces either
+  // (measurement switch).
   const char* grid = std::getenv("FLASHKIT_SM90_GRID");
   const bool persistent = grid != nullptr ? std::string(grid) == "persistent" : !uneven_tiles && !varlen;
   int64_t ctas = num_blocks;
