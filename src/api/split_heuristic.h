@@ -15,12 +15,14 @@
 //     32/8: 16 splits (128 whole-SM CTAs) beat 32 (256 shared-SM CTAs) by 5%, 5%, 1% at cache
 //     8k, 32k, 128k; batch 8: 2 splits and 4 within 1.5%.
 //   * paged caches: two, where the shared-SM pipeline fits two CTAs in an SM (D <= 128) and the
-//     splits of one CTA per SM would be long (kSharedSmMinKeyBlocks). The page lookups make a
+//     splits of one CTA per SM would not be short (kSharedSmMinKeyBlocks). The page lookups make a
 //     block's copy loop ~20% longer than one CTA's four warps issue at memory speed; two CTAs
-//     interleave two loops, which pays over a long split, while the second CTA's fixed cost
-//     (prologue, merge, twice the partials) dominates a short one. H200, paged16: batch 8 (64 key
-//     blocks per CTA at 2 splits) 4 splits beat 2 by 14%; batch 1 (16 splits: 8, 32, 128 blocks
-//     per CTA at 8k, 32k, 128k) 32 splits are 7% slower, even, 5% faster than 16.
+//     interleave two loops, which pays over a split of some length, while the second CTA's fixed
+//     cost (prologue, merge, twice the partials) dominates a very short one. H200, paged16: batch 8
+//     (64 key blocks per CTA at 2 splits) 4 splits beat 2 by 14%; batch 1 (16 splits: 8, 32, 128
+//     blocks per CTA at 8k, 32k, 128k) 32 splits beat 16 by 7% and 5% at 8k and 32k (session 4's
+//     sweep, bench/results/h200-2026-11-23-decode-sweep4.md) and by 5% at 128k (session 3, whose
+//     sweep, before the combine loaded its inputs together, had 32 slower at 8k).
 //
 // So with `slots` = SMs x ctas_per_sm, s splits run ceil(ctas * s / slots) waves, each as long as
 // one split's key blocks plus the fixed cost per CTA (counted in key blocks):
@@ -56,7 +58,7 @@ bool one_cta_per_sm(int64_t ctas, int num_splits, int sm_count);
 
 // Paged caches count two CTAs per SM only when one CTA per SM would give each CTA at least this
 // many key blocks (see above).
-constexpr int64_t kSharedSmMinKeyBlocks = 16;
+constexpr int64_t kSharedSmMinKeyBlocks = 8;
 
 // The CTAs per SM the split model counts for `shape` (its ctas_per_sm is not read; see above): 2
 // for a paged cache when two shared-SM CTAs of `shared_sm_cta_bytes` (the pipeline's shared memory

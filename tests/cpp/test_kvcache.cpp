@@ -523,10 +523,10 @@ TEST(SplitHeuristic, OneCtaPerSmWhenTheLaunchFitsTheSms) {
 }
 
 // Paged caches count two shared-SM CTAs per SM where two fit (d128: 100 KiB + 1 KiB each in an
-// SM's 228 KiB; not d256's 136 KiB) and one CTA per SM would leave each CTA at least 16 key blocks,
+// SM's 228 KiB; not d256's 136 KiB) and one CTA per SM would leave each CTA at least 8 key blocks,
 // and then split into the split counts the H200 sweeps of bench/NOTES.md found fastest for
-// 16-token pages: 16 at batch 1 with 8k keys (8 blocks per CTA), 32 at 32k and 128k (33 at 128k:
-// 264 CTAs, the same one wave with shorter splits), 4 at batch 8.
+// 16-token pages: 32 at batch 1 with 8k and 32k keys (33 at 128k: 264 CTAs, the same one wave with
+// shorter splits), 4 at batch 8; a 4k cache (4 blocks per CTA at one per SM) keeps one.
 TEST(SplitHeuristic, PagedCachesCountTwoCtasPerSmOverLongSplits) {
   constexpr int64_t kSmemPerSm = 228 * 1024;
   constexpr int64_t kSharedSmCta = 101 * 1024;
@@ -534,11 +534,12 @@ TEST(SplitHeuristic, PagedCachesCountTwoCtasPerSmOverLongSplits) {
   EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), false, kSharedSmCta, kSmemPerSm), 1);
   EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), true, 137 * 1024, kSmemPerSm), 1);
   EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), true, 0, kSmemPerSm), 1);
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 128), true, kSharedSmCta, kSmemPerSm), 1);
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 128), true, kSharedSmCta, kSmemPerSm), 2);
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 64), true, kSharedSmCta, kSmemPerSm), 1);
   for (int64_t blocks : {128, 512, 2048}) {  // cache 8k, 32k, 128k
     api::SplitShape s = h100_shape(8, blocks);  // batch 1
     s.ctas_per_sm = api::decode_ctas_per_sm(s, true, kSharedSmCta, kSmemPerSm);
-    EXPECT_EQ(api::choose_num_splits(s), blocks == 128 ? 16 : blocks == 2048 ? 33 : 32) << blocks;
+    EXPECT_EQ(api::choose_num_splits(s), blocks == 2048 ? 33 : 32) << blocks;
     s = h100_shape(64, blocks);  // batch 8
     s.ctas_per_sm = api::decode_ctas_per_sm(s, true, kSharedSmCta, kSmemPerSm);
     EXPECT_EQ(s.ctas_per_sm, 2) << blocks;
