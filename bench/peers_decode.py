@@ -138,6 +138,11 @@ def main():
     p.add_argument("--cache", default="1k,8k,32k,128k")
     p.add_argument("--heads-kv", type=int, default=8)
     p.add_argument("--max-tokens", default="2048k")
+    # flashkit_bench_decode's other grid flags, taken so that one argument list drives both: the
+    # peers read contiguous caches with their own split choice, so these select nothing here.
+    p.add_argument("--pages", help="flashkit only (the peers' caches are contiguous)")
+    p.add_argument("--splits", help="flashkit only (the peers choose their own splits)")
+    p.add_argument("--append", action="store_true", help="flashkit only (the peers do not append)")
     p.add_argument("--impls", default=",".join(IMPLS))
     p.add_argument("--flashkit", help="flashkit_bench_decode's JSON to merge")
     p.add_argument("--json", required=True)

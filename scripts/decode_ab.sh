@@ -47,11 +47,7 @@ for round in 1 2; do
   done
 done
 stem=$OUT/h200-decode
-peer_grid=()  # peers_decode.py takes the grid's --batch / --cache / --heads-kv / --max-tokens only
-for ((i = 0; i + 1 < ${#grid[@]}; i += 2)); do
-  case ${grid[i]} in --batch | --cache | --heads-kv | --max-tokens) peer_grid+=("${grid[i]}" "${grid[i + 1]}") ;; esac
-done
-FLASHKIT_GIT_COMMIT=${FLASHKIT_GIT_COMMIT:-unknown} python3 "$B/bench/peers_decode.py" "${peer_grid[@]}" \
+FLASHKIT_GIT_COMMIT=${FLASHKIT_GIT_COMMIT:-unknown} python3 "$B/bench/peers_decode.py" "${grid[@]}" \
   --flashkit "$logs/decode-B-2.json" --json "$stem.json" --md "$stem.md" >"$logs/peers.log" 2>&1
 echo "peers: rc $?"
 
