@@ -428,6 +428,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // Only now, so that the publishing fence above does not wait for them.
         if (prefetch) load_query_block(m_block + 1, stage ^ 1);
       }
+      // Dropout: the next block's drop marks, drawn while S^T and dP^T run on the tensor cores (a
+      // window the scores' wait otherwise leaves nearly empty; drawn after dQ's issue instead, under
+      // dV, dK and dQ, it cost 2% more: bench/NOTES.md). Stage ^ 1's exchange was last read before
+      // this block's first barrier. The split layout's dQ holds twice the registers: there the
+      // draw follows its adds, below.
+      if constexpr (Traits::kDropout && !Traits::kSplitHeadDim) {
+        if (prefetch) store_drop_marks(m_block + 1, stage ^ 1);
+      }
       const bool cut = !window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN);
       // Per part, once its S^T and dP^T have landed: P^T and dS^T in registers, dS^T to shared
       // memory, then dV += P^T dO and dK += dS^T Q over the part's queries, issued so that they run
@@ -509,11 +517,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         Wgmma<Traits::kDqColumns>::template ss<Element, 1, 1>(&acc_dq[0][0], a_desc, b_desc, kk > 0 ? 1u : 0u);
       }
       wgmma_commit();
-      // Dropout: the next block's drop marks, drawn while the tensor cores work on this block's
-      // gradients (the split layout's dQ holds twice the registers: there after its adds, below).
-      if constexpr (Traits::kDropout && !Traits::kSplitHeadDim) {
-        if (prefetch) store_drop_marks(m_block + 1, stage ^ 1);
-      }
       if constexpr (Traits::kSplitHeadDim) {
         // dV += P^T dO and dK += dS^T Q over the block's queries and this warpgroup's columns,
         // behind dQ so that its reductions below run while these products do.
