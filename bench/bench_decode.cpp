@@ -12,9 +12,9 @@
 // tbps = bytes of K and V read / time = 2 * batch * cache_len * heads_kv * head_dim * 2 / s / 1e12
 // (each key and value read once: the packed GQA kernel does exactly that).
 //
-// Method (docs/GPU.md): warm-up of at least 25 ms in two or more batches; CUDA events around every
-// call; median of at least 20 calls and 100 ms; cache sets rotated so that the bytes touched
-// exceed twice the L2. The output is poisoned before the timed calls and checked for NaN after.
+// Method (docs/GPU.md; bench_support.h's time_launches, as flashkit_bench): warm-up of at least
+// 25 ms in two or more batches; CUDA events around every call; median of at least 20 calls and
+// 100 ms; cache sets rotated so that the bytes touched exceed twice the L2. The output is poisoned before the timed calls and checked for NaN after.
 // bench/peers_decode.py times its peers the same way. An event pair around each call counts the
 // gap between the begin event and the first kernel, and the end of the last kernel; the printed
 // line adds, for reading where a small call's time goes (not in the JSON), the mean time per call
@@ -36,6 +36,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
 #include "common/half_float.h"
 #include "flashkit/flashkit.h"
 
@@ -43,20 +44,10 @@ namespace {
 
 using flashkit::DType;
 using flashkit::TensorView;
+using flashkit::bench::cuda_ok;  // CUDA_OK
 
-constexpr double kWarmupMs = 25.0;
-constexpr double kMinTimedMs = 100.0;
-constexpr int kMinReps = 20;
-constexpr int kMaxReps = 2000;
 constexpr int kHeadsQ = 32;
 constexpr int kHeadDim = 128;
-
-void check(cudaError_t code, const char* what) {
-  if (code != cudaSuccess) {
-    std::fprintf(stderr, "flashkit_bench_decode: %s: %s\n", what, cudaGetErrorString(code));
-    std::exit(1);
-  }
-}
 
 std::vector<int64_t> parse_list(const std::string& text) {
   std::vector<int64_t> values;
@@ -124,15 +115,14 @@ Record run_cell(const Options& opt, int64_t batch, int64_t cache, int64_t page, 
       return rec;
     }
     // 0x3C3C: bf16 0.0115 everywhere; the values do not change the bytes read.
-    check(cudaMemset(s.k, 0x3C, cache_bytes), "cudaMemset(k)");
-    check(cudaMemset(s.v, 0x3C, cache_bytes), "cudaMemset(v)");
+    CUDA_OK(cudaMemset(s.k, 0x3C, cache_bytes));
+    CUDA_OK(cudaMemset(s.v, 0x3C, cache_bytes));
     if (page > 0) {
       std::vector<int> table(batch * pages_per_seq);
       std::iota(table.begin(), table.end(), 0);
       std::shuffle(table.begin(), table.end(), rng);
-      check(cudaMalloc(&s.block_table, table.size() * sizeof(int)), "cudaMalloc(block_table)");
-      check(cudaMemcpy(s.block_table, table.data(), table.size() * sizeof(int), cudaMemcpyHostToDevice),
-            "cudaMemcpy(block_table)");
+      CUDA_OK(cudaMalloc(&s.block_table, table.size() * sizeof(int)));
+      CUDA_OK(cudaMemcpy(s.block_table, table.data(), table.size() * sizeof(int), cudaMemcpyHostToDevice));
     }
   }
   std::vector<uint16_t> q_host(batch * kHeadsQ * kHeadDim);
@@ -140,21 +130,21 @@ Record run_cell(const Options& opt, int64_t batch, int64_t cache, int64_t page, 
   for (uint16_t& x : q_host) x = flashkit::float_to_bits(DType::kBFloat16, uniform(rng));
   std::vector<int> seqlens(batch, static_cast<int>(cache));
   void *q, *out, *lse, *seqlens_dev, *k_new = nullptr, *v_new = nullptr;
-  check(cudaMalloc(&q, q_host.size() * 2), "cudaMalloc(q)");
-  check(cudaMalloc(&out, q_host.size() * 2), "cudaMalloc(out)");
-  check(cudaMalloc(&lse, batch * kHeadsQ * 4), "cudaMalloc(lse)");
-  check(cudaMalloc(&seqlens_dev, batch * 4), "cudaMalloc(seqlens)");
-  check(cudaMemcpy(q, q_host.data(), q_host.size() * 2, cudaMemcpyHostToDevice), "cudaMemcpy(q)");
-  check(cudaMemcpy(seqlens_dev, seqlens.data(), batch * 4, cudaMemcpyHostToDevice), "cudaMemcpy(seqlens)");
+  CUDA_OK(cudaMalloc(&q, q_host.size() * 2));
+  CUDA_OK(cudaMalloc(&out, q_host.size() * 2));
+  CUDA_OK(cudaMalloc(&lse, batch * kHeadsQ * 4));
+  CUDA_OK(cudaMalloc(&seqlens_dev, batch * 4));
+  CUDA_OK(cudaMemcpy(q, q_host.data(), q_host.size() * 2, cudaMemcpyHostToDevice));
+  CUDA_OK(cudaMemcpy(seqlens_dev, seqlens.data(), batch * 4, cudaMemcpyHostToDevice));
   if (opt.append) {
-    check(cudaMalloc(&k_new, batch * row_elems * 2), "cudaMalloc(k_new)");
-    check(cudaMalloc(&v_new, batch * row_elems * 2), "cudaMalloc(v_new)");
-    check(cudaMemset(k_new, 0x3C, batch * row_elems * 2), "cudaMemset(k_new)");
-    check(cudaMemset(v_new, 0x3C, batch * row_elems * 2), "cudaMemset(v_new)");
+    CUDA_OK(cudaMalloc(&k_new, batch * row_elems * 2));
+    CUDA_OK(cudaMalloc(&v_new, batch * row_elems * 2));
+    CUDA_OK(cudaMemset(k_new, 0x3C, batch * row_elems * 2));
+    CUDA_OK(cudaMemset(v_new, 0x3C, batch * row_elems * 2));
   }
 
   int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
+  CUDA_OK(cudaGetDevice(&device));
   const flashkit::Device dev{flashkit::DeviceKind::kCuda, device};
   std::vector<flashkit::MhaFwdKvcacheParams> params(sets);
   for (int i = 0; i < sets; ++i) {
@@ -181,65 +171,33 @@ Record run_cell(const Options& opt, int64_t batch, int64_t cache, int64_t page, 
   size_t workspace_bytes = flashkit::mha_fwd_kvcache_workspace_size(params[0]);
   rec.splits = flashkit::mha_fwd_kvcache_num_splits(params[0]);
   void* workspace = nullptr;
-  if (workspace_bytes > 0) check(cudaMalloc(&workspace, workspace_bytes), "cudaMalloc(workspace)");
+  if (workspace_bytes > 0) CUDA_OK(cudaMalloc(&workspace, workspace_bytes));
   for (auto& p : params) {
     p.workspace = workspace;
     p.workspace_bytes = workspace_bytes;
   }
 
-  cudaEvent_t begin, end;
-  check(cudaEventCreate(&begin), "cudaEventCreate");
-  check(cudaEventCreate(&end), "cudaEventCreate");
-  int calls = 0;
-  double warm_ms = 0;
-  int batch_calls = 3;
-  double estimate = 1.0;
-  for (int round = 0;; ++round) {
-    check(cudaEventRecord(begin), "cudaEventRecord");
-    for (int i = 0; i < batch_calls; ++i) flashkit::mha_fwd_kvcache(params[calls++ % sets]);
-    check(cudaEventRecord(end), "cudaEventRecord");
-    check(cudaEventSynchronize(end), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, begin, end), "cudaEventElapsedTime");
-    warm_ms += ms;
-    estimate = std::max(ms / batch_calls, 1e-3f);
-    if (round >= 1 && warm_ms >= kWarmupMs) break;
-    batch_calls = std::max(3, static_cast<int>(std::ceil((kWarmupMs - warm_ms) / estimate)));
-  }
-  check(cudaMemset(out, 0xFF, q_host.size() * 2), "cudaMemset(out poison)");
-  const int reps = std::min(kMaxReps, std::max(kMinReps, static_cast<int>(std::ceil(kMinTimedMs / estimate))));
-  std::vector<cudaEvent_t> events(2 * reps);
-  for (cudaEvent_t& e : events) check(cudaEventCreate(&e), "cudaEventCreate");
-  for (int i = 0; i < reps; ++i) {
-    check(cudaEventRecord(events[2 * i]), "cudaEventRecord");
-    flashkit::mha_fwd_kvcache(params[i % sets]);
-    check(cudaEventRecord(events[2 * i + 1]), "cudaEventRecord");
-  }
-  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  std::vector<double> times;
-  for (int i = 0; i < reps; ++i) {
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]), "cudaEventElapsedTime");
-    times.push_back(ms);
-  }
-  std::sort(times.begin(), times.end());
-  rec.ms = times[times.size() / 2];
+  int last_set = 0;
+  rec.ms = flashkit::bench::time_launches(
+      [&](int set) { flashkit::mha_fwd_kvcache(params[set]); }, sets, nullptr,
+      [&] { CUDA_OK(cudaMemset(out, 0xFF, q_host.size() * 2)); }, &last_set);
   {
-    check(cudaEventRecord(begin), "cudaEventRecord");
+    const int reps = std::clamp(static_cast<int>(std::ceil(flashkit::bench::kMinTimedMs / rec.ms)),
+                                flashkit::bench::kMinReps, flashkit::bench::kMaxReps);
+    flashkit::bench::Event begin, end;
+    begin.record(nullptr);
     const auto host_begin = std::chrono::steady_clock::now();
     for (int i = 0; i < reps; ++i) flashkit::mha_fwd_kvcache(params[i % sets]);
     const auto host_end = std::chrono::steady_clock::now();
-    check(cudaEventRecord(end), "cudaEventRecord");
-    check(cudaEventSynchronize(end), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, begin, end), "cudaEventElapsedTime");
-    rec.back_to_back_ms = ms / reps;
+    end.record(nullptr);
+    end.synchronize();
+    rec.back_to_back_ms = end.since(begin) / reps;
     rec.host_ms = std::chrono::duration<double, std::milli>(host_end - host_begin).count() / reps;
   }
   const double bytes = 2.0 * batch * cache * hkv * kHeadDim * 2;
   rec.tbps = bytes / (rec.ms * 1e-3) / 1e12;
   std::vector<uint16_t> out_host(q_host.size());
-  check(cudaMemcpy(out_host.data(), out, out_host.size() * 2, cudaMemcpyDeviceToHost), "cudaMemcpy(out)");
+  CUDA_OK(cudaMemcpy(out_host.data(), out, out_host.size() * 2, cudaMemcpyDeviceToHost));
   for (uint16_t x : out_host) {
     if (!std::isfinite(flashkit::bits_to_float(DType::kBFloat16, x))) {
       rec.note = "non-finite output";
@@ -247,9 +205,6 @@ Record run_cell(const Options& opt, int64_t batch, int64_t cache, int64_t page, 
       break;
     }
   }
-  for (cudaEvent_t& e : events) cudaEventDestroy(e);
-  cudaEventDestroy(begin);
-  cudaEventDestroy(end);
   for (CacheSet& s : cache_sets) {
     cudaFree(s.k);
     cudaFree(s.v);

@@ -8,9 +8,9 @@
 // A decode call reads the same bytes plus Q, block tables and partials, and does its softmax, so
 // its time is at least ceiling time + (what it cannot overlap of) the launch floor.
 //
-// Method (docs/GPU.md, as bench_decode.cpp): warm-up >= 25 ms, CUDA events around every call,
-// median of >= 20 calls and >= 100 ms, buffers rotated so that the bytes touched between two reads
-// of one buffer exceed twice the L2.
+// Method (docs/GPU.md; bench_support.h's time_launches, as bench_decode.cpp): warm-up >= 25 ms,
+// CUDA events around every call, median of >= 20 calls and >= 100 ms, buffers rotated so that the
+// bytes touched between two reads of one buffer exceed twice the L2.
 //
 //   flashkit_bench_read_ceiling [--json PATH]
 #include <cuda_runtime.h>
@@ -18,27 +18,19 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
 #include <vector>
 
+#include "bench_support.h"
+
 namespace {
 
-constexpr double kWarmupMs = 25.0;
-constexpr double kMinTimedMs = 100.0;
-constexpr int kMinReps = 20;
-constexpr int kMaxReps = 2000;
+using flashkit::bench::cuda_ok;  // CUDA_OK
+
 constexpr int kThreads = 512;
 constexpr int kLoadsInFlight = 8;  // 16-byte loads per thread per step: 64 KiB per CTA in flight
-
-void check(cudaError_t status, const char* what) {
-  if (status != cudaSuccess) {
-    std::fprintf(stderr, "flashkit_bench_read_ceiling: %s: %s\n", what, cudaGetErrorString(status));
-    std::exit(1);
-  }
-}
 
 // Reads `chunks` 16-byte chunks once; XORs them so the loads are live, and stores the XOR only
 // where it equals a value the data never produces (all bytes zeroed by the caller), which keeps
@@ -64,47 +56,12 @@ __global__ void __launch_bounds__(kThreads) stream_read(const uint4* __restrict_
 
 __global__ void empty_kernel() {}
 
-// Median milliseconds per launch of `launch(call)`, events around each (docs/GPU.md).
+// Median milliseconds per launch of `launch(set)`, set = 0, 1, ... modulo `sets` (bench_support.h's
+// time_launches: the method of flashkit_bench and flashkit_bench_decode).
 template <typename Launch>
-double median_ms(Launch launch) {
-  cudaEvent_t begin, end;
-  check(cudaEventCreate(&begin), "cudaEventCreate");
-  check(cudaEventCreate(&end), "cudaEventCreate");
-  int calls = 0;
-  double warm_ms = 0, estimate = 1.0;
-  for (int round = 0, batch = 3;; ++round) {
-    check(cudaEventRecord(begin), "cudaEventRecord");
-    for (int i = 0; i < batch; ++i) launch(calls++);
-    check(cudaEventRecord(end), "cudaEventRecord");
-    check(cudaEventSynchronize(end), "cudaEventSynchronize");
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, begin, end), "cudaEventElapsedTime");
-    warm_ms += ms;
-    estimate = std::max(static_cast<double>(ms) / batch, 1e-3);
-    if (round >= 1 && warm_ms >= kWarmupMs) break;
-    batch = std::max(3, static_cast<int>((kWarmupMs - warm_ms) / estimate) + 1);
-  }
-  const int reps = std::min(kMaxReps, std::max(kMinReps, static_cast<int>(kMinTimedMs / estimate) + 1));
-  std::vector<cudaEvent_t> events(2 * reps);
-  for (cudaEvent_t& e : events) check(cudaEventCreate(&e), "cudaEventCreate");
-  for (int i = 0; i < reps; ++i) {
-    check(cudaEventRecord(events[2 * i]), "cudaEventRecord");
-    launch(calls++);
-    check(cudaEventRecord(events[2 * i + 1]), "cudaEventRecord");
-  }
-  check(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
-  check(cudaGetLastError(), "kernel launch");
-  std::vector<double> times(reps);
-  for (int i = 0; i < reps; ++i) {
-    float ms = 0;
-    check(cudaEventElapsedTime(&ms, events[2 * i], events[2 * i + 1]), "cudaEventElapsedTime");
-    times[i] = ms;
-  }
-  for (cudaEvent_t& e : events) cudaEventDestroy(e);
-  cudaEventDestroy(begin);
-  cudaEventDestroy(end);
-  std::sort(times.begin(), times.end());
-  return times[times.size() / 2];
+double median_ms(Launch launch, int sets) {
+  int last_set = 0;
+  return flashkit::bench::time_launches(launch, sets, nullptr, [] {}, &last_set);
 }
 
 struct Row {
@@ -128,9 +85,11 @@ int main(int argc, char** argv) {
     }
   }
   int device = 0;
-  check(cudaGetDevice(&device), "cudaGetDevice");
   cudaDeviceProp prop{};
-  check(cudaGetDeviceProperties(&prop, device), "cudaGetDeviceProperties");
+  if (cudaGetDevice(&device) != cudaSuccess || cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    std::fprintf(stderr, "flashkit_bench_read_ceiling: no CUDA device\n");
+    return 1;
+  }
   const int sms = prop.multiProcessorCount;
   const double l2_bytes = prop.l2CacheSize;
 
@@ -145,28 +104,28 @@ int main(int argc, char** argv) {
                {"b8 128k", 8 * 2LL * 131072 * 8 * 128 * 2}};
 
   uint32_t* sink = nullptr;
-  check(cudaMalloc(&sink, sizeof(uint32_t)), "cudaMalloc(sink)");
+  CUDA_OK(cudaMalloc(&sink, sizeof(uint32_t)));
   std::vector<Row> rows;
   for (const auto& size : sizes) {
     // Enough buffers that 2 x L2 bytes pass between two reads of one of them.
     const int sets = static_cast<int>(std::max<int64_t>(1, static_cast<int64_t>(2 * l2_bytes / size.bytes) + 1));
     std::vector<uint4*> buffers(sets);
     for (uint4*& b : buffers) {
-      check(cudaMalloc(&b, size.bytes), "cudaMalloc(buffer)");
-      check(cudaMemset(b, 0, size.bytes), "cudaMemset(buffer)");
+      CUDA_OK(cudaMalloc(&b, size.bytes));
+      CUDA_OK(cudaMemset(b, 0, size.bytes));
     }
     const int64_t chunks = size.bytes / 16;
     Row best{size.bytes / 1e6, size.cell, 0, 0, 0};
     for (int per_sm = 1; per_sm <= 4; per_sm *= 2) {
-      const double ms = median_ms([&](int call) {
-        stream_read<<<sms * per_sm, kThreads>>>(buffers[call % sets], chunks, sink);
-      });
+      const double ms = median_ms([&](int set) {
+        stream_read<<<sms * per_sm, kThreads>>>(buffers[set], chunks, sink);
+      }, sets);
       if (best.ms == 0 || ms < best.ms) best = Row{size.bytes / 1e6, size.cell, ms, size.bytes / (ms * 1e-3) / 1e12, per_sm};
     }
     rows.push_back(best);
     for (uint4* b : buffers) cudaFree(b);
   }
-  const double launch_floor_ms = median_ms([](int) { empty_kernel<<<1, 32>>>(); });
+  const double launch_floor_ms = median_ms([](int) { empty_kernel<<<1, 32>>>(); }, 1);
   cudaFree(sink);
 
   std::printf("%s, %d SMs, L2 %.0f MiB\n", prop.name, sms, l2_bytes / (1 << 20));
