@@ -14,17 +14,17 @@ namespace flashkit {
 void mha_fwd(const MhaFwdParams& params, void* stream = nullptr);
 void mha_varlen_fwd(const MhaVarlenFwdParams& params, void* stream = nullptr);
 
+// The length that seqlen_q and seqlen_k each take in the forward's optional attn_probs output
+// ([batch, heads_q, attn_probs_length(seqlen_q), attn_probs_length(seqlen_k)]; varlen: of the
+// max_seqlen_*): rounded up to a multiple of 128, as FlashAttention sizes S_dmask; 0 below 0.
+int64_t attn_probs_length(int64_t seqlen);
+
 // The gradients of mha_fwd / mha_varlen_fwd: dq, dk and dv from dout and what the forward saved.
 // params.workspace must hold at least the size query's bytes (see BwdCommon::workspace).
 void mha_bwd(const MhaBwdParams& params, void* stream = nullptr);
 void mha_varlen_bwd(const MhaVarlenBwdParams& params, void* stream = nullptr);
 // Bytes of workspace a call with these params needs (validates the params the size depends on).
 size_t mha_bwd_workspace_size(const MhaBwdParams& params);
-
-// The length that seqlen_q and seqlen_k each take in the forward's optional attn_probs output
-// ([batch, heads_q, attn_probs_length(seqlen_q), attn_probs_length(seqlen_k)]; varlen: of the
-// max_seqlen_*): rounded up to a multiple of 128, as FlashAttention sizes S_dmask; 0 below 0.
-int64_t attn_probs_length(int64_t seqlen);
 size_t mha_varlen_bwd_workspace_size(const MhaVarlenBwdParams& params);
 
 // The head dims the CUDA kernels of this build were compiled for are rounded up to one of these
