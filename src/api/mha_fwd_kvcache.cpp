@@ -40,6 +40,9 @@ using api::debug_enabled;
 
 #ifdef FLASHKIT_WITH_CUDA
 
+static_assert(api::kMaxKvcacheSplits <= sm80::kDecodeMaxSplits,
+              "the decode combine cannot merge as many splits as validation allows");
+
 using RunDecode = void (*)(const KvcacheProblem&, const sm80::DecodeLaunchPlan&, void*);
 
 RunDecode find_sm80_decode(DType dtype, int family) {

@@ -27,9 +27,8 @@ constexpr int combine_splits_in_flight() {
   return kHeadDim <= 128 ? 16 : 8;
 }
 
-// The lse values of up to 32 x kMaxSplitChunks splits, lane j holding splits j, j + 32, ...:
-// mha_fwd_kvcache allows at most 128 splits.
-constexpr int kMaxSplitChunks = 4;
+// The lse values of up to kDecodeMaxSplits splits, lane j holding splits j, j + 32, ...
+constexpr int kMaxSplitChunks = (kDecodeMaxSplits + 31) / 32;
 
 template <typename Element, int kHeadDim>
 __global__ void __launch_bounds__(kCombineWarps * 32)

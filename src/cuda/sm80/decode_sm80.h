@@ -47,6 +47,11 @@ constexpr int decode_smem_bytes(int family, bool whole_sm) {
   return decode_fixed_smem_bytes(family) + decode_stages(family, whole_sm) * decode_stage_bytes(family);
 }
 
+// The most splits a decode launch may have: the combine holds the lse values of a row's splits in
+// registers, 32 per lane chunk (decode_combine.cuh). The API's limit (kMaxKvcacheSplits) may not
+// exceed it.
+constexpr int kDecodeMaxSplits = 128;
+
 // The split workspace: lse partials [splits, batch, heads_q, seqlen_q] fp32, then (256-byte
 // aligned) output partials [splits, batch, heads_q, seqlen_q, head_dim] fp32.
 struct DecodeWorkspaceLayout {
