@@ -28,7 +28,7 @@
 // convert kernel. Rows with no visible key have LSE = -inf, read as +inf, so their P is 0.
 //
 // The arch-independent pieces (BwdBlockLocation, VisibleQueryBlocks, the S^T-fragment helpers
-// transform/mask/probabilities/score_gradients, store_keys_by_queries, add_dq_rows,
+// transform/mask/probabilities/score_gradients and softcap_chain_rule_t, store_keys_by_queries, add_dq_rows,
 // store_key_gradients, deterministic mode's DqAddTurn and publish_dq_adds) are shared with the sm90
 // backward (src/cuda/sm90/bwd_kernel_sm90.cuh), whose warps hold S^T in the same fragment layout.
 //
@@ -503,43 +503,6 @@ __device__ __forceinline__ void score_gradients_t(
         }
       }
     }
-  }
-}
-
-// The sm90 backward's dS^T with dropout, in place of dP^T once it is in, and `kept`, dV's operand.
-// `scaled` is P^T / (1 - p) (probabilities_t with log2_factor = log2(1 / (1 - p))), and kept its
-// entries that the mask keeps (kept_transposed with the marks of load_transposed_marks), i.e.
-// P^T o Z. Then dS^T = P^T (dP^T o Z - dot) = kept dP^T - scaled ((1 - p) dot): one multiply and
-// one fused multiply-add per element, the count of the code without dropout, and no select on dP^T.
-// kept is made element by element as scaled is consumed, so that the two do not live side by side;
-// softcap's chain rule (softcap_chain_rule_t, on P^T = scaled (1 - p)) takes the same per-element
-// gradient.
-template <typename Traits, int kRowBlocks>
-__device__ __forceinline__ void dropout_score_gradients_t(
-    float (&dp)[1][2 * kRowBlocks][4], const float (&scaled)[1][2 * kRowBlocks][4],
-    float (&kept)[1][2 * kRowBlocks][4], const uint32_t (&marks)[kRowBlocks][2], const float* lse_rows,
-    const float* dot_rows, int first_query, int m0, int first_key, const FwdProblem& p, float alibi_slope,
-    int diagonal) {
-  static_assert(Traits::kSKeyTiles == 1 && Traits::kSQueryTiles == 2 * kRowBlocks, "a warp's 16 keys");
-  const float keep_probability = 1.0f - p.dropout_p;
-  auto gradient = [&](int nt, int i, float kept_dot) {
-    kept[0][nt][i] = kept_transposed(marks, nt, i, scaled[0][nt][i]);
-    return kept[0][nt][i] * dp[0][nt][i] - scaled[0][nt][i] * kept_dot;
-  };
-  if (p.softcap > 0.0f) {
-    softcap_chain_rule_t<Traits>(dp, scaled, keep_probability, lse_rows, first_query, m0, first_key, p, alibi_slope,
-                                 diagonal, [&](int, int nt, int i, int column) {
-                                   return gradient(nt, i, dot_rows[column + i % 2] * keep_probability);
-                                 });
-    return;
-  }
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-#pragma unroll
-  for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
-    const float2 dot = *reinterpret_cast<const float2*>(dot_rows + first_query + nt * 8 + (lane % 4) * 2);
-    const float kept_dot[2] = {dot.x * keep_probability, dot.y * keep_probability};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) dp[0][nt][i] = gradient(nt, i, kept_dot[i % 2]);
   }
 }
 

@@ -54,7 +54,7 @@
 // them after its first barrier (sm80::load_transposed_marks). So the RNG runs in the tensor cores'
 // shadow instead of between S^T and dS^T. P^T comes out already scaled by 1 / (1 - p) (folded into
 // the LSE term), so its kept entries (sm80::kept_transposed, two instructions per element) are
-// P^T o Z, dV's operand as it is, and sm80::dropout_score_gradients_t gives dS^T from them with
+// P^T o Z, dV's operand as it is, and dropout_score_gradients_t gives dS^T from them with
 // p = 0's count per element.
 //
 // Deterministic mode (Traits::kDeterministic) is the sm80 kernel's: each query block's dQ takes the
@@ -185,6 +185,43 @@ __device__ __forceinline__ int load_relaxed(const int* p) {
 // After a relaxed read that showed the turn: with it, an acquire pattern of the PTX memory model
 // (CCTL.IVALL; the read's value is in by then, so it waits for nothing).
 __device__ __forceinline__ void fence_acquire() { asm volatile("fence.acquire.gpu;\n" ::: "memory"); }
+
+// dS^T with dropout, in place of dP^T once it is in, and `kept`, dV's operand. `scaled` is
+// P^T / (1 - p) (sm80::probabilities_t with log2_factor = log2(1 / (1 - p))), and kept its entries
+// that the mask keeps (sm80::kept_transposed with the marks of sm80::load_transposed_marks), i.e.
+// P^T o Z. Then dS^T = P^T (dP^T o Z - dot) = kept dP^T - scaled ((1 - p) dot): one multiply and
+// one fused multiply-add per element, the count of the code without dropout, and no select on
+// dP^T. kept is made element by element as scaled is consumed, so that the two do not live side by
+// side; softcap's chain rule (sm80::softcap_chain_rule_t, on P^T = scaled (1 - p)) takes the same
+// per-element gradient.
+template <typename Traits, int kRowBlocks>
+__device__ __forceinline__ void dropout_score_gradients_t(
+    float (&dp)[1][2 * kRowBlocks][4], const float (&scaled)[1][2 * kRowBlocks][4],
+    float (&kept)[1][2 * kRowBlocks][4], const uint32_t (&marks)[kRowBlocks][2], const float* lse_rows,
+    const float* dot_rows, int first_query, int m0, int first_key, const FwdProblem& p, float alibi_slope,
+    int diagonal) {
+  static_assert(Traits::kSKeyTiles == 1 && Traits::kSQueryTiles == 2 * kRowBlocks, "a warp's 16 keys");
+  const float keep_probability = 1.0f - p.dropout_p;
+  auto gradient = [&](int nt, int i, float kept_dot) {
+    kept[0][nt][i] = sm80::kept_transposed(marks, nt, i, scaled[0][nt][i]);
+    return kept[0][nt][i] * dp[0][nt][i] - scaled[0][nt][i] * kept_dot;
+  };
+  if (p.softcap > 0.0f) {
+    sm80::softcap_chain_rule_t<Traits>(dp, scaled, keep_probability, lse_rows, first_query, m0, first_key, p,
+                                       alibi_slope, diagonal, [&](int, int nt, int i, int column) {
+                                         return gradient(nt, i, dot_rows[column + i % 2] * keep_probability);
+                                       });
+    return;
+  }
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+#pragma unroll
+  for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
+    const float2 dot = *reinterpret_cast<const float2*>(dot_rows + first_query + nt * 8 + (lane % 4) * 2);
+    const float kept_dot[2] = {dot.x * keep_probability, dot.y * keep_probability};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dp[0][nt][i] = gradient(nt, i, kept_dot[i % 2]);
+  }
+}
 
 // wgmma_wait with a count known only after unrolling (a loop index): 0 to 3 groups in flight.
 __device__ __forceinline__ void wgmma_wait_dynamic(int in_flight) {
@@ -479,7 +516,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         };
         if constexpr (Traits::kDropout) {  // dS^T, and P^T o Z for dV
           float kept[1][kPartM / 8][4];
-          sm80::dropout_score_gradients_t<PartScores>(acc_dp[h], acc_s[h], kept, drop_marks, lse_rows, dot_rows,
+          dropout_score_gradients_t<PartScores>(acc_dp[h], acc_s[h], kept, drop_marks, lse_rows, dot_rows,
                                                       first_query, m0, first_key, p, alibi_slope, diagonal);
           keep_probabilities(kept);
         } else {

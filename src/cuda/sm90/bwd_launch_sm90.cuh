@@ -24,16 +24,27 @@ using BwdTraitsOf = BwdKernelTraits<typename sm80::ElementOf<kDType>::type, kHea
                                     bwd_tile_config(kHeadDimFamily).query_parts,
                                     bwd_tile_config(kHeadDimFamily).split_head_dim, kDeterministic, kDropout>;
 
-// The kernel instance for `problem`'s mode and dropout.
+// A kernel instance and the dynamic shared memory its traits plan.
+struct BwdInstance {
+  void (*kernel)(BwdProblem, sm80::BwdWorkspacePointers);
+  int smem_bytes;
+};
+
+template <typename Traits>
+BwdInstance bwd_instance() {
+  return {bwd_kernel<Traits>, Traits::kSmemBytes};
+}
+
+// The instance for `problem`'s mode and dropout.
 template <DType kDType, int kHeadDimFamily>
-auto bwd_kernel_for(const BwdProblem& problem) {
+BwdInstance bwd_instance_for(const BwdProblem& problem) {
   const bool dropout = problem.fwd.dropout_p > 0.0f;
   if (problem.deterministic) {
-    return dropout ? bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, true>>
-                   : bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, true, false>>;
+    return dropout ? bwd_instance<BwdTraitsOf<kDType, kHeadDimFamily, true, true>>()
+                   : bwd_instance<BwdTraitsOf<kDType, kHeadDimFamily, true, false>>();
   }
-  return dropout ? bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, false, true>>
-                 : bwd_kernel<BwdTraitsOf<kDType, kHeadDimFamily, false, false>>;
+  return dropout ? bwd_instance<BwdTraitsOf<kDType, kHeadDimFamily, false, true>>()
+                 : bwd_instance<BwdTraitsOf<kDType, kHeadDimFamily, false, false>>();
 }
 
 template <DType kDType, int kHeadDimFamily>
@@ -52,15 +63,11 @@ void run_bwd(const BwdProblem& problem, void* stream) {
   sm80::launch_bwd_preprocess<Element>(problem, ws, s);
   const int64_t num_blocks = sm80::bwd_main_grid(problem.fwd, Traits::kBlockN);
   if (num_blocks > 0) {
-    const auto kernel = bwd_kernel_for<kDType, kHeadDimFamily>(problem);
-    // Dropout's instances also hold the drop marks and the Philox round keys (from
-    // BwdKernelTraits::kDropoutOffset).
-    const int smem_bytes = problem.fwd.dropout_p > 0.0f
-                               ? BwdTraitsOf<kDType, kHeadDimFamily, false, true>::kSmemBytes
-                               : Traits::kSmemBytes;
-    cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes),
+    const BwdInstance instance = bwd_instance_for<kDType, kHeadDimFamily>(problem);
+    cuda::check(cudaFuncSetAttribute(instance.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     instance.smem_bytes),
                 "cudaFuncSetAttribute(sm90 bwd_kernel, max dynamic shared memory)");
-    kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, smem_bytes, s>>>(problem, ws);
+    instance.kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, instance.smem_bytes, s>>>(problem, ws);
     cuda::check_last_launch("sm90 bwd_kernel");
   }
   sm80::launch_bwd_postprocess<Element>(problem, ws, s);
