@@ -32,8 +32,8 @@
 //               family but 256), each consumer writes its 64 rows into its own staging tile
 //               (stmatrix) and one thread hands the tile to a TMA store, which clips rows past the
 //               sequence and columns past head_dim; the warpgroup goes on to its next tile while the
-//               copy engine writes. Otherwise, and for a varlen tile whose 64 rows reach past the
-//               sequence (the map of the packed tensor would write into the next sequence), the
+//               copy engine writes (a varlen tile reaching past its sequence is copied out of the
+//               staging tile by the warpgroup instead: store_output_staged). Otherwise (d256) the
 //               lanes store their pairs from registers (4 bytes per lane, rows inside the
 //               sequence, columns inside head_dim).
 //   [turn] passes round the consumers (named barriers kScheduler0/1/2; ping-pong with two): a
@@ -387,33 +387,54 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[1][Traits::k
 }
 
 // The staged epilogue: consumer `consumer`'s 64 normalized rows of O into its staging tile at
-// `staging`, then one TMA store per 64-column block, issued by the warpgroup's first thread. That
-// thread first waits until its previous tile's store has read the staging tile (long done in
-// practice: a tile's main loop lies between); the first barrier tells the warpgroup so, the second
-// publishes the tile to the copy engine.
+// `staging`, then out to O. The warpgroup's first thread first waits until its previous tile's TMA
+// store has read the staging tile (long done in practice: a tile's main loop lies between); the
+// first barrier tells the warpgroup so, the second publishes the tile. Then one TMA store per
+// 64-column block, issued by that thread; except for a varlen tile whose 64 rows reach past its
+// sequence (the packed tensor's map would write them into the next sequence's rows): there the
+// warpgroup copies the rows inside the sequence out of the tile in 16-byte chunks. (Both cases go
+// through the staging tile: a second, register epilogue beside it made ptxas move the main loop's
+// descriptor arithmetic off the uniform datapath, +13-26 instructions per block.)
 template <typename Traits>
 __device__ __forceinline__ void store_output_staged(const FwdParams& params, const float* acc_o, uint32_t staging,
                                                     const FwdTile& tile, int consumer, int warp) {
   using OTile = typename Traits::OTile;
+  using Element = typename Traits::Element;
+  const FwdProblem& p = params.problem;
   const uint32_t barrier = static_cast<uint32_t>(FwdBarrier::kOutput0) + consumer;
-  const bool issuer = threadIdx.x % kWarpgroupThreads == 0;
-  if (issuer) tma_store_wait_read<0>();
+  const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
+  if (thread == 0) tma_store_wait_read<0>();
   named_barrier_sync(barrier, kWarpgroupThreads);
-  store_accumulator_tile<typename Traits::Element, Traits::kHeadDim>(acc_o, staging, warp);
+  store_accumulator_tile<Element, Traits::kHeadDim>(acc_o, staging, warp);
   fence_proxy_async_shared();
   named_barrier_sync(barrier, kWarpgroupThreads);
-  if (issuer) {
-    const int row = tile.q_token + tile.m0 + consumer * 64;
+  const int row0 = tile.q_token + tile.m0 + consumer * 64;  // this warpgroup's first row of O
+  const int rows = tile.rows_in_block - consumer * 64;       // of which inside the sequence
+  if (p.cu_seqlens_q == nullptr || rows >= 64) {
+    if (thread == 0) {
 #pragma unroll
-    for (int cb = 0; cb < OTile::kColumnBlocks; ++cb) {
-      const uint32_t src = staging + cb * OTile::kColumnBlockBytes;
-      if (params.problem.cu_seqlens_q != nullptr) {
-        tma_store_3d(params.o_map, src, cb * kSwizzleAtomElements, row, tile.head);
-      } else {
-        tma_store_4d(params.o_map, src, cb * kSwizzleAtomElements, row, tile.head, tile.batch);
+      for (int cb = 0; cb < OTile::kColumnBlocks; ++cb) {
+        const uint32_t src = staging + cb * OTile::kColumnBlockBytes;
+        if (p.cu_seqlens_q != nullptr) {
+          tma_store_3d(params.o_map, src, cb * kSwizzleAtomElements, row0, tile.head);
+        } else {
+          tma_store_4d(params.o_map, src, cb * kSwizzleAtomElements, row0, tile.head, tile.batch);
+        }
       }
+      tma_store_commit();
     }
-    tma_store_commit();
+  } else {
+    const int chunks = p.head_dim / 8;  // the columns past head_dim are padding
+    Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride + tile.head * p.out_head_stride;
+    for (int i = thread; i < rows * chunks; i += kWarpgroupThreads) {
+      const int row = i / chunks;
+      const int chunk = i % chunks;
+      uint4 v;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(staging + OTile::chunk_offset(row, chunk)));
+      *reinterpret_cast<uint4*>(out + (static_cast<int64_t>(row0) + row) * p.out_row_stride + chunk * 8) = v;
+    }
   }
 }
 
@@ -453,7 +474,6 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   [[maybe_unused]] const sm80::DropMarker drop_marker(dropout_mask);
   Cursor ring;  // the next K/V stage to consume, continued across tiles
   uint32_t q_loads = 0;
-  const bool varlen = p.cu_seqlens_q != nullptr;
 
   for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
     const FwdTile tile = FwdTile::locate<kBlockM, kBlockN>(params, linear);
@@ -581,8 +601,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     // stored from registers (the header says when); the LSE of each row from registers.
     float lse[2];
     softmax.finalize(acc_o, log2_scale, lse, Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
-    const bool staged = Traits::kStageOutput && (!varlen || row0 + 64 <= tile.rows_in_block);
-    if (staged) {
+    if constexpr (Traits::kStageOutput) {
       store_output_staged<Traits>(params, &acc_o[0][0][0], smem + Traits::kOOffset + consumer * Traits::OTile::kBytes,
                                   tile, consumer, warp);
     }
@@ -596,7 +615,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     for (int half = 0; half < 2; ++half) {
       const int row = warp_row0 + g + half * 8;
       if (row < tile.rows_in_block) {
-        if (!staged) {
+        if constexpr (!Traits::kStageOutput) {
           Element* out_row = out + (q_row0 + row) * p.out_row_stride + 2 * t;
 #pragma unroll
           for (int dt = 0; dt < kDTiles; ++dt) {
