@@ -3,7 +3,8 @@
 // computation: wgmma with A and B from shared memory (K-major, several column blocks), wgmma with A
 // from registers and B MN-major, the bulk tensor copy (TMA) of a 4-D tensor with zero fill past its
 // end, streamed through an mbarrier ring (full/empty phases) by a producer warp to a consumer
-// warpgroup after setmaxnreg, and named barriers. Compiled for sm_90a only (its own object
+// warpgroup after setmaxnreg, an accumulator staged with stmatrix and TMA-stored with clipping, and
+// named barriers. Compiled for sm_90a only (its own object
 // library); every test skips itself unless a compute capability 9.0 device is present, except the
 // host-side coverage rules (Sm90Coverage), which need no GPU.
 #include <cuda_bf16.h>
@@ -351,6 +352,91 @@ TEST_F(GpuSm90BlocksTest, TmaTilesThroughMbarrierRing) { run_tma_ring(kRingCols)
 TEST_F(GpuSm90BlocksTest, TmaZeroFillsColumnsPastTheTensor) {
   run_tma_ring(96);
   run_tma_ring(40);
+}
+
+// The staged epilogue's path: a warpgroup writes an m64 x kCols accumulator (value v(row, col)) as
+// 16-bit elements into a Swizzle128Tile with stmatrix (store_accumulator_tile), then one thread TMA-
+// stores it at row `row0` of one (head, batch) slice of a [batch, seqlen, heads, kCols] tensor whose
+// map has `cols` columns: rows past seqlen and columns past `cols` must be clipped, the rest of the
+// tensor untouched.
+__host__ __device__ float staged_value(int row, int col) {
+  return static_cast<float>((row * 131 + col * 7) % 251 - 125) / 4.0f;  // exact in bf16 and fp16
+}
+
+template <typename Element, int kCols>
+__global__ void __launch_bounds__(128, 1)
+    tma_store_kernel(const __grid_constant__ CUtensorMap map, int row0, int head, int batch) {
+  using Tile = Swizzle128Tile<64, kCols>;
+  extern __shared__ __align__(1024) unsigned char smem[];
+  const uint32_t tile = smem_u32(smem);
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  float acc[kCols / 2];
+  for (int j = 0; j < kCols / 8; ++j) {
+    for (int i = 0; i < 4; ++i) {
+      acc[4 * j + i] = staged_value(warp * 16 + lane / 4 + (i / 2) * 8, j * 8 + (lane % 4) * 2 + i % 2);
+    }
+  }
+  store_accumulator_tile<Element, kCols>(acc, tile, warp);
+  fence_proxy_async_shared();
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int cb = 0; cb < Tile::kColumnBlocks; ++cb) {
+      tma_store_4d(map, tile + cb * Tile::kColumnBlockBytes, cb * kSwizzleAtomElements, row0, head, batch);
+    }
+    tma_store_commit();
+    tma_store_wait_read<0>();
+  }
+}
+
+template <typename Element, int kCols>
+void run_tma_store(DType dtype, int cols, int row0) {
+  const int batch = 2, seqlen = 100, heads = 3, head = 1, b = 1;
+  const uint16_t kUntouched = 0x7FBF;  // a NaN pattern neither store can produce
+  const size_t n = static_cast<size_t>(batch) * seqlen * heads * kCols;
+  DeviceArray<uint16_t> dout(std::vector<uint16_t>(n, kUntouched));
+  StridedTensor16 t;
+  t.base = dout.ptr;
+  t.rank = 4;
+  t.extents[0] = cols;
+  t.extents[1] = seqlen;
+  t.extents[2] = heads;
+  t.extents[3] = batch;
+  t.byte_strides[0] = heads * kCols * 2;
+  t.byte_strides[1] = kCols * 2;
+  t.byte_strides[2] = static_cast<uint64_t>(seqlen) * heads * kCols * 2;
+  const CUtensorMap map = encode_tensor_map(t, dtype == DType::kBFloat16, 64, "test tensor");
+  const int smem = Swizzle128Tile<64, kCols>::kBytes;
+  SM90_CHECK(cudaFuncSetAttribute(tma_store_kernel<Element, kCols>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  tma_store_kernel<Element, kCols><<<1, 128, smem>>>(map, row0, head, b);
+  SM90_CHECK(cudaDeviceSynchronize());
+  const auto got = dout.download(n);
+  int bad = 0;
+  for (int bb = 0; bb < batch; ++bb) {
+    for (int row = 0; row < seqlen; ++row) {
+      for (int h = 0; h < heads; ++h) {
+        for (int col = 0; col < kCols; ++col) {
+          const bool written = bb == b && h == head && row >= row0 && row < row0 + 64 && col < cols;
+          const uint16_t want = written ? float_to_bits(dtype, staged_value(row - row0, col)) : kUntouched;
+          const uint16_t have = got[((static_cast<size_t>(bb) * seqlen + row) * heads + h) * kCols + col];
+          if (have != want && ++bad <= 5) {
+            ADD_FAILURE() << kCols << " x " << cols << " columns from row " << row0 << ": batch " << bb
+                          << " row " << row << " head " << h << " col " << col << ": got bits " << have
+                          << ", expected " << want;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(bad, 0) << kCols << " x " << cols << " columns from row " << row0;
+}
+
+TEST_F(GpuSm90BlocksTest, StmatrixTileThroughTmaStoreClipsToTheTensor) {
+  run_tma_store<__nv_bfloat16, 128>(DType::kBFloat16, 128, 0);
+  run_tma_store<__nv_bfloat16, 128>(DType::kBFloat16, 72, 64);  // rows 100..127 and columns 72.. clipped
+  run_tma_store<__half, 64>(DType::kFloat16, 64, 36);           // ends exactly at seqlen
+  run_tma_store<__half, 256>(DType::kFloat16, 200, 50);
 }
 
 // Named barriers: warp 0 publishes a value per round with bar.arrive; warp 1 waits with bar.sync,

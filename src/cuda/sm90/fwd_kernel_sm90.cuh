@@ -28,8 +28,14 @@
 //                          this tile's last P V and epilogue, as it loads the next tile's K and V
 //                          into the stages this tile frees
 //     last:   [turn] O += P V [pass turn]; release V
-//     epilogue: O / rowsum -> 16-bit, stored from registers (4 bytes per lane, rows inside the
-//               sequence, columns inside head_dim); LSE per row.
+//     epilogue: O / rowsum -> 16-bit; LSE per row. Where shared memory has room for O (every
+//               family but 256), each consumer writes its 64 rows into its own staging tile
+//               (stmatrix) and one thread hands the tile to a TMA store, which clips rows past the
+//               sequence and columns past head_dim; the warpgroup goes on to its next tile while the
+//               copy engine writes (a varlen tile reaching past its sequence is copied out of the
+//               staging tile by the warpgroup instead: store_output_staged). Otherwise (d256) the
+//               lanes store their pairs from registers (4 bytes per lane, rows inside the
+//               sequence, columns inside head_dim).
 //   [turn] passes round the consumers (named barriers kScheduler0/1/2; ping-pong with two): a
 //   warpgroup issues its matrix products only after the one before it has issued its own, so one
 //   warpgroup's softmax runs while the others' products occupy the tensor cores.
@@ -70,13 +76,15 @@
 
 namespace flashkit::sm90 {
 
-// The kernel's parameter block: the problem and the tensor maps of Q, K and V (rank 4 [D, seqlen,
-// heads, batch] for fixed-length problems, rank 3 [D, total tokens, heads] for varlen).
+// The kernel's parameter block: the problem and the tensor maps of Q, K, V and O (rank 4 [D, seqlen,
+// heads, batch] for fixed-length problems, rank 3 [D, total tokens, heads] for varlen; O's boxes are
+// one consumer's 64 rows).
 struct FwdParams {
   FwdProblem problem;
   CUtensorMap q_map;
   CUtensorMap k_map;
   CUtensorMap v_map;
+  CUtensorMap o_map;
   int tile_groups;  // TileOrder's number of (batch, head) groups, 1 .. batch * heads_q
 };
 
@@ -143,12 +151,8 @@ struct FwdKernelTraits {
 
   using QTile = Swizzle128Tile<kBlockM, kHeadDim>;
   using KvTile = Swizzle128Tile<kBlockN, kHeadDim>;
+  using OTile = Swizzle128Tile<64, kHeadDim>;  // one consumer's rows of O, staged for the TMA store
 
-  // Shared-memory plan, byte offsets from a 1024-byte aligned base. Barriers last.
-  static constexpr int kQOffset = 0;
-  static constexpr int kKOffset = kQOffset + QTile::kBytes;
-  static constexpr int kVOffset = kKOffset + kStages * KvTile::kBytes;
-  static constexpr int kBarrierOffset = kVOffset + kStages * KvTile::kBytes;
   struct Barriers {
     uint64_t q_full;
     uint64_t q_empty;  // every consumer's last S = Q K^T of a tile has completed
@@ -158,13 +162,24 @@ struct FwdKernelTraits {
     uint64_t v_empty[kStages];
     uint64_t v_tail;
   };
-  // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
+  // Shared-memory plan, byte offsets from a 1024-byte aligned base: Q, the K and V stages, O's
+  // staging tiles where they fit (kStageOutput), barriers last. + 1024: the dynamic shared-memory
+  // base is only 16-byte aligned; the kernel rounds it up.
+  static constexpr int kSmemLimit = 227 * 1024;
+  static constexpr int kQOffset = 0;
+  static constexpr int kKOffset = kQOffset + QTile::kBytes;
+  static constexpr int kVOffset = kKOffset + kStages * KvTile::kBytes;
+  static constexpr int kOOffset = kVOffset + kStages * KvTile::kBytes;
+  static constexpr int kOBytes = kConsumerWarpgroups * OTile::kBytes;
+  static constexpr bool kStageOutput =
+      kOOffset + kOBytes + static_cast<int>(sizeof(Barriers)) + 1024 <= kSmemLimit;
+  static constexpr int kBarrierOffset = kOOffset + (kStageOutput ? kOBytes : 0);
   static constexpr int kSmemBytes = kBarrierOffset + static_cast<int>(sizeof(Barriers)) + 1024;
 
   static_assert(kBlockN % 16 == 0 && kHeadDim % 64 == 0, "whole wgmma k-steps and swizzle atoms");
   static_assert(kConsumerWarpgroups == 2 || kConsumerWarpgroups == 3,
                 "two or three consumer warpgroups");
-  static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
+  static_assert(kSmemBytes <= kSmemLimit, "shared memory plan exceeds an SM");
 };
 
 // The named barriers of this kernel (hardware ids; 0 is __syncthreads).
@@ -173,6 +188,7 @@ enum class FwdBarrier : uint32_t {
                                      // consumer before it, which passes the turn)
   kScheduler1,                       // consumer 1 may issue its matrix products
   kScheduler2,                       // consumer 2 (of three) may issue its matrix products
+  kOutput0,  // consumer c's staging tile (kOutput0 + c, its 128 threads): free, then written
 };
 
 // Where a tile's rows and keys live, and which key blocks it visits.
@@ -258,6 +274,7 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
     tma_prefetch_map(params.q_map);
     tma_prefetch_map(params.k_map);
     tma_prefetch_map(params.v_map);
+    if (Traits::kStageOutput) tma_prefetch_map(params.o_map);
   }
   RingCursor<Traits::kStages> cursor;
   uint32_t tail_phase = 0;
@@ -367,6 +384,58 @@ __device__ __forceinline__ void pack_probabilities(const float (&s)[1][Traits::k
     p_frag[kk][3] = sm80::pack2<Element>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
   }
   if constexpr (Traits::kDropout) sm80::drop_packed_pairs(p_frag, drop_marks);
+}
+
+// The staged epilogue: consumer `consumer`'s 64 normalized rows of O into its staging tile at
+// `staging`, then out to O. The warpgroup's first thread first waits until its previous tile's TMA
+// store has read the staging tile (long done in practice: a tile's main loop lies between); the
+// first barrier tells the warpgroup so, the second publishes the tile. Then one TMA store per
+// 64-column block, issued by that thread; except for a varlen tile whose 64 rows reach past its
+// sequence (the packed tensor's map would write them into the next sequence's rows): there the
+// warpgroup copies the rows inside the sequence out of the tile in 16-byte chunks. (Both cases go
+// through the staging tile: a second, register epilogue beside it made ptxas move the main loop's
+// descriptor arithmetic off the uniform datapath, +13-26 instructions per block.)
+template <typename Traits>
+__device__ __forceinline__ void store_output_staged(const FwdParams& params, const float* acc_o, uint32_t staging,
+                                                    const FwdTile& tile, int consumer, int warp) {
+  using OTile = typename Traits::OTile;
+  using Element = typename Traits::Element;
+  const FwdProblem& p = params.problem;
+  const uint32_t barrier = static_cast<uint32_t>(FwdBarrier::kOutput0) + consumer;
+  const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
+  if (thread == 0) tma_store_wait_read<0>();
+  named_barrier_sync(barrier, kWarpgroupThreads);
+  store_accumulator_tile<Element, Traits::kHeadDim>(acc_o, staging, warp);
+  fence_proxy_async_shared();
+  named_barrier_sync(barrier, kWarpgroupThreads);
+  const int row0 = tile.q_token + tile.m0 + consumer * 64;  // this warpgroup's first row of O
+  const int rows = tile.rows_in_block - consumer * 64;       // of which inside the sequence
+  if (p.cu_seqlens_q == nullptr || rows >= 64) {
+    if (thread == 0) {
+#pragma unroll
+      for (int cb = 0; cb < OTile::kColumnBlocks; ++cb) {
+        const uint32_t src = staging + cb * OTile::kColumnBlockBytes;
+        if (p.cu_seqlens_q != nullptr) {
+          tma_store_3d(params.o_map, src, cb * kSwizzleAtomElements, row0, tile.head);
+        } else {
+          tma_store_4d(params.o_map, src, cb * kSwizzleAtomElements, row0, tile.head, tile.batch);
+        }
+      }
+      tma_store_commit();
+    }
+  } else {
+    const int chunks = p.head_dim / 8;  // the columns past head_dim are padding
+    Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride + tile.head * p.out_head_stride;
+    for (int i = thread; i < rows * chunks; i += kWarpgroupThreads) {
+      const int row = i / chunks;
+      const int chunk = i % chunks;
+      uint4 v;
+      asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                   : "r"(staging + OTile::chunk_offset(row, chunk)));
+      *reinterpret_cast<uint4*>(out + (static_cast<int64_t>(row0) + row) * p.out_row_stride + chunk * 8) = v;
+    }
+  }
 }
 
 // kPipelined: the schedule of the header (one block of software pipelining + turns). Otherwise
@@ -528,9 +597,14 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       }
     }
 
-    // Epilogue: normalize, store this lane's pairs of columns of its two rows.
+    // Epilogue: normalize; O staged for a TMA store, or this lane's pairs of columns of its two rows
+    // stored from registers (the header says when); the LSE of each row from registers.
     float lse[2];
     softmax.finalize(acc_o, log2_scale, lse, Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
+    if constexpr (Traits::kStageOutput) {
+      store_output_staged<Traits>(params, &acc_o[0][0][0], smem + Traits::kOOffset + consumer * Traits::OTile::kBytes,
+                                  tile, consumer, warp);
+    }
     const int g = lane / 4;
     const int t = lane % 4;
     const int head_chunks = p.head_dim / 8;  // the columns past head_dim are padding
@@ -541,12 +615,14 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     for (int half = 0; half < 2; ++half) {
       const int row = warp_row0 + g + half * 8;
       if (row < tile.rows_in_block) {
-        Element* out_row = out + (q_row0 + row) * p.out_row_stride + 2 * t;
+        if constexpr (!Traits::kStageOutput) {
+          Element* out_row = out + (q_row0 + row) * p.out_row_stride + 2 * t;
 #pragma unroll
-        for (int dt = 0; dt < kDTiles; ++dt) {
-          if (dt < head_chunks) {
-            *reinterpret_cast<uint32_t*>(out_row + 8 * dt) =
-                sm80::pack2<Element>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+          for (int dt = 0; dt < kDTiles; ++dt) {
+            if (dt < head_chunks) {
+              *reinterpret_cast<uint32_t*>(out_row + 8 * dt) =
+                  sm80::pack2<Element>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
+            }
           }
         }
         if (t == 0) {
@@ -555,6 +631,9 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       }
     }
   }
+  // The copy engine must have read the last staging tile before the CTA's shared memory goes away
+  // (its writes to O are visible when the kernel ends).
+  if (Traits::kStageOutput && threadIdx.x % kWarpgroupThreads == 0) tma_store_wait_read<0>();
 }
 
 template <typename Traits, bool kPipelined>

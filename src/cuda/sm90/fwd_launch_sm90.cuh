@@ -23,7 +23,7 @@ template <DType kDType> struct ElementOf;
 template <> struct ElementOf<DType::kBFloat16> { using type = __nv_bfloat16; };
 template <> struct ElementOf<DType::kFloat16> { using type = __half; };
 
-// The tensor map of q, k or v: [D, seqlen, heads, batch] (fixed) or [D, total, heads] (varlen),
+// The tensor map of q, k, v or out: [D, seqlen, heads, batch] (fixed) or [D, total, heads] (varlen),
 // tiled in 64 x box_rows boxes. The driver wants every extent >= 1 and every stride a positive
 // multiple of 16 bytes: a tensor with no rows (no keys at all: nothing is ever loaded, and its
 // strides may be 0) gets a map of one row, and a dim of extent 1, whose stride is never used and may
@@ -73,6 +73,11 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   params.v_map = input_tensor_map(problem, problem.v, varlen ? problem.total_k : problem.seqlen_k,
                                   problem.heads_kv, problem.v_row_stride, problem.v_head_stride,
                                   problem.v_batch_stride, Traits::kBlockN, "v");
+  if constexpr (Traits::kStageOutput) {  // the staged epilogue stores one consumer's 64 rows per box
+    params.o_map = input_tensor_map(problem, problem.out, varlen ? problem.total_q : problem.seqlen_q,
+                                    problem.heads_q, problem.out_row_stride, problem.out_head_stride,
+                                    problem.out_batch_stride, 64, "out");
+  }
 
   // Tile order (TileOrder in fwd_kernel_sm90.cuh). Under a causal or sliding-window mask the tiles
   // of one (batch, head) pair cost different numbers of key blocks; with the pairs one after another

@@ -10,7 +10,7 @@ namespace flashkit::sm90 {
 namespace {
 
 // The copy engine reads 16-byte aligned rows with strides that are positive multiples of 16 bytes
-// below 2^40; the epilogue writes O in 16-byte chunks. A dim of extent 1 has no stride to check.
+// below 2^40, and the epilogue stores O the same way (TMA). A dim of extent 1 has no stride to check.
 std::string stride_problem(const char* tensor, const char* dim, int64_t extent, int64_t stride) {
   if (extent == 1) return "";
   if (stride <= 0 || stride % 8 != 0 || stride * 2 >= (int64_t{1} << 40)) {

@@ -1,8 +1,9 @@
 // src/cuda/sm90/tma.cuh
 // \brief Device side of the bulk tensor copy engine (TMA): a tile of a tensor described by a
 // CUtensorMap (built on the host, tensor_map.h) copied into shared memory, completing on an
-// mbarrier as transaction bytes. Coordinates are in elements, innermost first; a box that reaches
-// past the tensor's bounds is zero-filled there.
+// mbarrier as transaction bytes, or copied out of shared memory into the tensor, tracked as a bulk
+// async-group of the issuing thread. Coordinates are in elements, innermost first; a box that
+// reaches past the tensor's bounds is zero-filled there (loads) or clipped (stores).
 #pragma once
 
 #include <cuda.h>
@@ -33,6 +34,33 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap& map
       " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+
+// Stores. The writes to shared memory that a store reads must be ordered before it by
+// fence_proxy_async_shared() (warpgroup.cuh) in every writing thread and a barrier; the issuing
+// thread then closes its stores into a group with tma_store_commit() and may reuse the shared memory
+// only after tma_store_wait_read<0>() (the engine has read it), and must not exit before that.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap& map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(&map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2)
+               : "memory");
+}
+
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap& map, uint32_t src, int c0, int c1, int c2,
+                                             int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(&map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+}
+
+__device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+
+// Waits until at most kPending of this thread's store groups still read their shared memory.
+template <int kPending>
+__device__ __forceinline__ void tma_store_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
 }
 
 }  // namespace flashkit::sm90

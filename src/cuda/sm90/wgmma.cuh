@@ -35,6 +35,8 @@
 
 #include <cstdint>
 
+#include "cuda/common/mma_sm80.cuh"
+
 namespace flashkit::sm90 {
 
 template <int kRows, int kCols>
@@ -319,6 +321,34 @@ __device__ __forceinline__ void issue_register_product(float* acc, const uint32_
   for (int kk = 0; kk < kDepth / 16; ++kk) {
     const uint64_t b_desc = mn_major_descriptor(b + kk * 16 * 128, kBBlockBytes);
     Wgmma<N>::template rs<Element, 1>(acc, x[kk], b_desc, 1u);
+  }
+}
+
+// Stores warp `warp`'s 16 rows of a warpgroup's m64 x kCols fp32 accumulator (the layout above),
+// converted to Element, into rows 16 warp .. 16 warp + 15 of the Swizzle128Tile<64, kCols> at shared
+// address `tile`: the layout a TMA store with the 128-byte swizzle reads. One stmatrix per two 8-column
+// groups writes four 8 x 8 blocks, (rows 0-7, rows 8-15) x (group j, group j + 1); lane l names
+// row l % 8 of block l / 8, whose register holds exactly the accumulator pair of that block (the
+// mma.sync C fragment is stmatrix's fragment). The swizzle puts a block's 8 rows in 8 bank groups.
+// The lane index is read with a volatile asm so that the addresses are formed here, at the store:
+// hoisted out of a kernel's tile loop they stayed live across its main loop (the d64 forward at 160
+// registers: 16 bytes of spills in one version, 5 more instructions per key block in another).
+template <typename Element, int kCols>
+__device__ __forceinline__ void store_accumulator_tile(const float* acc, uint32_t tile, int warp) {
+  using Tile = Swizzle128Tile<64, kCols>;
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  const int row = warp * 16 + (lane / 8) % 2 * 8 + lane % 8;
+  const int group_in_pair = lane / 16;
+#pragma unroll
+  for (int j = 0; j < kCols / 8; j += 2) {
+    const uint32_t address = tile + Tile::chunk_offset(row, j + group_in_pair);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address),
+                 "r"(sm80::pack2<Element>(acc[4 * j], acc[4 * j + 1])),
+                 "r"(sm80::pack2<Element>(acc[4 * j + 2], acc[4 * j + 3])),
+                 "r"(sm80::pack2<Element>(acc[4 * j + 4], acc[4 * j + 5])),
+                 "r"(sm80::pack2<Element>(acc[4 * j + 6], acc[4 * j + 7]))
+                 : "memory");
   }
 }
 
