@@ -103,7 +103,25 @@ int main(int argc, char** argv) {
       std::printf("\n  main-loop period %.0f cycles per key block; tile start to next tile start %.0f = %.2f periods for %d blocks (%.2f blocks of overhead)",
                   period, tile_total, tile_total / period, blocks_full, tile_total / period - blocks_full);
     }
-    std::printf("\n");
+    // Balance (globaltimer, comparable across SMs): each SM's last tile end against the kernel's.
+    long long first = -1, last = 0;
+    std::vector<long long> ends;
+    for (auto& [sm, list] : by_sm) {
+      long long end = 0;
+      for (auto& [start, tile] : list) {
+        const long long* e = &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceEvents];
+        first = first < 0 ? e[6] : std::min(first, e[6]);
+        end = std::max(end, e[8]);
+      }
+      ends.push_back(end);
+      last = std::max(last, end);
+    }
+    double idle = 0;
+    for (long long end : ends) idle += static_cast<double>(last - end);
+    std::printf("\n  span %.1f us over %zu SMs; an SM's last tile ends on average %.1f us before the last one"
+                " (%.1f%% of the span idle at the end)\n",
+                (last - first) / 1e3, ends.size(), idle / ends.size() / 1e3,
+                100.0 * idle / ends.size() / static_cast<double>(last - first));
   }
   return 0;
 }

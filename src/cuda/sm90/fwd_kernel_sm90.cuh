@@ -81,9 +81,15 @@ inline namespace traced {  // the traced build's own symbols, beside the library
 
 #ifdef FLASHKIT_SM90_FWD_TRACE
 // The instrument of bench/fwd_trace_sm90.cu (defined there before this header, never in the
-// library): each consumer's first thread records clock64 at kTraceEvents points of every tile,
-// and the SM's id, into fwd_trace_buffer[(linear tile * consumers + consumer) * kTraceEvents + event].
-constexpr int kTraceEvents = 8;
+// library): each consumer's first thread records clock64 at six points of every tile (events 0-5),
+// the SM's id (7) and %globaltimer at the tile's start and end (6, 8: comparable across SMs), into
+// fwd_trace_buffer[(linear tile * consumers + consumer) * kTraceEvents + event].
+constexpr int kTraceEvents = 10;
+__device__ __forceinline__ long long global_nanoseconds() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
 inline long long* fwd_trace_buffer = nullptr;  // set by the tool; read by launch_fwd
 #define FLASHKIT_FWD_TRACE(event)                                                                   \
   do {                                                                                              \
@@ -509,6 +515,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       uint32_t sm;
       asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
       params.trace[(static_cast<int64_t>(linear) * Traits::kConsumerWarpgroups + consumer) * kTraceEvents + 7] = sm;
+      params.trace[(static_cast<int64_t>(linear) * Traits::kConsumerWarpgroups + consumer) * kTraceEvents + 6] =
+          global_nanoseconds();
     }
 #endif
     const int m0 = tile.m0;
@@ -668,6 +676,12 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       }
     }
     FLASHKIT_FWD_TRACE(5);
+#ifdef FLASHKIT_SM90_FWD_TRACE
+    if (threadIdx.x % kWarpgroupThreads == 0) {
+      params.trace[(static_cast<int64_t>(linear) * Traits::kConsumerWarpgroups + consumer) * kTraceEvents + 8] =
+          global_nanoseconds();
+    }
+#endif
   }
   // The copy engine must have read the last staging tile before the CTA's shared memory goes away
   // (its writes to O are visible when the kernel ends).
