@@ -75,6 +75,34 @@
 #include "cuda/sm90/wgmma.cuh"
 
 namespace flashkit::sm90 {
+#ifdef FLASHKIT_SM90_FWD_TRACE
+inline namespace traced {  // the traced build's own symbols, beside the library's untraced ones
+#endif
+
+#ifdef FLASHKIT_SM90_FWD_TRACE
+// The instrument of bench/fwd_trace_sm90.cu (defined there before this header, never in the
+// library): each consumer's first thread records clock64 at six points of every tile (events 0-5),
+// the SM's id (7) and %globaltimer at the tile's start and end (6, 8: comparable across SMs), into
+// fwd_trace_buffer[(linear tile * consumers + consumer) * kTraceEvents + event].
+constexpr int kTraceEvents = 10;
+__device__ __forceinline__ long long global_nanoseconds() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
+  return t;
+}
+inline long long* fwd_trace_buffer = nullptr;  // set by the tool; read by launch_fwd
+#define FLASHKIT_FWD_TRACE(event)                                                                   \
+  do {                                                                                              \
+    if (threadIdx.x % kWarpgroupThreads == 0) {                                                     \
+      params.trace[(static_cast<int64_t>(linear) * Traits::kConsumerWarpgroups + consumer) *        \
+                       kTraceEvents + (event)] = clock64();                                         \
+    }                                                                                               \
+  } while (0)
+#else
+#define FLASHKIT_FWD_TRACE(event) \
+  do {                            \
+  } while (0)
+#endif
 
 // The kernel's parameter block: the problem and the tensor maps of Q, K, V and O (rank 4 [D, seqlen,
 // heads, batch] for fixed-length problems, rank 3 [D, total tokens, heads] for varlen; O's boxes are
@@ -86,6 +114,9 @@ struct FwdParams {
   CUtensorMap v_map;
   CUtensorMap o_map;
   int tile_groups;  // TileOrder's number of (batch, head) groups, 1 .. batch * heads_q
+#ifdef FLASHKIT_SM90_FWD_TRACE
+  long long* trace;
+#endif
 };
 
 // The order in which tiles are handed out (the hardware starts CTAs roughly in blockIdx order, so
@@ -478,6 +509,16 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
     const FwdTile tile = FwdTile::locate<kBlockM, kBlockN>(params, linear);
     if (tile.rows_in_block <= 0) continue;  // varlen: the sequence is shorter than max_seqlen_q
+    FLASHKIT_FWD_TRACE(0);
+#ifdef FLASHKIT_SM90_FWD_TRACE
+    if (threadIdx.x % kWarpgroupThreads == 0) {
+      uint32_t sm;
+      asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+      params.trace[(static_cast<int64_t>(linear) * Traits::kConsumerWarpgroups + consumer) * kTraceEvents + 7] = sm;
+      params.trace[(static_cast<int64_t>(linear) * Traits::kConsumerWarpgroups + consumer) * kTraceEvents + 6] =
+          global_nanoseconds();
+    }
+#endif
     const int m0 = tile.m0;
     const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
     const float alibi_slope =
@@ -514,6 +555,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
 
     if (tile.has_keys()) {
       mbarrier_wait(smem_u32(&bars.q_full), q_loads & 1u);
+      FLASHKIT_FWD_TRACE(1);
       ++q_loads;
       float acc_s[1][kNTiles][4];
       uint32_t p_frag[kBlockN / 16][4];
@@ -551,6 +593,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         wgmma_wait<0>();
         wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
         release(bars.k_empty[cursor.stage]);
+        FLASHKIT_FWD_TRACE(2);
         softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
         pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
 
@@ -581,6 +624,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
         }
         release(bars.q_empty);  // every S of the tile has completed
+        FLASHKIT_FWD_TRACE(3);
 
         mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
         turn.wait();
@@ -594,6 +638,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         release(bars.v_empty[cursor.stage]);
         cursor.advance();
         ring = cursor;
+        FLASHKIT_FWD_TRACE(4);
       }
     }
 
@@ -630,6 +675,13 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         }
       }
     }
+    FLASHKIT_FWD_TRACE(5);
+#ifdef FLASHKIT_SM90_FWD_TRACE
+    if (threadIdx.x % kWarpgroupThreads == 0) {
+      params.trace[(static_cast<int64_t>(linear) * Traits::kConsumerWarpgroups + consumer) * kTraceEvents + 8] =
+          global_nanoseconds();
+    }
+#endif
   }
   // The copy engine must have read the last staging tile before the CTA's shared memory goes away
   // (its writes to O are visible when the kernel ends).
@@ -670,4 +722,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
 }
 
+#ifdef FLASHKIT_SM90_FWD_TRACE
+}  // namespace traced
+#endif
 }  // namespace flashkit::sm90

@@ -18,6 +18,9 @@
 #include "flashkit/error.h"
 
 namespace flashkit::sm90 {
+#ifdef FLASHKIT_SM90_FWD_TRACE
+inline namespace traced {  // the traced build's own symbols, beside the library's untraced ones
+#endif
 
 template <DType kDType> struct ElementOf;
 template <> struct ElementOf<DType::kBFloat16> { using type = __nv_bfloat16; };
@@ -94,6 +97,9 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   const int64_t pairs_per_group = group_env != nullptr ? std::max(1, std::atoi(group_env))
                                   : uneven_tiles      ? kPairsPerGroup
                                                       : 1;
+#ifdef FLASHKIT_SM90_FWD_TRACE
+  params.trace = fwd_trace_buffer;
+#endif
   params.tile_groups = static_cast<int>(std::max<int64_t>(1, batch_heads / pairs_per_group));
 
   // Grid. Where every tile costs the same (no window, fixed lengths), one CTA per SM walks the tiles
@@ -153,4 +159,7 @@ void run_fwd(const FwdProblem& problem, void* stream_ptr) {
   }
 }
 
+#ifdef FLASHKIT_SM90_FWD_TRACE
+}  // namespace traced
+#endif
 }  // namespace flashkit::sm90

@@ -1,0 +1,127 @@
+// bench/fwd_trace_sm90.cu
+// \brief flashkit_fwd_trace_sm90: where the sm90 forward's time goes around its tiles. Builds the
+// bf16 d128 p = 0 kernel with FLASHKIT_SM90_FWD_TRACE (each consumer's first thread records clock64
+// at six points of every tile), runs one problem of the standard grid's shape (16k tokens, 16 heads)
+// and prints, per consumer, the mean cycles of each phase and the time between two tiles of one CTA
+// (same SM, in start order); without a mask also the main loop's per-block period and the per-tile
+// cost in key blocks.
+//
+//   flashkit_fwd_trace_sm90 [seqlen (2048)] [causal (0)]
+#define FLASHKIT_SM90_FWD_TRACE 1
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <map>
+#include <vector>
+
+#include "api/validate_fwd.h"
+#include "cuda/sm90/fwd_launch_sm90.cuh"
+
+namespace {
+
+void check(cudaError_t code, const char* what) {
+  if (code != cudaSuccess) {
+    std::fprintf(stderr, "%s: %s\n", what, cudaGetErrorString(code));
+    std::exit(1);
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  using namespace flashkit;
+  const int seqlen = argc > 1 ? std::atoi(argv[1]) : 2048;
+  const bool causal = argc > 2 && std::atoi(argv[2]) != 0;
+  constexpr int kHeadDim = 128;
+  const int batch = 16384 / seqlen, heads = 16;
+  constexpr sm90::FwdTileConfig kTile = sm90::fwd_tile_config(kHeadDim);
+  using Traits = sm90::FwdKernelTraits<__nv_bfloat16, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, false>;
+  constexpr int kConsumers = Traits::kConsumerWarpgroups;
+
+  const size_t elems = static_cast<size_t>(batch) * seqlen * heads * kHeadDim;
+  std::vector<uint16_t> host(elems);
+  for (size_t i = 0; i < elems; ++i) host[i] = 0x3c00 + static_cast<uint16_t>((i * 2654435761u) >> 26);  // bf16 ~[1, 2)
+  void *q, *k, *v, *out, *lse;
+  for (void** p : {&q, &k, &v, &out}) check(cudaMalloc(p, elems * 2), "cudaMalloc");
+  check(cudaMalloc(&lse, static_cast<size_t>(batch) * heads * seqlen * 4), "cudaMalloc");
+  for (void* p : {q, k, v}) check(cudaMemcpy(p, host.data(), elems * 2, cudaMemcpyHostToDevice), "copy");
+  const Device gpu{DeviceKind::kCuda, 0};
+  MhaFwdParams prm;
+  prm.q = make_view(q, DType::kBFloat16, {batch, seqlen, heads, kHeadDim}, gpu);
+  prm.k = make_view(k, DType::kBFloat16, {batch, seqlen, heads, kHeadDim}, gpu);
+  prm.v = make_view(v, DType::kBFloat16, {batch, seqlen, heads, kHeadDim}, gpu);
+  prm.out = make_view(out, DType::kBFloat16, {batch, seqlen, heads, kHeadDim}, gpu);
+  prm.softmax_lse = make_view(lse, DType::kFloat32, {batch, heads, seqlen}, gpu);
+  prm.mask.causal = causal;
+  const FwdProblem problem = api::validate_mha_fwd(prm);
+
+  const int tiles = batch * heads * ((seqlen + Traits::kBlockM - 1) / Traits::kBlockM);
+  const size_t slots = static_cast<size_t>(tiles) * kConsumers * sm90::kTraceEvents;
+  check(cudaMalloc(&sm90::fwd_trace_buffer, slots * 8), "cudaMalloc trace");
+  for (int i = 0; i < 5; ++i) sm90::launch_fwd<Traits, true>(problem, nullptr);
+  check(cudaMemset(sm90::fwd_trace_buffer, 0, slots * 8), "memset");
+  sm90::launch_fwd<Traits, true>(problem, nullptr);
+  check(cudaDeviceSynchronize(), "run");
+  std::vector<long long> t(slots);
+  check(cudaMemcpy(t.data(), sm90::fwd_trace_buffer, slots * 8, cudaMemcpyDeviceToHost), "copy trace");
+
+  // Tiles of one CTA, in walk order: grouped by SM and ordered by start (one CTA per SM at a time).
+  const int blocks_full = seqlen / Traits::kBlockN;
+  std::printf("bf16 d128 seqlen %d batch %d heads %d causal %d: %d tiles, %d key blocks per full tile\n", seqlen,
+              batch, heads, causal, tiles, blocks_full);
+  const char* names[] = {"q wait", "first S", "main loop", "last P V", "epilogue", "to next tile"};
+  for (int c = 0; c < kConsumers; ++c) {
+    std::map<long long, std::vector<std::pair<long long, int>>> by_sm;  // sm -> (start, tile)
+    for (int tile = 0; tile < tiles; ++tile) {
+      const long long* e = &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceEvents];
+      if (e[0] != 0) by_sm[e[7]].push_back({e[0], tile});
+    }
+    double sum[6] = {}, count[6] = {}, per_block = 0, loops = 0;
+    for (auto& [sm, list] : by_sm) {
+      std::sort(list.begin(), list.end());
+      for (size_t i = 0; i < list.size(); ++i) {
+        const long long* e = &t[(static_cast<size_t>(list[i].second) * kConsumers + c) * sm90::kTraceEvents];
+        for (int ph = 0; ph < 5; ++ph) { sum[ph] += e[ph + 1] - e[ph]; count[ph] += 1; }
+        // Unmasked: every tile visits blocks_full key blocks, the main loop the last blocks_full - 1.
+        if (!causal && blocks_full > 1) {
+          per_block += static_cast<double>(e[3] - e[2]) / (blocks_full - 1);
+          loops += 1;
+        }
+        if (i + 1 < list.size()) {
+          const long long* f = &t[(static_cast<size_t>(list[i + 1].second) * kConsumers + c) * sm90::kTraceEvents];
+          sum[5] += f[0] - e[5]; count[5] += 1;
+        }
+      }
+    }
+    std::printf("consumer %d:", c);
+    for (int ph = 0; ph < 6; ++ph) std::printf("  %s %.0f", names[ph], count[ph] ? sum[ph] / count[ph] : 0.0);
+    if (loops > 0) {
+      const double period = per_block / loops;
+      const double tile_total = (sum[0] + sum[1] + sum[2] + sum[3] + sum[4]) / count[0] + (count[5] ? sum[5] / count[5] : 0);
+      std::printf("\n  main-loop period %.0f cycles per key block; tile start to next tile start %.0f = %.2f periods for %d blocks (%.2f blocks of overhead)",
+                  period, tile_total, tile_total / period, blocks_full, tile_total / period - blocks_full);
+    }
+    // Balance (globaltimer, comparable across SMs): each SM's last tile end against the kernel's.
+    long long first = -1, last = 0;
+    std::vector<long long> ends;
+    for (auto& [sm, list] : by_sm) {
+      long long end = 0;
+      for (auto& [start, tile] : list) {
+        const long long* e = &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceEvents];
+        first = first < 0 ? e[6] : std::min(first, e[6]);
+        end = std::max(end, e[8]);
+      }
+      ends.push_back(end);
+      last = std::max(last, end);
+    }
+    double idle = 0;
+    for (long long end : ends) idle += static_cast<double>(last - end);
+    std::printf("\n  span %.1f us over %zu SMs; an SM's last tile ends on average %.1f us before the last one"
+                " (%.1f%% of the span idle at the end)\n",
+                (last - first) / 1e3, ends.size(), idle / ends.size() / 1e3,
+                100.0 * idle / ends.size() / static_cast<double>(last - first));
+  }
+  return 0;
+}
