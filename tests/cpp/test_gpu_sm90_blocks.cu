@@ -307,6 +307,22 @@ __global__ void __launch_bounds__(256, 1)
   }
 }
 
+// A contiguous [batch, seqlen, heads, stored] tensor of 16-bit elements at `base`, described to the
+// copy engine with `cols` <= stored columns per row.
+StridedTensor16 bshd_tensor(void* base, int batch, int seqlen, int heads, int stored, int cols) {
+  StridedTensor16 t;
+  t.base = base;
+  t.rank = 4;
+  t.extents[0] = cols;
+  t.extents[1] = seqlen;
+  t.extents[2] = heads;
+  t.extents[3] = batch;
+  t.byte_strides[0] = static_cast<uint64_t>(heads) * stored * 2;
+  t.byte_strides[1] = static_cast<uint64_t>(stored) * 2;
+  t.byte_strides[2] = static_cast<uint64_t>(seqlen) * heads * stored * 2;
+  return t;
+}
+
 // `cols` valid columns of the 128 stored per row: boxes reaching past them (partly, or wholly for
 // cols <= 64) must arrive zero-filled, as the forward's padded head dims rely on.
 void run_tma_ring(int cols) {
@@ -315,17 +331,8 @@ void run_tma_ring(int cols) {
   const auto x = random_bits(DType::kBFloat16, static_cast<size_t>(batch) * seqlen * heads * kRingCols, 5);
   DeviceArray<uint16_t> dx(x);
   DeviceArray<uint16_t> dout(static_cast<size_t>(blocks) * kRingRows * kRingCols);
-  StridedTensor16 t;
-  t.base = dx.ptr;
-  t.rank = 4;
-  t.extents[0] = cols;
-  t.extents[1] = seqlen;
-  t.extents[2] = heads;
-  t.extents[3] = batch;
-  t.byte_strides[0] = heads * kRingCols * 2;
-  t.byte_strides[1] = kRingCols * 2;
-  t.byte_strides[2] = static_cast<uint64_t>(seqlen) * heads * kRingCols * 2;
-  const CUtensorMap map = encode_tensor_map(t, true, kRingRows, "test tensor");
+  const CUtensorMap map =
+      encode_tensor_map(bshd_tensor(dx.ptr, batch, seqlen, heads, kRingCols, cols), true, kRingRows, "test tensor");
   const int smem = kRingStages * RingTile::kBytes + static_cast<int>(sizeof(RingBarriers));
   SM90_CHECK(cudaFuncSetAttribute(tma_ring_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   tma_ring_kernel<<<1, 256, smem>>>(map, blocks, head, b, dout.ptr);
@@ -395,17 +402,8 @@ void run_tma_store(DType dtype, int cols, int row0) {
   const uint16_t kUntouched = 0x7FBF;  // a NaN pattern neither store can produce
   const size_t n = static_cast<size_t>(batch) * seqlen * heads * kCols;
   DeviceArray<uint16_t> dout(std::vector<uint16_t>(n, kUntouched));
-  StridedTensor16 t;
-  t.base = dout.ptr;
-  t.rank = 4;
-  t.extents[0] = cols;
-  t.extents[1] = seqlen;
-  t.extents[2] = heads;
-  t.extents[3] = batch;
-  t.byte_strides[0] = heads * kCols * 2;
-  t.byte_strides[1] = kCols * 2;
-  t.byte_strides[2] = static_cast<uint64_t>(seqlen) * heads * kCols * 2;
-  const CUtensorMap map = encode_tensor_map(t, dtype == DType::kBFloat16, 64, "test tensor");
+  const CUtensorMap map = encode_tensor_map(bshd_tensor(dout.ptr, batch, seqlen, heads, kCols, cols),
+                                            dtype == DType::kBFloat16, 64, "test tensor");
   const int smem = Swizzle128Tile<64, kCols>::kBytes;
   SM90_CHECK(cudaFuncSetAttribute(tma_store_kernel<Element, kCols>,
                                   cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
