@@ -58,7 +58,7 @@ int main(int argc, char** argv) {
   const FwdProblem problem = api::validate_mha_fwd(prm);
 
   const int tiles = batch * heads * ((seqlen + Traits::kBlockM - 1) / Traits::kBlockM);
-  const size_t slots = static_cast<size_t>(tiles) * kConsumers * sm90::kTraceEvents;
+  const size_t slots = static_cast<size_t>(tiles) * kConsumers * sm90::kTraceSlots;
   check(cudaMalloc(&sm90::fwd_trace_buffer, slots * 8), "cudaMalloc trace");
   for (int i = 0; i < 5; ++i) sm90::launch_fwd<Traits, true>(problem, nullptr);
   check(cudaMemset(sm90::fwd_trace_buffer, 0, slots * 8), "memset");
@@ -75,14 +75,14 @@ int main(int argc, char** argv) {
   for (int c = 0; c < kConsumers; ++c) {
     std::map<long long, std::vector<std::pair<long long, int>>> by_sm;  // sm -> (start, tile)
     for (int tile = 0; tile < tiles; ++tile) {
-      const long long* e = &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceEvents];
+      const long long* e = &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceSlots];
       if (e[0] != 0) by_sm[e[7]].push_back({e[0], tile});
     }
     double sum[6] = {}, count[6] = {}, per_block = 0, loops = 0;
     for (auto& [sm, list] : by_sm) {
       std::sort(list.begin(), list.end());
       for (size_t i = 0; i < list.size(); ++i) {
-        const long long* e = &t[(static_cast<size_t>(list[i].second) * kConsumers + c) * sm90::kTraceEvents];
+        const long long* e = &t[(static_cast<size_t>(list[i].second) * kConsumers + c) * sm90::kTraceSlots];
         for (int ph = 0; ph < 5; ++ph) { sum[ph] += e[ph + 1] - e[ph]; count[ph] += 1; }
         // Unmasked: every tile visits blocks_full key blocks, the main loop the last blocks_full - 1.
         if (!causal && blocks_full > 1) {
@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
           loops += 1;
         }
         if (i + 1 < list.size()) {
-          const long long* f = &t[(static_cast<size_t>(list[i + 1].second) * kConsumers + c) * sm90::kTraceEvents];
+          const long long* f = &t[(static_cast<size_t>(list[i + 1].second) * kConsumers + c) * sm90::kTraceSlots];
           sum[5] += f[0] - e[5]; count[5] += 1;
         }
       }
@@ -109,7 +109,7 @@ int main(int argc, char** argv) {
     for (auto& [sm, list] : by_sm) {
       long long end = 0;
       for (auto& [start, tile] : list) {
-        const long long* e = &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceEvents];
+        const long long* e = &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceSlots];
         first = first < 0 ? e[6] : std::min(first, e[6]);
         end = std::max(end, e[8]);
       }

@@ -81,26 +81,33 @@ inline namespace traced {  // the traced build's own symbols, beside the library
 
 #ifdef FLASHKIT_SM90_FWD_TRACE
 // The instrument of bench/fwd_trace_sm90.cu (defined there before this header, never in the
-// library): each consumer's first thread records clock64 at six points of every tile (events 0-5),
-// the SM's id (7) and %globaltimer at the tile's start and end (6, 8: comparable across SMs), into
-// fwd_trace_buffer[(linear tile * consumers + consumer) * kTraceEvents + event].
-constexpr int kTraceEvents = 10;
-__device__ __forceinline__ long long global_nanoseconds() {
+// library). Each consumer's first thread writes kTraceSlots values per tile into
+// fwd_trace_buffer[(linear tile * consumers + consumer) * kTraceSlots + slot]: clock64 when the tile
+// is located (0), its Q has landed (1), its first S has landed (2), every S has (3), its last P V has
+// (4) and its epilogue is done (5); %globaltimer at its start (6) and end (8), comparable across
+// SMs; the SM's id (7).
+constexpr int kTraceSlots = 10;
+inline long long* fwd_trace_buffer = nullptr;  // set by the tool; read by launch_fwd
+__device__ __forceinline__ long long trace_global_ns() {
   long long t;
   asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
   return t;
 }
-inline long long* fwd_trace_buffer = nullptr;  // set by the tool; read by launch_fwd
-#define FLASHKIT_FWD_TRACE(event)                                                                   \
-  do {                                                                                              \
-    if (threadIdx.x % kWarpgroupThreads == 0) {                                                     \
-      params.trace[(static_cast<int64_t>(linear) * Traits::kConsumerWarpgroups + consumer) *        \
-                       kTraceEvents + (event)] = clock64();                                         \
-    }                                                                                               \
+__device__ __forceinline__ long long trace_sm_id() {
+  uint32_t sm;
+  asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
+  return sm;
+}
+#define FLASHKIT_FWD_TRACE(slot, value)                                                            \
+  do {                                                                                             \
+    if (threadIdx.x % kWarpgroupThreads == 0) {                                                    \
+      params.trace[(static_cast<int64_t>(linear) * Traits::kConsumerWarpgroups + consumer) *       \
+                       kTraceSlots + (slot)] = (value);                                            \
+    }                                                                                              \
   } while (0)
 #else
-#define FLASHKIT_FWD_TRACE(event) \
-  do {                            \
+#define FLASHKIT_FWD_TRACE(slot, value) \
+  do {                                  \
   } while (0)
 #endif
 
@@ -509,16 +516,9 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
     const FwdTile tile = FwdTile::locate<kBlockM, kBlockN>(params, linear);
     if (tile.rows_in_block <= 0) continue;  // varlen: the sequence is shorter than max_seqlen_q
-    FLASHKIT_FWD_TRACE(0);
-#ifdef FLASHKIT_SM90_FWD_TRACE
-    if (threadIdx.x % kWarpgroupThreads == 0) {
-      uint32_t sm;
-      asm volatile("mov.u32 %0, %%smid;\n" : "=r"(sm));
-      params.trace[(static_cast<int64_t>(linear) * Traits::kConsumerWarpgroups + consumer) * kTraceEvents + 7] = sm;
-      params.trace[(static_cast<int64_t>(linear) * Traits::kConsumerWarpgroups + consumer) * kTraceEvents + 6] =
-          global_nanoseconds();
-    }
-#endif
+    FLASHKIT_FWD_TRACE(0, clock64());
+    FLASHKIT_FWD_TRACE(6, trace_global_ns());
+    FLASHKIT_FWD_TRACE(7, trace_sm_id());
     const int m0 = tile.m0;
     const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
     const float alibi_slope =
@@ -555,7 +555,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
 
     if (tile.has_keys()) {
       mbarrier_wait(smem_u32(&bars.q_full), q_loads & 1u);
-      FLASHKIT_FWD_TRACE(1);
+      FLASHKIT_FWD_TRACE(1, clock64());
       ++q_loads;
       float acc_s[1][kNTiles][4];
       uint32_t p_frag[kBlockN / 16][4];
@@ -593,7 +593,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         wgmma_wait<0>();
         wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
         release(bars.k_empty[cursor.stage]);
-        FLASHKIT_FWD_TRACE(2);
+        FLASHKIT_FWD_TRACE(2, clock64());
         softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
         pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
 
@@ -624,7 +624,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
         }
         release(bars.q_empty);  // every S of the tile has completed
-        FLASHKIT_FWD_TRACE(3);
+        FLASHKIT_FWD_TRACE(3, clock64());
 
         mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
         turn.wait();
@@ -638,7 +638,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         release(bars.v_empty[cursor.stage]);
         cursor.advance();
         ring = cursor;
-        FLASHKIT_FWD_TRACE(4);
+        FLASHKIT_FWD_TRACE(4, clock64());
       }
     }
 
@@ -675,13 +675,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         }
       }
     }
-    FLASHKIT_FWD_TRACE(5);
-#ifdef FLASHKIT_SM90_FWD_TRACE
-    if (threadIdx.x % kWarpgroupThreads == 0) {
-      params.trace[(static_cast<int64_t>(linear) * Traits::kConsumerWarpgroups + consumer) * kTraceEvents + 8] =
-          global_nanoseconds();
-    }
-#endif
+    FLASHKIT_FWD_TRACE(5, clock64());
+    FLASHKIT_FWD_TRACE(8, trace_global_ns());
   }
   // The copy engine must have read the last staging tile before the CTA's shared memory goes away
   // (its writes to O are visible when the kernel ends).
