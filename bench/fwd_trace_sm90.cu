@@ -67,6 +67,8 @@ int main(int argc, char** argv) {
   std::vector<long long> t(slots);
   check(cudaMemcpy(t.data(), sm90::fwd_trace_buffer, slots * 8, cudaMemcpyDeviceToHost), "copy trace");
 
+  // The record of `tile` by consumer `c` (slots: fwd_kernel_sm90.cuh, FLASHKIT_FWD_TRACE).
+  auto record = [&](int tile, int c) { return &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceSlots]; };
   // Tiles of one CTA, in walk order: grouped by SM and ordered by start (one CTA per SM at a time).
   const int blocks_full = seqlen / Traits::kBlockN;
   std::printf("bf16 d128 seqlen %d batch %d heads %d causal %d: %d tiles, %d key blocks per full tile\n", seqlen,
@@ -75,14 +77,14 @@ int main(int argc, char** argv) {
   for (int c = 0; c < kConsumers; ++c) {
     std::map<long long, std::vector<std::pair<long long, int>>> by_sm;  // sm -> (start, tile)
     for (int tile = 0; tile < tiles; ++tile) {
-      const long long* e = &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceSlots];
+      const long long* e = record(tile, c);
       if (e[0] != 0) by_sm[e[7]].push_back({e[0], tile});
     }
     double sum[6] = {}, count[6] = {}, per_block = 0, loops = 0;
     for (auto& [sm, list] : by_sm) {
       std::sort(list.begin(), list.end());
       for (size_t i = 0; i < list.size(); ++i) {
-        const long long* e = &t[(static_cast<size_t>(list[i].second) * kConsumers + c) * sm90::kTraceSlots];
+        const long long* e = record(list[i].second, c);
         for (int ph = 0; ph < 5; ++ph) { sum[ph] += e[ph + 1] - e[ph]; count[ph] += 1; }
         // Unmasked: every tile visits blocks_full key blocks, the main loop the last blocks_full - 1.
         if (!causal && blocks_full > 1) {
@@ -90,7 +92,7 @@ int main(int argc, char** argv) {
           loops += 1;
         }
         if (i + 1 < list.size()) {
-          const long long* f = &t[(static_cast<size_t>(list[i + 1].second) * kConsumers + c) * sm90::kTraceSlots];
+          const long long* f = record(list[i + 1].second, c);
           sum[5] += f[0] - e[5]; count[5] += 1;
         }
       }
@@ -109,7 +111,7 @@ int main(int argc, char** argv) {
     for (auto& [sm, list] : by_sm) {
       long long end = 0;
       for (auto& [start, tile] : list) {
-        const long long* e = &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceSlots];
+        const long long* e = record(tile, c);
         first = first < 0 ? e[6] : std::min(first, e[6]);
         end = std::max(end, e[8]);
       }
