@@ -81,11 +81,14 @@ int main(int argc, char** argv) {
       if (e[0] != 0) by_sm[e[7]].push_back({e[0], tile});
     }
     double sum[6] = {}, count[6] = {}, per_block = 0, loops = 0;
+    double loop_sum[sm90::kTraceLoopPhases] = {}, iterations = 0;
     for (auto& [sm, list] : by_sm) {
       std::sort(list.begin(), list.end());
       for (size_t i = 0; i < list.size(); ++i) {
         const long long* e = record(list[i].second, c);
         for (int ph = 0; ph < 5; ++ph) { sum[ph] += e[ph + 1] - e[ph]; count[ph] += 1; }
+        for (int ph = 0; ph < sm90::kTraceLoopPhases; ++ph) loop_sum[ph] += e[10 + ph];
+        iterations += causal ? 0 : blocks_full - 1;
         // Unmasked: every tile visits blocks_full key blocks, the main loop the last blocks_full - 1.
         if (!causal && blocks_full > 1) {
           per_block += static_cast<double>(e[3] - e[2]) / (blocks_full - 1);
@@ -104,6 +107,16 @@ int main(int argc, char** argv) {
       const double tile_total = (sum[0] + sum[1] + sum[2] + sum[3] + sum[4]) / count[0] + (count[5] ? sum[5] / count[5] : 0);
       std::printf("\n  main-loop period %.0f cycles per key block; tile start to next tile start %.0f = %.2f periods for %d blocks (%.2f blocks of overhead)",
                   period, tile_total, tile_total / period, blocks_full, tile_total / period - blocks_full);
+    }
+    if (iterations > 0) {
+      const char* loop_names[] = {"K/V wait", "turn wait", "issue", "S wait", "softmax", "P V wait", "rescale+pack"};
+      double total = 0;
+      std::printf("\n  main-loop iteration, mean cycles:");
+      for (int ph = 0; ph < sm90::kTraceLoopPhases; ++ph) {
+        std::printf("  %s %.0f", loop_names[ph], loop_sum[ph] / iterations);
+        total += loop_sum[ph] / iterations;
+      }
+      std::printf("  (sum %.0f)", total);
     }
     // Balance (globaltimer, comparable across SMs): each SM's last tile end against the kernel's.
     long long first = -1, last = 0;

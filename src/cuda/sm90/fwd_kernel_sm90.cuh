@@ -85,8 +85,12 @@ inline namespace traced {  // the traced build's own symbols, beside the library
 // fwd_trace_buffer[(linear tile * consumers + consumer) * kTraceSlots + slot]: clock64 when the tile
 // is located (0), its Q has landed (1), its first S has landed (2), every S has (3), its last P V has
 // (4) and its epilogue is done (5); %globaltimer at its start (6) and end (8), comparable across
-// SMs; the SM's id (7).
-constexpr int kTraceSlots = 10;
+// SMs; the SM's id (7). Slots 10-16 sum, over the main loop's iterations (every block but the
+// first), the cycles of its phases: waiting for K and V (10), for the turn (11), issuing S and
+// P V (12), waiting for S (13), the softmax (14), waiting for P V (15), rescaling O and packing P
+// (16).
+constexpr int kTraceSlots = 17;
+constexpr int kTraceLoopPhases = 7;
 inline long long* fwd_trace_buffer = nullptr;  // set by the tool; read by launch_fwd
 __device__ __forceinline__ long long trace_global_ns() {
   long long t;
@@ -105,9 +109,29 @@ __device__ __forceinline__ long long trace_sm_id() {
                        kTraceSlots + (slot)] = (value);                                            \
     }                                                                                              \
   } while (0)
+// Main-loop phase marks: MARK(i) at the end of phase i - 1 (i = 1 .. 7, 0 at the iteration's
+// start); LOOP_SUM adds an iteration's phases to the tile's sums, LOOP_STORE writes them.
+#define FLASHKIT_FWD_LOOP_MARK(i) loop_mark[i] = clock64()
+#define FLASHKIT_FWD_LOOP_SUM()                                                                    \
+  do {                                                                                             \
+    for (int ph = 0; ph < kTraceLoopPhases; ++ph) loop_sum[ph] += loop_mark[ph + 1] - loop_mark[ph]; \
+  } while (0)
+#define FLASHKIT_FWD_LOOP_STORE()                                                          \
+  do {                                                                                     \
+    for (int ph = 0; ph < kTraceLoopPhases; ++ph) FLASHKIT_FWD_TRACE(10 + ph, loop_sum[ph]); \
+  } while (0)
 #else
 #define FLASHKIT_FWD_TRACE(slot, value) \
   do {                                  \
+  } while (0)
+#define FLASHKIT_FWD_LOOP_MARK(i) \
+  do {                            \
+  } while (0)
+#define FLASHKIT_FWD_LOOP_SUM() \
+  do {                          \
+  } while (0)
+#define FLASHKIT_FWD_LOOP_STORE() \
+  do {                            \
   } while (0)
 #endif
 
@@ -597,19 +621,28 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
         pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
 
+#ifdef FLASHKIT_SM90_FWD_TRACE
+        long long loop_mark[kTraceLoopPhases + 1];
+        long long loop_sum[kTraceLoopPhases] = {};
+#endif
         for (--n_block; n_block >= tile.n_begin; --n_block) {
+          FLASHKIT_FWD_LOOP_MARK(0);
           previous = cursor;
           cursor.advance();
           mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
           mbarrier_wait(smem_u32(&bars.v_full[previous.stage]), previous.phase);
+          FLASHKIT_FWD_LOOP_MARK(1);
           turn.wait();
+          FLASHKIT_FWD_LOOP_MARK(2);
           wgmma_fence();
           issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
           issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(previous));
           turn.pass();
+          FLASHKIT_FWD_LOOP_MARK(3);
           wgmma_wait<1>();  // S of this block (issued first) has landed; P V may still run
           wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
           release(bars.k_empty[cursor.stage]);
+          FLASHKIT_FWD_LOOP_MARK(4);
           // O (P V of the previous block) is waited for after the softmax in the source; ptxas may
           // hoist the wait to the top of this basic block. Splitting it into the arms of the
           // rescale branch keeps it after the exponentials (+1-2% measured) but is undefined:
@@ -617,12 +650,17 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           // and the rescale decision is per warp (compute-sanitizer synccheck flags it); a
           // warpgroup vote (bar.red.or) to make the branch uniform cost 3-9% (bench/NOTES.md).
           const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
+          FLASHKIT_FWD_LOOP_MARK(5);
           wgmma_wait<0>();
           wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
+          FLASHKIT_FWD_LOOP_MARK(6);
           if (any_rescale) softmax.rescale_output(acc_o, rescale);
           release(bars.v_empty[previous.stage]);
           pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
+          FLASHKIT_FWD_LOOP_MARK(7);
+          FLASHKIT_FWD_LOOP_SUM();
         }
+        FLASHKIT_FWD_LOOP_STORE();
         release(bars.q_empty);  // every S of the tile has completed
         FLASHKIT_FWD_TRACE(3, clock64());
 
