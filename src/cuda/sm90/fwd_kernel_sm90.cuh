@@ -582,9 +582,9 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       FLASHKIT_FWD_TRACE(1, clock64());
       ++q_loads;
       float acc_s[1][kNTiles][4];
-      uint32_t p_frag[kBlockN / 16][4];
       float rescale[2];
       if constexpr (!kPipelined) {
+        uint32_t p_frag[kBlockN / 16][4];
         for (int n_block = tile.n_end - 1; n_block >= tile.n_begin; --n_block) {
           mbarrier_wait(smem_u32(&bars.k_full[ring.stage]), ring.phase);
           wgmma_fence();
@@ -608,6 +608,9 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         Cursor cursor = ring;  // the block whose scores are being computed
         Cursor previous;       // the block whose P V is pending
         int n_block = tile.n_end - 1;
+        // The packed P of two consecutive blocks: the next block's is written while P V still reads
+        // the previous one, so the pack runs beside the softmax instead of after P V's wait.
+        uint32_t p_frag[2][kBlockN / 16][4];
 
         mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
         turn.wait();
@@ -619,55 +622,80 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         release(bars.k_empty[cursor.stage]);
         FLASHKIT_FWD_TRACE(2, clock64());
         softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
-        pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
-
+        pack_probabilities<Traits>(acc_s, p_frag[0], drop_marks);
+        // Each iteration starts with its K and V landed: here for the first, and for the others at
+        // the end of the one before.
+        {
+          Cursor next = cursor;
+          next.advance();
+          if (n_block > tile.n_begin) mbarrier_wait(smem_u32(&bars.k_full[next.stage]), next.phase);
+          mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
+        }
 #ifdef FLASHKIT_SM90_FWD_TRACE
         long long loop_mark[kTraceLoopPhases + 1];
         long long loop_sum[kTraceLoopPhases] = {};
 #endif
-        for (--n_block; n_block >= tile.n_begin; --n_block) {
+        // Block n_block: S = Q K^T and the previous block's P V (P from p_pending), the softmax, P
+        // packed into p_next. The next iteration's K and V barriers are tested right after the
+        // products are issued and waited for only after the softmax (the test's latency runs under
+        // it); P V is waited for last, so that it overlaps the softmax.
+        auto iteration = [&](const uint32_t(&p_pending)[kBlockN / 16][4], uint32_t(&p_next)[kBlockN / 16][4]) {
           FLASHKIT_FWD_LOOP_MARK(0);
           previous = cursor;
           cursor.advance();
-          mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
-          mbarrier_wait(smem_u32(&bars.v_full[previous.stage]), previous.phase);
+          Cursor next = cursor;
+          next.advance();
+          const bool more = n_block > tile.n_begin;
           FLASHKIT_FWD_LOOP_MARK(1);
           turn.wait();
           FLASHKIT_FWD_LOOP_MARK(2);
           wgmma_fence();
           issue_qk<Traits>(&acc_s[0][0][0], sQ_rows, k_tile(cursor));
-          issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(previous));
+          issue_pv<Traits>(&acc_o[0][0][0], p_pending, v_tile(previous));
           turn.pass();
+          const bool k_ready = !more || mbarrier_test(smem_u32(&bars.k_full[next.stage]), next.phase);
+          const bool v_ready = mbarrier_test(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
           FLASHKIT_FWD_LOOP_MARK(3);
           wgmma_wait<1>();  // S of this block (issued first) has landed; P V may still run
           wgmma_fence_registers<kBlockN / 2>(&acc_s[0][0][0]);
           release(bars.k_empty[cursor.stage]);
           FLASHKIT_FWD_LOOP_MARK(4);
-          // O (P V of the previous block) is waited for after the softmax in the source; ptxas may
-          // hoist the wait to the top of this basic block. Splitting it into the arms of the
-          // rescale branch keeps it after the exponentials (+1-2% measured) but is undefined:
-          // wgmma.wait_group is .aligned, every warp of the warpgroup must execute the same one,
-          // and the rescale decision is per warp (compute-sanitizer synccheck flags it); a
-          // warpgroup vote (bar.red.or) to make the branch uniform cost 3-9% (bench/NOTES.md).
           const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
+          pack_probabilities<Traits>(acc_s, p_next, drop_marks);
+          if (!k_ready) mbarrier_wait(smem_u32(&bars.k_full[next.stage]), next.phase);
+          if (!v_ready) mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
           FLASHKIT_FWD_LOOP_MARK(5);
           wgmma_wait<0>();
           wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
           FLASHKIT_FWD_LOOP_MARK(6);
           if (any_rescale) softmax.rescale_output(acc_o, rescale);
           release(bars.v_empty[previous.stage]);
-          pack_probabilities<Traits>(acc_s, p_frag, drop_marks);
           FLASHKIT_FWD_LOOP_MARK(7);
           FLASHKIT_FWD_LOOP_SUM();
+        };
+        // Two iterations per trip, so that the two P buffers swap roles without copies.
+        bool last_p_in_second = false;
+        for (;;) {
+          if (--n_block < tile.n_begin) break;
+          iteration(p_frag[0], p_frag[1]);
+          if (--n_block < tile.n_begin) {
+            last_p_in_second = true;
+            break;
+          }
+          iteration(p_frag[1], p_frag[0]);
         }
         FLASHKIT_FWD_LOOP_STORE();
         release(bars.q_empty);  // every S of the tile has completed
         FLASHKIT_FWD_TRACE(3, clock64());
 
-        mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
         turn.wait();
         wgmma_fence();
-        issue_pv<Traits>(&acc_o[0][0][0], p_frag, v_tile(cursor));
+        // (The branch is uniform across the warpgroup: both arms issue the same aligned wgmmas.)
+        if (last_p_in_second) {
+          issue_pv<Traits>(&acc_o[0][0][0], p_frag[1], v_tile(cursor));
+        } else {
+          issue_pv<Traits>(&acc_o[0][0][0], p_frag[0], v_tile(cursor));
+        }
         // Every consumer but the last passes this last turn on; the last one passes it to consumer
         // 0 at the next tile's start.
         if (consumer != kLastConsumer) turn.pass();

@@ -54,6 +54,23 @@ __device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
+// Whether the phase with parity `parity` of `bar` has completed, without blocking: a kernel tests
+// early and waits (mbarrier_wait) later only if the test failed, so that the test's latency runs
+// under other work.
+__device__ __forceinline__ bool mbarrier_test(uint32_t bar, uint32_t parity) {
+  uint32_t done;
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "mbarrier.test_wait.parity.acquire.cta.shared::cta.b64 p, [%1], %2;\n"
+      "selp.u32 %0, 1, 0, p;\n"
+      "}\n"
+      : "=r"(done)
+      : "r"(bar), "r"(parity)
+      : "memory");
+  return done != 0;
+}
+
 // Position in a ring of kStages barrier-guarded buffers: the stage index and the parity of the
 // phase that step of the walk completes.
 template <int kStages>
