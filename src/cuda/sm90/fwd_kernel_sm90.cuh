@@ -194,14 +194,14 @@ struct FwdKernelTraits {
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
-  // Buffers of the packed P (kBlockN / 4 registers each). With two, a block's P is packed beside
-  // its softmax while the previous block's P V still reads the other one; with one, the pack waits
-  // for that P V. Two where the registers allow: d256 (O takes 128) and the dropout instances (the
-  // drop marks) spill with two.
-  static constexpr int kPBuffers = kHeadDim <= 128 && !kDropout ? 2 : 1;
-  // Whether the main loop tests the next block's K and V barriers early (two predicates live across
-  // the softmax; at d256 they spill) rather than only waiting on them after the softmax.
-  static constexpr bool kEarlyBarrierTest = kHeadDim <= 128;
+  // The main loop's short chain (where the registers allow it): a block's P is packed beside its
+  // softmax into a second P buffer (kBlockN / 4 registers) while the previous block's P V still
+  // reads the first, and the next block's K and V barriers are tested right after the products are
+  // issued, waited for after the softmax. Otherwise (d256: O takes 128 registers; the dropout
+  // instances: their drop marks; both spilled or ran slower with it) the pack waits for P V and an
+  // iteration waits for its K and V first. bench/NOTES.md, "the consumer's chain".
+  static constexpr bool kShortChain = kHeadDim <= 128 && !kDropout;
+  static constexpr int kPBuffers = kShortChain ? 2 : 1;
   // setmaxnreg moves registers within the CTA's allocation at launch (the 64K file split evenly
   // and rounded down to 8: 168 per thread at 384 threads, 128 at 512). A consumer's claim blocks
   // until the producer's release has put enough in the pool, so the claims must not exceed the
@@ -629,7 +629,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         FLASHKIT_FWD_TRACE(2, clock64());
         softmax_block(acc_s, n_block * kBlockN, rescale);  // O is still zero: nothing to rescale
         pack_probabilities<Traits>(acc_s, p_frag[0], drop_marks);
-        if constexpr (Traits::kEarlyBarrierTest) {
+        if constexpr (Traits::kShortChain) {
           // Each iteration starts with its K and V landed: here for the first, and for the others
           // at the end of the one before.
           Cursor next = cursor;
@@ -642,10 +642,10 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         long long loop_sum[kTraceLoopPhases] = {};
 #endif
         // Block n_block: S = Q K^T and the previous block's P V (P from p_pending), the softmax, P
-        // packed into p_next (before P V's wait where they are two buffers, after it where they are
-        // one). With kEarlyBarrierTest the next iteration's K and V barriers are tested right after
-        // the products are issued and waited for only after the softmax, so that the test's latency
-        // runs under it; otherwise an iteration waits for its own K and V first.
+        // packed into p_next. With kShortChain the pack runs before P V's wait (p_next is the other
+        // buffer), and the next iteration's K and V barriers are tested right after the products are
+        // issued and waited for only after the softmax, so that the test's latency runs under it;
+        // otherwise an iteration waits for its own K and V first and packs after P V's wait.
         auto iteration = [&](const uint32_t(&p_pending)[kBlockN / 16][4], uint32_t(&p_next)[kBlockN / 16][4]) {
           FLASHKIT_FWD_LOOP_MARK(0);
           previous = cursor;
@@ -653,7 +653,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           Cursor next = cursor;
           next.advance();
           const bool more = n_block > tile.n_begin;
-          if constexpr (!Traits::kEarlyBarrierTest) {
+          if constexpr (!Traits::kShortChain) {
             mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
             mbarrier_wait(smem_u32(&bars.v_full[previous.stage]), previous.phase);
           }
@@ -666,7 +666,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           turn.pass();
           bool k_ready = true;
           bool v_ready = true;
-          if constexpr (Traits::kEarlyBarrierTest) {
+          if constexpr (Traits::kShortChain) {
             k_ready = !more || mbarrier_test(smem_u32(&bars.k_full[next.stage]), next.phase);
             v_ready = mbarrier_test(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
           }
@@ -676,7 +676,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           release(bars.k_empty[cursor.stage]);
           FLASHKIT_FWD_LOOP_MARK(4);
           const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
-          if constexpr (Traits::kPBuffers == 2) pack_probabilities<Traits>(acc_s, p_next, drop_marks);
+          if constexpr (Traits::kShortChain) pack_probabilities<Traits>(acc_s, p_next, drop_marks);
           if (!k_ready) mbarrier_wait(smem_u32(&bars.k_full[next.stage]), next.phase);
           if (!v_ready) mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
           FLASHKIT_FWD_LOOP_MARK(5);
@@ -685,27 +685,31 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           FLASHKIT_FWD_LOOP_MARK(6);
           if (any_rescale) softmax.rescale_output(acc_o, rescale);
           release(bars.v_empty[previous.stage]);
-          if constexpr (Traits::kPBuffers == 1) pack_probabilities<Traits>(acc_s, p_next, drop_marks);
+          if constexpr (!Traits::kShortChain) pack_probabilities<Traits>(acc_s, p_next, drop_marks);
           FLASHKIT_FWD_LOOP_MARK(7);
           FLASHKIT_FWD_LOOP_SUM();
         };
-        // Two iterations per trip, so that two P buffers swap roles without copies.
+        // With two P buffers, two iterations per trip, so that they swap roles without copies.
         constexpr int kSecond = Traits::kPBuffers - 1;
         bool last_p_in_second = false;
-        for (;;) {
-          if (--n_block < tile.n_begin) break;
-          iteration(p_frag[0], p_frag[kSecond]);
-          if (--n_block < tile.n_begin) {
-            last_p_in_second = true;
-            break;
+        if constexpr (Traits::kPBuffers == 2) {
+          for (;;) {
+            if (--n_block < tile.n_begin) break;
+            iteration(p_frag[0], p_frag[1]);
+            if (--n_block < tile.n_begin) {
+              last_p_in_second = true;
+              break;
+            }
+            iteration(p_frag[1], p_frag[0]);
           }
-          iteration(p_frag[kSecond], p_frag[0]);
+        } else {
+          for (--n_block; n_block >= tile.n_begin; --n_block) iteration(p_frag[0], p_frag[0]);
         }
         FLASHKIT_FWD_LOOP_STORE();
         release(bars.q_empty);  // every S of the tile has completed
         FLASHKIT_FWD_TRACE(3, clock64());
 
-        if constexpr (!Traits::kEarlyBarrierTest) mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
+        if constexpr (!Traits::kShortChain) mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
         turn.wait();
         wgmma_fence();
         // (The branch is uniform across the warpgroup: both arms issue the same aligned wgmmas.)
