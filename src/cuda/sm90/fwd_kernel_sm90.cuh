@@ -22,8 +22,11 @@
 //     first block:  S = Q K^T (wgmma SS); release K; softmax S -> P (registers)
 //     each next block n, previous block p:
 //       [turn]  issue S_n = Q K_n^T (SS) and O += P_p V_p (RS: P from registers)   [pass turn]
-//       wait S_n; release K_n; softcap / ALiBi / mask; advance the row maxima; S_n -> P_n
-//       wait O; release V_p; rescale O if a row maximum moved
+//       test the next block's K and V barriers (Traits::kShortChain)
+//       wait S_n; release K_n; softcap / ALiBi / mask; advance the row maxima; S_n -> P_n,
+//       packed to 16 bits into the other P buffer (kShortChain; otherwise after the wait for O)
+//       wait for the next K and V if the test failed; wait O; rescale O if a row maximum moved;
+//       release V_p
 //     release Q (q_empty): with several tiles per CTA, the producer loads the next tile's Q under
 //                          this tile's last P V and epilogue, as it loads the next tile's K and V
 //                          into the stages this tile frees
