@@ -3,8 +3,9 @@
 // bf16 d128 p = 0 kernel with FLASHKIT_SM90_FWD_TRACE (each consumer's first thread records clock64
 // at six points of every tile), runs one problem of the standard grid's shape (16k tokens, 16 heads)
 // and prints, per consumer, the mean cycles of each phase and the time between two tiles of one CTA
-// (same SM, in start order); without a mask also the main loop's per-block period and the per-tile
-// cost in key blocks.
+// (same SM, in start order); without a mask also the main loop's per-block period, the per-tile
+// cost in key blocks and the mean cycles of each phase of a main-loop iteration (slots 10-16 of the
+// instrument: fwd_kernel_sm90.cuh).
 //
 //   flashkit_fwd_trace_sm90 [seqlen (2048)] [causal (0)]
 #define FLASHKIT_SM90_FWD_TRACE 1
@@ -109,7 +110,7 @@ int main(int argc, char** argv) {
                   period, tile_total, tile_total / period, blocks_full, tile_total / period - blocks_full);
     }
     if (iterations > 0) {
-      const char* loop_names[] = {"K/V wait", "turn wait", "issue", "S wait", "softmax", "P V wait", "rescale+pack"};
+      const char* loop_names[] = {"K/V wait", "turn wait", "issue", "S wait", "softmax", "P V wait", "rescale O"};  // slots 10-16
       double total = 0;
       std::printf("\n  main-loop iteration, mean cycles:");
       for (int ph = 0; ph < sm90::kTraceLoopPhases; ++ph) {

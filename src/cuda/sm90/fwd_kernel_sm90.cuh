@@ -89,9 +89,10 @@ inline namespace traced {  // the traced build's own symbols, beside the library
 // is located (0), its Q has landed (1), its first S has landed (2), every S has (3), its last P V has
 // (4) and its epilogue is done (5); %globaltimer at its start (6) and end (8), comparable across
 // SMs; the SM's id (7). Slots 10-16 sum, over the main loop's iterations (every block but the
-// first), the cycles of its phases: waiting for K and V (10), for the turn (11), issuing S and
-// P V (12), waiting for S (13), the softmax (14), waiting for P V (15), rescaling O and packing P
-// (16).
+// first), the cycles of its phases: waiting for K and V (10; with Traits::kShortChain those waits
+// follow the softmax and count in 14), for the turn (11), issuing S and P V (12), waiting for S
+// (13), the softmax (14; with kShortChain also the pack), waiting for P V (15), rescaling O and
+// releasing V (16; without kShortChain also the pack).
 constexpr int kTraceSlots = 17;
 constexpr int kTraceLoopPhases = 7;
 inline long long* fwd_trace_buffer = nullptr;  // set by the tool; read by launch_fwd
