@@ -3,8 +3,8 @@
 // computation: wgmma with A and B from shared memory (K-major, several column blocks), wgmma with A
 // from registers and B MN-major, the bulk tensor copy (TMA) of a 4-D tensor with zero fill past its
 // end, streamed through an mbarrier ring (full/empty phases) by a producer warp to a consumer
-// warpgroup after setmaxnreg, an accumulator staged with stmatrix and TMA-stored with clipping, and
-// named barriers. Compiled for sm_90a only (its own object
+// warpgroup after setmaxnreg, an accumulator staged with stmatrix and TMA-stored with clipping,
+// named barriers and the non-blocking mbarrier test. Compiled for sm_90a only (its own object
 // library); every test skips itself unless a compute capability 9.0 device is present, except the
 // host-side coverage rules (Sm90Coverage), which need no GPU.
 #include <cuda_bf16.h>
@@ -464,6 +464,43 @@ TEST_F(GpuSm90BlocksTest, NamedBarriersHandOff) {
   SM90_CHECK(cudaDeviceSynchronize());
   const auto got = dout.download(rounds);
   for (int r = 0; r < rounds; ++r) EXPECT_EQ(got[r], r * r + 1) << "round " << r;
+}
+
+// mbarrier_test: a non-blocking test of a phase. Thread 0 initialises a barrier of two arrivals and
+// records the test of phase 0 before any arrival, after one, after both, then the test of phase 1
+// (not yet completed) and of phase 1 after two more arrivals; warp 1 supplies the arrivals in
+// between (named barriers order the steps).
+__global__ void mbarrier_test_kernel(int* out) {
+  __shared__ uint64_t bar;
+  const uint32_t address = smem_u32(&bar);
+  const bool recorder = threadIdx.x == 0;
+  const bool arriver = threadIdx.x == 32;
+  if (recorder) {
+    mbarrier_init(address, 2);
+    mbarrier_init_fence();
+  }
+  __syncthreads();
+  for (int step = 0; step < 5; ++step) {
+    if (recorder) out[step] = mbarrier_test(address, step < 3 ? 0u : 1u) ? 1 : 0;
+    __syncthreads();
+    // Arrivals after steps 0 and 1 complete phase 0; after steps 3 (two) they complete phase 1.
+    if (arriver && (step == 0 || step == 1)) mbarrier_arrive(address);
+    if (arriver && step == 3) {
+      mbarrier_arrive(address);
+      mbarrier_arrive(address);
+    }
+    __syncthreads();
+  }
+}
+
+TEST_F(GpuSm90BlocksTest, MbarrierTestDoesNotBlock) {
+  DeviceArray<int> dout(5);
+  mbarrier_test_kernel<<<1, 64>>>(dout.ptr);
+  SM90_CHECK(cudaDeviceSynchronize());
+  const auto got = dout.download(5);
+  // Phase 0: open, open (one of two arrivals), completed; phase 1: open, completed.
+  const std::vector<int> want = {0, 0, 1, 0, 1};
+  for (int step = 0; step < 5; ++step) EXPECT_EQ(got[step], want[step]) << "step " << step;
 }
 
 // A contiguous [batch, seqlen, heads, head_dim] bf16 problem with 16-byte aligned (fake) pointers;
