@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
 
   const size_t elems = static_cast<size_t>(batch) * seqlen * heads * kHeadDim;
   std::vector<uint16_t> host(elems);
-  for (size_t i = 0; i < elems; ++i) host[i] = 0x3c00 + static_cast<uint16_t>((i * 2654435761u) >> 26);  // bf16 ~[1, 2)
+  for (size_t i = 0; i < elems; ++i) host[i] = 0x3c00 + static_cast<uint16_t>((i * 2654435761u) >> 26);  // bf16 in [2^-7, 1.5 x 2^-7)
   void *q, *k, *v, *out, *lse;
   for (void** p : {&q, &k, &v, &out}) check(cudaMalloc(p, elems * 2), "cudaMalloc");
   check(cudaMalloc(&lse, static_cast<size_t>(batch) * heads * seqlen * 4), "cudaMalloc");
