@@ -24,7 +24,8 @@
 //       [turn]  issue S_n = Q K_n^T (SS) and O += P_p V_p (RS: P from registers)   [pass turn]
 //       test the next block's K and V barriers (Traits::kShortChain)
 //       wait S_n; release K_n; softcap / ALiBi / mask; advance the row maxima; S_n -> P_n,
-//       packed to 16 bits into the other P buffer (kShortChain; otherwise after the wait for O)
+//       packed to 16 bits into the other P buffer (kShortChain, so that the softmax does not
+//       depend on the pending P V; otherwise after the wait for O)
 //       wait for the next K and V if the test failed; wait O; rescale O if a row maximum moved;
 //       release V_p
 //     release Q (q_empty): with several tiles per CTA, the producer loads the next tile's Q under
@@ -198,12 +199,16 @@ struct FwdKernelTraits {
   static constexpr int kConsumerWarpgroups = kBlockM / 64;
   static constexpr int kThreads = (1 + kConsumerWarpgroups) * kWarpgroupThreads;
   static constexpr int kConsumerWarps = kConsumerWarpgroups * 4;
-  // The main loop's short chain (where the registers allow it): a block's P is packed beside its
-  // softmax into a second P buffer (kBlockN / 4 registers) while the previous block's P V still
-  // reads the first, and the next block's K and V barriers are tested right after the products are
-  // issued, waited for after the softmax. Otherwise (d256: O takes 128 registers; the dropout
-  // instances: their drop marks; both spilled or ran slower with it) the pack waits for P V and an
-  // iteration waits for its K and V first. bench/NOTES.md, "the consumer's chain".
+  // The main loop's short chain (where the registers allow it): a block's P goes to a second P
+  // buffer (kBlockN / 4 registers), so that nothing in the softmax has to wait for the previous
+  // block's P V, which still reads the first; and the next block's K and V barriers are tested
+  // right after the products are issued and waited for after the softmax. What ptxas makes of it
+  // (SASS, d64 / d128): the exponentials, then the barrier waits, then P V's wait, then the pack
+  // (sunk there). With one P buffer it hoists the barrier waits and P V's wait above the
+  // exponentials, so each block's softmax waits for the previous block's P V, as it did before.
+  // Otherwise (d256: O takes 128 registers; the dropout instances: their drop marks; both spilled
+  // or ran slower with it) the pack waits for P V and an iteration waits for its K and V first.
+  // bench/NOTES.md, "Session 6".
   static constexpr bool kShortChain = kHeadDim <= 128 && !kDropout;
   static constexpr int kPBuffers = kShortChain ? 2 : 1;
   // setmaxnreg moves registers within the CTA's allocation at launch (the 64K file split evenly
@@ -646,10 +651,12 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         long long loop_sum[kTraceLoopPhases] = {};
 #endif
         // Block n_block: S = Q K^T and the previous block's P V (P from p_pending), the softmax, P
-        // packed into p_next. With kShortChain the pack runs before P V's wait (p_next is the other
-        // buffer), and the next iteration's K and V barriers are tested right after the products are
-        // issued and waited for only after the softmax, so that the test's latency runs under it;
-        // otherwise an iteration waits for its own K and V first and packs after P V's wait.
+        // packed into p_next. With kShortChain p_next is the other buffer and the pack is written
+        // before P V's wait (ptxas places it after; the point is that the softmax then has no
+        // dependence on P V, see the traits), and the next iteration's K and V barriers are tested
+        // right after the products are issued and waited for only after the softmax, so that the
+        // test's latency runs under it; otherwise an iteration waits for its own K and V first and
+        // packs after P V's wait.
         auto iteration = [&](const uint32_t(&p_pending)[kBlockN / 16][4], uint32_t(&p_next)[kBlockN / 16][4]) {
           FLASHKIT_FWD_LOOP_MARK(0);
           previous = cursor;
