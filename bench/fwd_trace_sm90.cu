@@ -7,7 +7,7 @@
 // cost in key blocks and the mean cycles of each phase of a main-loop iteration (slots 10-16 of the
 // instrument: fwd_kernel_sm90.cuh).
 //
-//   flashkit_fwd_trace_sm90 [seqlen (2048)] [causal (0)]
+//   flashkit_fwd_trace_sm90 [seqlen (2048)] [causal (0)] [dropout p (0): > 0 traces the dropout instance]
 #define FLASHKIT_SM90_FWD_TRACE 1
 #include <cuda_runtime.h>
 
@@ -31,14 +31,13 @@ void check(cudaError_t code, const char* what) {
 
 }  // namespace
 
-int main(int argc, char** argv) {
+template <bool kDropout>
+int trace(int seqlen, bool causal, float dropout_p) {
   using namespace flashkit;
-  const int seqlen = argc > 1 ? std::atoi(argv[1]) : 2048;
-  const bool causal = argc > 2 && std::atoi(argv[2]) != 0;
   constexpr int kHeadDim = 128;
   const int batch = 16384 / seqlen, heads = 16;
-  constexpr sm90::FwdTileConfig kTile = sm90::fwd_tile_config(kHeadDim);
-  using Traits = sm90::FwdKernelTraits<__nv_bfloat16, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, false>;
+  constexpr sm90::FwdTileConfig kTile = sm90::fwd_tile_config(kHeadDim, kDropout);
+  using Traits = sm90::FwdKernelTraits<__nv_bfloat16, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, kDropout>;
   constexpr int kConsumers = Traits::kConsumerWarpgroups;
 
   const size_t elems = static_cast<size_t>(batch) * seqlen * heads * kHeadDim;
@@ -56,6 +55,7 @@ int main(int argc, char** argv) {
   prm.out = make_view(out, DType::kBFloat16, {batch, seqlen, heads, kHeadDim}, gpu);
   prm.softmax_lse = make_view(lse, DType::kFloat32, {batch, heads, seqlen}, gpu);
   prm.mask.causal = causal;
+  prm.dropout = {dropout_p, 0x5eed, 0};
   const FwdProblem problem = api::validate_mha_fwd(prm);
 
   const int tiles = batch * heads * ((seqlen + Traits::kBlockM - 1) / Traits::kBlockM);
@@ -72,8 +72,8 @@ int main(int argc, char** argv) {
   auto record = [&](int tile, int c) { return &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceSlots]; };
   // Tiles of one CTA, in walk order: grouped by SM and ordered by start (one CTA per SM at a time).
   const int blocks_full = seqlen / Traits::kBlockN;
-  std::printf("bf16 d128 seqlen %d batch %d heads %d causal %d: %d tiles, %d key blocks per full tile\n", seqlen,
-              batch, heads, causal, tiles, blocks_full);
+  std::printf("bf16 d128 seqlen %d batch %d heads %d causal %d dropout %g: %d tiles, %d key blocks per full tile\n",
+              seqlen, batch, heads, causal, dropout_p, tiles, blocks_full);
   const char* names[] = {"q wait", "first S", "main loop", "last P V", "epilogue", "to next tile"};
   for (int c = 0; c < kConsumers; ++c) {
     std::map<long long, std::vector<std::pair<long long, int>>> by_sm;  // sm -> (start, tile)
@@ -140,4 +140,11 @@ int main(int argc, char** argv) {
                 100.0 * idle / ends.size() / static_cast<double>(last - first));
   }
   return 0;
+}
+
+int main(int argc, char** argv) {
+  const int seqlen = argc > 1 ? std::atoi(argv[1]) : 2048;
+  const bool causal = argc > 2 && std::atoi(argv[2]) != 0;
+  const float dropout_p = argc > 3 ? static_cast<float>(std::atof(argv[3])) : 0.0f;
+  return dropout_p > 0.0f ? trace<true>(seqlen, causal, dropout_p) : trace<false>(seqlen, causal, 0.0f);
 }
