@@ -1,11 +1,11 @@
 // bench/fwd_trace_sm90.cu
 // \brief flashkit_fwd_trace_sm90: where the sm90 forward's time goes around its tiles. Builds the
-// bf16 d128 p = 0 kernel with FLASHKIT_SM90_FWD_TRACE (each consumer's first thread records clock64
-// at six points of every tile), runs one problem of the standard grid's shape (16k tokens, 16 heads)
-// and prints, per consumer, the mean cycles of each phase and the time between two tiles of one CTA
-// (same SM, in start order); without a mask also the main loop's per-block period, the per-tile
-// cost in key blocks and the mean cycles of each phase of a main-loop iteration (slots 10-16 of the
-// instrument: fwd_kernel_sm90.cuh).
+// bf16 d128 kernels (p = 0 and the dropout instance) with FLASHKIT_SM90_FWD_TRACE (each consumer's
+// first thread records clock64 at six points of every tile), runs one problem of the standard
+// grid's shape (16k tokens, 16 heads) and prints, per consumer, the mean cycles of each phase and the
+// time between two tiles of one CTA (same SM, in start order); without a mask also the main loop's
+// per-block period, the per-tile cost in key blocks and the mean cycles of each phase of a main-loop
+// iteration (slots 10-16 of the instrument: fwd_kernel_sm90.cuh).
 //
 //   flashkit_fwd_trace_sm90 [seqlen (2048)] [causal (0)] [dropout p (0): > 0 traces the dropout instance]
 #define FLASHKIT_SM90_FWD_TRACE 1

@@ -6,9 +6,11 @@
 #   1. builds A (flashkit_bench) and B (flashkit_bench, flashkit_gpu_tests) side by side, from
 #      scratch (a warm device machine keeps /tmp), sm_90a, families $AB_FAMILIES (default
 #      "64;128;256"), dtypes $AB_DTYPES (default bf16)
-#   2. flashkit_bench on the same grid, A, B, A, B: --hdim $AB_HDIMS (64,128,256) --seqlen $AB_SEQ
-#      (2k,8k,16k) --causal both --op $AB_OPS (fwd) plus $AB_BENCH_ARGS (e.g. "--dropout 0.1")
-#   3. with $AB_TESTS, B's GPU tests with that gtest filter (timeout $AB_TEST_TIMEOUT, 200 s)
+#   2. with $AB_TESTS, B's GPU tests with that gtest filter (timeout $AB_TEST_TIMEOUT, 200 s), first,
+#      so that a branch that hangs costs the timeout and the benchmark still runs
+#   3. flashkit_bench on the same grid, A, B, A, B: --hdim $AB_HDIMS (64,128,256) --seqlen $AB_SEQ
+#      (2k,8k,16k) --causal both --op $AB_OPS (fwd) plus $AB_BENCH_ARGS (e.g. "--dropout 0.1"), each
+#      run cut off after $AB_BENCH_TIMEOUT (150) s
 #   4. with $AB_RACECHECK, compute-sanitizer racecheck of B's GPU tests with that filter
 #      (timeout $AB_RACECHECK_TIMEOUT, 60 s)
 # OUT_DIR receives ab.md (per cell: A1 A2 B1 B2 TFLOP/s and B / A of the means), ab.tgz (every log
@@ -41,11 +43,17 @@ build A "$ROOT" flashkit_bench &
 build B "$ROOT/$AB_B" flashkit_bench flashkit_gpu_tests &
 wait
 
+if [ -n "${AB_TESTS:-}" ]; then
+  timeout "${AB_TEST_TIMEOUT:-200}" /tmp/ab-B/tests/cpp/flashkit_gpu_tests --gtest_filter="$AB_TESTS" \
+    --gtest_output="json:$WORK/gpu-tests-B.json" >"$WORK/gpu-tests-B.log" 2>&1
+  echo "gpu tests B: $?"
+  grep -E "^\[  (PASSED|FAILED)" "$WORK/gpu-tests-B.log" | tail -5
+fi
 dtypes=$(echo "${AB_DTYPES:-bf16}" | tr ';' ',')
 read -r -a extra <<<"${AB_BENCH_ARGS:-}"
 for round in 1 2; do
   for tree in A B; do
-    "/tmp/ab-$tree/bench/flashkit_bench" --dtype "$dtypes" --hdim "${AB_HDIMS:-64,128,256}" \
+    timeout "${AB_BENCH_TIMEOUT:-150}" "/tmp/ab-$tree/bench/flashkit_bench" --dtype "$dtypes" --hdim "${AB_HDIMS:-64,128,256}" \
       --seqlen "${AB_SEQ:-2k,8k,16k}" --causal both --op "${AB_OPS:-fwd}" "${extra[@]}" \
       --json "$WORK/bench-$tree-$round.json" >"$WORK/bench-$tree-$round.txt" 2>&1
     echo "bench $tree round $round: $?"
@@ -71,12 +79,6 @@ for key in sorted(cells):
     print(f"| {' | '.join(str(k) for k in key)} | {runs} | {b / a if a else 0:.3f} |")
 PY
 
-if [ -n "${AB_TESTS:-}" ]; then
-  timeout "${AB_TEST_TIMEOUT:-200}" /tmp/ab-B/tests/cpp/flashkit_gpu_tests --gtest_filter="$AB_TESTS" \
-    --gtest_output="json:$WORK/gpu-tests-B.json" >"$WORK/gpu-tests-B.log" 2>&1
-  echo "gpu tests B: $?"
-  grep -E "^\[  (PASSED|FAILED)" "$WORK/gpu-tests-B.log" | tail -5
-fi
 if [ -n "${AB_RACECHECK:-}" ]; then
   timeout "${AB_RACECHECK_TIMEOUT:-60}" compute-sanitizer --tool racecheck --error-exitcode 99 \
     /tmp/ab-B/tests/cpp/flashkit_gpu_tests --gtest_filter="$AB_RACECHECK" >"$FINAL/racecheck-B.log" 2>&1
