@@ -7,6 +7,9 @@ cases skip with a reason where no GPU is present, and a (dtype, head dim) that t
 
 from __future__ import annotations
 
+import os
+import re
+
 import pytest
 import torch
 
@@ -47,3 +50,17 @@ def poison_cuda_allocator(device: str) -> None:
     small = [torch.full((1 << 18,), float("nan"), device=device) for _ in range(64)]  # 1 MiB each
     large = torch.full((1 << 26,), float("nan"), device=device)  # 256 MiB
     del small, large
+
+
+def fuzz_seeds(default: range) -> range:
+    """The seeds of a CUDA fuzz test: `default`, or range(start, stop) where the environment sets
+    FLASHKIT_FUZZ_SEEDS="start-stop" (stop excluded), to run many more seeds on a GPU or one
+    failing seed again. A malformed value fails the collection instead of running the default."""
+    spec = os.environ.get("FLASHKIT_FUZZ_SEEDS")
+    if not spec:
+        return default
+    match = re.fullmatch(r"(\d+)-(\d+)", spec.strip())
+    if not match or int(match[1]) >= int(match[2]):
+        raise ValueError(f"FLASHKIT_FUZZ_SEEDS is {spec!r}; expected \"start-stop\" with "
+                         "start < stop, e.g. \"0-1000\" (stop excluded)")
+    return range(int(match[1]), int(match[2]))

@@ -7,6 +7,9 @@ batch, independent query and key lengths up to ~1100 so that every kernel walks 
 fixed or packed varlen with empty sequences, causal / sliding window / softcap / ALiBi and their
 combinations, dropout with the mask S_dmask reports, deterministic mode), so that a combination no
 grid lists is still run. A failure names the seed; `draw_case(seed)` rebuilds the case.
+
+The CUDA test runs seeds 0..119; FLASHKIT_FUZZ_SEEDS="start-stop" runs range(start, stop) instead
+(conftest.fuzz_seeds), e.g. FLASHKIT_FUZZ_SEEDS=0-2000 for a long run on a GPU.
 """
 
 from __future__ import annotations
@@ -19,13 +22,14 @@ import pytest
 import torch
 
 import flashkit
-from conftest import HAS_CUDA, NO_GPU_REASON, padded_head_dim, poison_cuda_allocator
+from conftest import (HAS_CUDA, NO_GPU_REASON, fuzz_seeds, padded_head_dim,
+                      poison_cuda_allocator)
 from flashkit import flash_attn_func, flash_attn_varlen_func
 from reference import Options, check_close
 from test_backward import GRAD_FACTOR, reference_grads
 from test_forward import DTYPES, pack, randn
 
-CUDA_SEEDS = range(120)
+CUDA_SEEDS = fuzz_seeds(range(120))
 CPU_SEEDS = range(100, 106)  # the CPU backend is the fp64 reference: a few short cases suffice
 MASKS = ["none", "causal", "window", "softcap", "alibi", "causal_alibi", "causal_softcap",
          "window_alibi"]

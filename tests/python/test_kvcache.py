@@ -46,6 +46,19 @@ class Case:
     opts: Options = field(default_factory=Options)
     seed: int = 0
 
+    def __str__(self) -> str:
+        """Every knob on one line: a fuzz failure names the whole drawn case."""
+        opts = self.opts
+        alibi = None if opts.alibi_slopes is None else list(opts.alibi_slopes.shape)
+        cache = f"page {self.page_block_size}" if self.page_block_size else "contiguous"
+        return (f"seed {self.seed}: {self.dtype} d{self.head_dim} heads {self.heads[0]}/"
+                f"{self.heads[1]} batch {self.batch} s_q {self.seqlen_q} new {self.seqlen_new} "
+                f"capacity {self.capacity} {cache} rotary {self.rotary}/{self.rotary_dim} "
+                f"batch_idx {self.batch_idx} leftpad {self.leftpad} scalar_seqlens "
+                f"{self.scalar_seqlens} lengths {self.lengths} num_splits {self.num_splits} "
+                f"causal {opts.causal} window {opts.window_size} softcap {opts.softcap} "
+                f"alibi {alibi} scale {opts.softmax_scale}")
+
 
 def randn(shape, dtype, device, gen):
     return torch.randn(shape, generator=gen).to(dtype).to(device)
@@ -95,12 +108,15 @@ class Inputs:
         i32 = dict(dtype=torch.int32, device=device)
         seqlens = (int(self.lengths[0]) if case.scalar_seqlens
                    else self.lengths.to(**i32))
+        opts = case.opts.kwargs()
+        if case.opts.alibi_slopes is not None:  # a drawn case holds them on the CPU
+            opts["alibi_slopes"] = case.opts.alibi_slopes.to(device)
         return dict(
             k=self.k, v=self.v, rotary_cos=self.cos, rotary_sin=self.sin, cache_seqlens=seqlens,
             cache_batch_idx=self.rows.to(**i32) if case.batch_idx else None,
             cache_leftpad=self.leftpad.to(**i32) if case.leftpad else None,
             block_table=self.block_table, rotary_interleaved=case.rotary == "interleaved",
-            num_splits=case.num_splits, return_softmax_lse=True, **case.opts.kwargs())
+            num_splits=case.num_splits, return_softmax_lse=True, **opts)
 
 
 def make_inputs(case: Case, device) -> Inputs:
@@ -155,7 +171,8 @@ def sequence_cache(cache: torch.Tensor, inputs: Inputs, b: int) -> torch.Tensor:
 def reference(case: Case, inputs: Inputs, upcast: bool):
     """(out [b, s_q, h_q, d], lse [b, h_q, s_q], the (rotated) appended keys [b, n, h_kv, d]) in
     fp32 (upcast) or in the input dtype's arithmetic; the attention reads the appended keys rounded
-    to the dtype, as the cache stores them."""
+    to the dtype, as the cache stores them, and the rotated queries rounded likewise, as the
+    kernels hold them."""
     compute = torch.float32 if upcast else case.dtype
     n = case.seqlen_new
     interleaved = case.rotary == "interleaved"
@@ -178,7 +195,8 @@ def reference(case: Case, inputs: Inputs, upcast: bool):
         if inputs.cos is not None:
             positions = (torch.arange(case.seqlen_q) if rotary_q
                          else torch.zeros(case.seqlen_q, dtype=torch.int64)) + length - pad
-            q = rotate(q, inputs.cos.cpu(), inputs.sin.cpu(), positions, interleaved, compute)
+            q = rotate(q, inputs.cos.cpu(), inputs.sin.cpu(), positions, interleaved,
+                       compute).to(case.dtype)
         opts = case.opts
         if opts.alibi_slopes is not None and opts.alibi_slopes.dim() == 2:
             opts = replace(opts, alibi_slopes=opts.alibi_slopes[b])
