@@ -14,12 +14,17 @@
 //      L - P otherwise (every query token then sits at the first new position).
 // The cache of sequence b is k_cache[cache_batch_idx[b]] (contiguous caches only; b without it).
 //
+// Window sides are first compared with the cache capacity (as flash_attn's kvcache does): a side at
+// or beyond it means no limit on that side; causal sets the right side to 0.
+//
 // What only the device knows (the contents of cache_seqlens, cache_leftpad, cache_batch_idx and
 // block_table) is the caller's promise on CUDA: 0 <= P <= L, L + N <= the cache capacity, batch
 // indices in [0, batch_cache) and pairwise distinct when appending, block_table entries that cover
-// [P, L + N) in [0, num_blocks) and, when appending, no page shared by two sequences' appended
-// rows. CPU views are checked; FLASHKIT_CHECK_KVCACHE=1 makes the CUDA path copy the four arrays
-// to the host and check them too (one synchronisation per call, for debugging).
+// [P, L + N) in [0, num_blocks), when appending no page shared by two sequences' appended rows,
+// and with rotary every query position inside the tables (L - P + seqlen_q - 1 < seqlen_ro under a
+// causal or local mask: more query tokens than new ones reach past L + N). CPU views are checked;
+// FLASHKIT_CHECK_KVCACHE=1 makes the CUDA path copy the four arrays to the host and check them too
+// (one synchronisation per call, for debugging).
 #pragma once
 
 #include <cstddef>
@@ -44,6 +49,7 @@ struct MhaFwdKvcacheParams {
   TensorView v_new;          // optional, same shape: appended values (both or neither)
   TensorView rotary_cos;     // optional [seqlen_ro, rotary_dim / 2], dtype of q; needs k_new;
   TensorView rotary_sin;     // rotary_dim a multiple of 16, at most head_dim; seqlen_ro >= capacity
+                             // (and past every query position: see the promise above)
   bool rotary_interleaved = false;  // true: rotate pairs (2i, 2i + 1); false: (i, i + rotary_dim / 2)
   TensorView cache_batch_idx;  // optional int32 [batch]: the cache row of each sequence (contiguous)
   TensorView cache_leftpad;    // optional int32 [batch]: the first valid cache index of each sequence

@@ -443,8 +443,10 @@ def flash_attn_with_kvcache(
        page_block_size). With rotary_cos / rotary_sin, k[b, i] is rotated to position L - P + i
        before it is written.
     2. Query b attends to the cache entries [P, L + N) as flash_attn_func would with seqlen_k =
-       L + N - P: bottom-right aligned causal / window masks, ALiBi, softcap. With rotary, query
-       token i is rotated to position L - P + i if causal or a window is set, else to L - P.
+       L + N - P: bottom-right aligned causal / window masks, ALiBi, softcap; except that, as in
+       flash_attn, a window side at or beyond the cache capacity means no limit on that side
+       (flash_attn_func compares it with its own seqlen_k). With rotary, query token i is rotated
+       to position L - P + i if causal or a window is set (after that rule), else to L - P.
 
     Args:
         q: [batch, seqlen_q, heads_q, head_dim], float16 or bfloat16.
@@ -457,7 +459,8 @@ def flash_attn_with_kvcache(
         k, v: optional [batch, seqlen_new, heads_kv, head_dim], appended to the cache (both or
             neither; they need cache_seqlens).
         rotary_cos, rotary_sin: optional [seqlen_ro, rotary_dim / 2], dtype of q; rotary_dim a
-            multiple of 16, at most head_dim; seqlen_ro at least the cache capacity. Only with k.
+            multiple of 16, at most head_dim; seqlen_ro at least the cache capacity, and past
+            every query position (L - P + seqlen_q - 1 when causal or windowed). Only with k.
         cache_seqlens: int32 [batch] or an int: the cached tokens of each sequence before the
             append. None: the whole cache (seqlen_cache, or max_blocks_per_seq * page_block_size).
         cache_batch_idx: optional int32 [batch]: the cache row of each sequence (contiguous caches
@@ -479,7 +482,7 @@ def flash_attn_with_kvcache(
 
     On CUDA the contents of cache_seqlens, cache_leftpad, cache_batch_idx and block_table are the
     caller's promise (0 <= P <= L, L + N within the cache, pages in range and not shared by two
-    sequences' appended rows); FLASHKIT_CHECK_KVCACHE=1 checks them on the host first (one
+    sequences' appended rows, rotary query positions inside the tables); FLASHKIT_CHECK_KVCACHE=1 checks them on the host first (one
     synchronisation). CPU tensors are always checked. Not differentiable (inference only).
     flashkit's error messages call k and v k_new and v_new, the C++ API's names.
     """
@@ -493,6 +496,10 @@ def flash_attn_with_kvcache(
         raise ValueError(f"{fn}: {'k' if v is None else 'v'} is given without "
                          f"{'v' if v is None else 'k'}; pass both new keys and values or neither")
     head_dim = q.shape[-1]
+    # The C++ check sees the head dim padded to a multiple of 8; the bound is the caller's.
+    if rotary_cos is not None and rotary_cos.dim() == 2 and 2 * rotary_cos.shape[1] > head_dim:
+        raise ValueError(f"{fn}: rotary_dim (2 * rotary_cos.shape[1]) is {2 * rotary_cos.shape[1]} "
+                         f"but head_dim is {head_dim}; rotary_dim must be at most head_dim")
     if softmax_scale is None:
         softmax_scale = head_dim ** -0.5
     cache_seqlen = -1

@@ -313,6 +313,16 @@ void check_kvcache_contents(const KvcacheProblem& p, const KvcacheIndexArrays& a
       fail(kFn, "cache_leftpad[", b, "] is ", leftpad, "; it must be in [0, cache_seqlens[", b,
            "] = ", length, "]");
     }
+    if (p.rotary_cos != nullptr) {  // the last query token's position is inside the tables
+      const int queries_past_first = p.rotary_q_positions_per_token() ? p.seqlen_q - 1 : 0;
+      const int64_t last = static_cast<int64_t>(length) - leftpad + queries_past_first;
+      if (last >= p.rotary_seqlen) {
+        fail(kFn, "with rotary, query token ", queries_past_first, " of sequence ", b,
+             " sits at position ", last, " (cache_seqlens[", b, "] - cache_leftpad[", b, "]",
+             queries_past_first > 0 ? " + its index" : "", ") but rotary_cos has ", p.rotary_seqlen,
+             " rows (seqlen_ro); the tables must cover every query position");
+      }
+    }
     if (a.cache_batch_idx != nullptr) {
       const int row = a.cache_batch_idx[b];
       if (row < 0 || row >= p.cache_batches) {

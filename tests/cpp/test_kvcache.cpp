@@ -397,6 +397,17 @@ TEST(KvcacheValidation, SplitsRotaryAppendAndIndexArrays) {
   EXPECT_KVCACHE_ERROR(in.seqlens[2] = -3, "cache_seqlens[2]", "-3");
 }
 
+// Under a causal mask query token i sits at L - P + i, so more query tokens than appended ones
+// reach past L + N, and past the tables when the cache is nearly full: a broken promise on CUDA
+// (FLASHKIT_CHECK_KVCACHE=1 reports it), an error for CPU views.
+TEST(KvcacheValidation, RotaryQueryPositionsInsideTheTables) {
+  KvcacheCase c = paged_case();  // capacity 48 = seqlen_ro, 3 new tokens
+  c.causal = true;
+  c.seqlen_q = 5;
+  EXPECT_KVCACHE_ERROR((in.seqlens[0] = 10, in.seqlens[1] = 45, in.seqlens[2] = 20), "query token 4",
+                       "sequence 1", "position 49", "48 rows (seqlen_ro)");
+}
+
 TEST(KvcacheValidation, ContiguousCacheShapesAndOptions) {
   KvcacheCase c = base_case("contiguous");
   c.leftpad = true;

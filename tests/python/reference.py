@@ -2,8 +2,8 @@
 
 attention_ref computes in fp32 (``upcast=True``, the reference) or in the input dtype (the second
 reference whose error sets the tolerance, keys scaled instead of queries), per TESTING.md. Masks are
-bottom-right aligned; a window side >= seqlen_k is unbounded; a row that sees no key gives zeros and
-a log-sum-exp of -inf.
+bottom-right aligned; a window side >= seqlen_k (or Options.window_limit) is unbounded; a row that
+sees no key gives zeros and a log-sum-exp of -inf.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ class Options:
     # kernel drew. The kept probabilities are scaled by 1 / (1 - dropout_p); the LSE is unchanged.
     dropout_p: float = 0.0
     dropout_keep: Optional[torch.Tensor] = field(default=None, repr=False)
+    # What a window side is compared with (a side at or beyond it is unbounded): None for seqlen_k
+    # (flash_attn_func), the cache capacity for flash_attn_with_kvcache. Not an API argument.
+    window_limit: Optional[int] = None
 
     def kwargs(self) -> dict:
         return dict(causal=self.causal, window_size=self.window_size, softcap=self.softcap,
@@ -38,9 +41,10 @@ class Options:
 def visible(seqlen_q: int, seqlen_k: int, opts: Options, device) -> torch.Tensor:
     """bool [seqlen_q, seqlen_k]: which keys each query row may see."""
     left, right = opts.window_size
-    if left >= seqlen_k:
+    limit = seqlen_k if opts.window_limit is None else opts.window_limit
+    if left >= limit:
         left = -1
-    if right >= seqlen_k:
+    if right >= limit:
         right = -1
     if opts.causal:
         right = 0

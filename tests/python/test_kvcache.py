@@ -46,6 +46,11 @@ class Case:
     opts: Options = field(default_factory=Options)
     seed: int = 0
 
+    def cache_capacity(self) -> int:
+        """The capacity flashkit sees: a paged cache holds whole pages."""
+        page = self.page_block_size
+        return -(-self.capacity // page) * page if page else self.capacity
+
     def __str__(self) -> str:
         """Every knob on one line: a fuzz failure names the whole drawn case."""
         opts = self.opts
@@ -67,8 +72,7 @@ def randn(shape, dtype, device, gen):
 def rotary_tables(case: Case, device):
     rotary_dim = case.rotary_dim or case.head_dim
     inv_freq = 1.0 / (10000 ** (torch.arange(0, rotary_dim, 2).float() / rotary_dim))
-    page = case.page_block_size or 1
-    seqlen_ro = -(-case.capacity // page) * page  # every position the cache can hold
+    seqlen_ro = case.cache_capacity()  # every position the cache can hold
     angles = torch.arange(seqlen_ro).float()[:, None] * inv_freq[None, :]
     return angles.cos().to(case.dtype).to(device), angles.sin().to(case.dtype).to(device)
 
@@ -176,7 +180,10 @@ def reference(case: Case, inputs: Inputs, upcast: bool):
     compute = torch.float32 if upcast else case.dtype
     n = case.seqlen_new
     interleaved = case.rotary == "interleaved"
-    rotary_q = case.opts.causal or case.opts.window_size != (-1, -1)
+    # As flash_attn's kvcache (kvcache_params.h): window sides are compared with the capacity, and
+    # the queries are rotated token by token under a causal mask or a window left after that.
+    limited = [side for side in case.opts.window_size if 0 <= side < case.cache_capacity()]
+    rotary_q = case.opts.causal or bool(limited)
     outs, lses, new_keys = [], [], []
     for b in range(case.batch):
         length, pad = int(inputs.lengths[b]), int(inputs.leftpad[b])
@@ -197,7 +204,7 @@ def reference(case: Case, inputs: Inputs, upcast: bool):
                          else torch.zeros(case.seqlen_q, dtype=torch.int64)) + length - pad
             q = rotate(q, inputs.cos.cpu(), inputs.sin.cpu(), positions, interleaved,
                        compute).to(case.dtype)
-        opts = case.opts
+        opts = replace(case.opts, window_limit=case.cache_capacity())
         if opts.alibi_slopes is not None and opts.alibi_slopes.dim() == 2:
             opts = replace(opts, alibi_slopes=opts.alibi_slopes[b])
         if opts.alibi_slopes is not None:
@@ -566,3 +573,40 @@ def test_cpu_checks_contents():
     with pytest.raises(RuntimeError, match=r"cache_seqlens\[1\] is 70"):
         flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, inputs.k, inputs.v,
                                 cache_seqlens=torch.tensor([3, 70, 5], dtype=torch.int32))
+
+
+def test_rotary_dim_past_an_unpadded_head_dim(device):
+    """Head dim 41 runs on copies padded to 48; rotary_dim 48 is still past the caller's 41."""
+    inputs = make_inputs(Case(head_dim=41, seqlen_new=1, lengths=(3, 4, 5)), device)
+    cos, sin = rotary_tables(Case(head_dim=48, rotary="half", rotary_dim=48), device)
+    with pytest.raises(ValueError, match=r"rotary_dim \(2 \* rotary_cos\.shape\[1\]\) is 48 but "
+                                         r"head_dim is 41"):
+        flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache, inputs.k, inputs.v,
+                                rotary_cos=cos, rotary_sin=sin,
+                                cache_seqlens=inputs.lengths.to(torch.int32).to(device))
+
+
+def test_rotary_query_positions_past_the_tables(device, monkeypatch):
+    """Under a causal mask query token i sits at L - P + i: four queries after one appended token
+    of a full cache reach past the tables. A broken promise on CUDA (kvcache_params.h), reported
+    with FLASHKIT_CHECK_KVCACHE=1 and otherwise kept inside the tables' memory; an error on the
+    CPU, which always checks."""
+    case = Case(seqlen_q=4, seqlen_new=1, rotary="half", opts=Options(causal=True),
+                lengths=(69, 10, 20))  # capacity 70 = seqlen_ro; sequence 0 ends full
+    inputs = make_inputs(case, device)
+
+    def call():
+        return flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache,
+                                       **inputs.kwargs(case, device))
+
+    message = r"query token 3 of sequence 0 sits at position 72 .* 70 rows \(seqlen_ro\)"
+    if device == "cpu":
+        with pytest.raises(RuntimeError, match=message):
+            call()
+        return
+    monkeypatch.setenv("FLASHKIT_CHECK_KVCACHE", "1")
+    with pytest.raises(RuntimeError, match=message):
+        call()
+    monkeypatch.delenv("FLASHKIT_CHECK_KVCACHE")
+    out, lse = call()
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()

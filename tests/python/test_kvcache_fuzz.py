@@ -58,8 +58,8 @@ def draw_case(seed: int, max_capacity: int, max_work: float) -> Case:
         widest = head_dim // ROTARY_MULTIPLE
         rotary_dim = ROTARY_MULTIPLE * rng.choice([widest, rng.randint(1, widest)])
     # Query token i is rotated to position L - P + i: the tables (as long as the cache) must
-    # reach it, so a rotary case keeps L + seqlen_q within the capacity. The API checks only the
-    # appended keys' positions; past them the kernels would read beyond the tables.
+    # reach it (the caller's promise on CUDA, kvcache_params.h), so a rotary case keeps
+    # L + seqlen_q within the capacity.
     capacity = max(capacity, seqlen_new, seqlen_q if rotary != "none" else 1)
     page_block_size = rng.choice([0, 0, 16 * rng.randint(1, 16), 2 ** rng.randint(0, 8),
                                   rng.randint(1, 256)])
@@ -79,11 +79,14 @@ def draw_case(seed: int, max_capacity: int, max_work: float) -> Case:
     mask = rng.choice(MASKS)
     opts = Options(causal=mask.startswith("causal"))
     if mask.startswith("window"):
-        # Sides below the capacity: flashkit drops a side >= the capacity (as flash_attn does), and
-        # without a window left it rotates every query to one position, where the reference,
-        # seeing a window given, rotates them token by token.
-        opts.window_size = (rng.choice([-1, rng.randint(0, capacity - 1)]),
-                            window_right(rng, seqlen_q, seqlen_new, capacity))
+        # Any side: one at or beyond the (page-rounded) capacity means no limit, in flashkit as in
+        # the reference (test_kvcache.reference), and a side past a sequence's keys but below the
+        # capacity still hides keys from the first queries when seqlen_q exceeds them.
+        def side() -> int:
+            return rng.choice([-1, rng.randint(0, max(seqlen_new, 1) - 1),
+                               rng.randint(0, capacity - 1), rng.randint(capacity, 2 * capacity)])
+
+        opts.window_size = (side(), side())
     if mask.endswith("softcap"):
         opts.softcap = rng.choice([1.5, 8.0, 30.0])
     if mask.endswith("alibi"):
@@ -96,20 +99,6 @@ def draw_case(seed: int, max_capacity: int, max_work: float) -> Case:
                 page_block_size=page_block_size, rotary=rotary, rotary_dim=rotary_dim,
                 batch_idx=batch_idx, leftpad=leftpad, scalar_seqlens=scalar_seqlens,
                 lengths=lengths, num_splits=num_splits, opts=opts, seed=seed)
-
-
-def window_right(rng: random.Random, seqlen_q: int, seqlen_new: int, capacity: int) -> int:
-    """-1 or a right window side r where flashkit and the reference agree. flashkit keeps any
-    r below the capacity, as flash_attn does; the reference, as flash_attn_with_kvcache's docstring
-    says, treats r >= L + N - P (the sequence's keys) as unbounded. The two differ when a sequence
-    has at most r keys and r < seqlen_q - 1, where r still hides keys from the first queries: so r
-    is below N (every sequence has at least N keys), or 0 (a sequence without keys has nothing to
-    hide), or at least seqlen_q - 1 (it hides nothing). A left side past the keys hides nothing
-    either way."""
-    sides = [-1, rng.randint(0, max(seqlen_new, 1) - 1)]
-    if seqlen_q <= capacity:
-        sides.append(rng.randint(seqlen_q - 1, capacity - 1))
-    return rng.choice(sides)
 
 
 def run_drawn(case: Case, device: str) -> None:

@@ -79,11 +79,14 @@ __device__ __forceinline__ float element_to_float(const Element* p) {
 // Chunk `x` (columns col0 .. col0 + 7 of `row`, a row of head_dim elements in global memory)
 // rotated to `position`; unchanged past rotary_dim or without rotary. rotary_dim is a multiple of
 // 16, so a chunk never straddles the rotated and the plain part, and in the half-split layout the
-// partner columns (col +- rotary_dim / 2) form one whole chunk too.
+// partner columns (col +- rotary_dim / 2) form one whole chunk too. A position past the tables
+// (a query token beyond them: a broken promise of kvcache_params.h, which FLASHKIT_CHECK_KVCACHE=1
+// reports) reads their last row rather than memory past them.
 template <typename Element>
 __device__ __forceinline__ uint4 rotary_chunk(const KvcacheProblem& p, const Element* row,
                                               int col0, uint4 x, int position) {
   if (p.rotary_cos == nullptr || col0 >= p.rotary_dim) return x;
+  position = min(position, p.rotary_seqlen - 1);
   const int half = p.rotary_dim / 2;
   const auto* cos_row = static_cast<const Element*>(p.rotary_cos) + static_cast<int64_t>(position) * half;
   const auto* sin_row = static_cast<const Element*>(p.rotary_sin) + static_cast<int64_t>(position) * half;
