@@ -15,8 +15,11 @@ namespace flashkit {
 // Which keys a query may attend to. Query row i of a sequence (seqlen_q rows, seqlen_k keys) may see
 // key j iff
 //     i + (seqlen_k - seqlen_q) - window_left <= j <= i + (seqlen_k - seqlen_q) + window_right,
-// where a negative window side is unbounded. `causal` is window_right = 0 (bottom-right aligned when
-// seqlen_q != seqlen_k, the FlashAttention >= 2.1 convention).
+// where a negative window side is unbounded, and so is a side at or beyond seqlen_k (varlen: beyond
+// max_seqlen_k, not the sequence's own length: FlashAttention's convention; a side between the two
+// still hides keys from the first rows of a sequence with more queries than keys). `causal` is
+// window_right = 0 (bottom-right aligned when seqlen_q != seqlen_k, the FlashAttention >= 2.1
+// convention).
 struct MaskSpec {
   bool causal = false;
   int window_left = -1;

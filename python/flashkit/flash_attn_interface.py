@@ -240,7 +240,7 @@ def flash_attn_func(
         dropout_p: dropout probability of the attention weights (0.0 for evaluation).
         softmax_scale: defaults to 1 / sqrt(head_dim).
         causal: bottom-right aligned causal mask.
-        window_size: (left, right) sliding window; -1 is unbounded.
+        window_size: (left, right) sliding window; -1 is unbounded, and so is a side >= seqlen_k.
         softcap: > 0 applies softcap * tanh(score / softcap).
         alibi_slopes: fp32 [heads_q] or [batch, heads_q].
         deterministic: bit-identical gradients from run to run.
@@ -333,7 +333,8 @@ def flash_attn_varlen_func(
         cu_seqlens_q, cu_seqlens_k: int32 [batch + 1], prefix sums of the lengths, from 0.
         max_seqlen_q, max_seqlen_k: bounds on every query / key length.
         block_table: paged KV is not supported here yet (flash_attn_with_kvcache takes it).
-        The rest as flash_attn_func; masks apply per sequence.
+        The rest as flash_attn_func; masks apply per sequence, except that a window side is
+        unbounded at or beyond max_seqlen_k (as in flash_attn), not the sequence's own length.
 
     Returns:
         out [total_q, heads_q, head_dim] (rows past cu_seqlens_q[-1] are not written), or

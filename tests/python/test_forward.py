@@ -129,7 +129,7 @@ def test_varlen(device, dtype, head_dim, mask):
     assert out.shape == q.shape and lse.shape == (heads_q, q.shape[0])
     for b in range(len(lengths_q)):
         rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-        seq_opts = Options(**{**opts.__dict__})
+        seq_opts = Options(**{**opts.__dict__, "window_limit": max(lengths_k)})
         if opts.alibi_slopes is not None and opts.alibi_slopes.dim() == 2:
             seq_opts.alibi_slopes = opts.alibi_slopes[b]
         ref, lse_ref = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts)
@@ -194,3 +194,27 @@ def test_return_values(device):
     assert isinstance(out, torch.Tensor)
     result = flash_attn_qkvpacked_func(torch.stack((q, q, q), 2), return_attn_probs=True)
     assert isinstance(result, tuple) and len(result) == 3 and result[2] is None
+
+
+def test_varlen_window_sides_compare_with_max_seqlen_k(device):
+    """A window side between a sequence's own key count and max_seqlen_k stays a window (as in
+    flash_attn): with 40 queries on 5 keys, a right side of 10 hides every key from the first rows,
+    where flash_attn_func on that sequence alone (seqlen_k 5) would drop the side."""
+    skip_unbuilt(device, torch.bfloat16, 64)
+    lengths_q, lengths_k = [40, 8], [5, 30]
+    qs = [randn((n, 2, 64), torch.bfloat16, "cpu", 600 + b) for b, n in enumerate(lengths_q)]
+    ks = [randn((n, 2, 64), torch.bfloat16, "cpu", 610 + b) for b, n in enumerate(lengths_k)]
+    vs = [randn((n, 2, 64), torch.bfloat16, "cpu", 620 + b) for b, n in enumerate(lengths_k)]
+    (q, cu_q), (k, cu_k), (v, _) = pack(qs), pack(ks), pack(vs)
+    out, lse, _ = flash_attn_varlen_func(q.to(device), k.to(device), v.to(device), cu_q.to(device),
+                                         cu_k.to(device), 40, 30, window_size=(-1, 10),
+                                         return_attn_probs=True)
+    # Row i of the first sequence sees keys j <= i + 5 - 40 + 10: none for i < 25.
+    assert torch.all(out[:25] == 0) and torch.all(torch.isneginf(lse[:, :25]))
+    opts = Options(window_size=(-1, 10), window_limit=30)
+    for b in range(2):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        ref, lse_ref = attention_ref(qs[b][None], ks[b][None], vs[b][None], opts)
+        lowp, lse_lowp = attention_ref(qs[b][None], ks[b][None], vs[b][None], opts, upcast=False)
+        check_close(f"out of sequence {b}", out[rows][None], ref, lowp)
+        check_close(f"softmax_lse of sequence {b}", lse[:, rows][None], lse_ref, lse_lowp)

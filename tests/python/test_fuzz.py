@@ -160,7 +160,8 @@ def run_case(case: Case, device: str) -> None:
     grads = [leaf.grad.cpu() for leaf in leaves]
     out = out.detach().cpu()
     for b, (sq, len_q, len_k) in enumerate(zip(seqs, case.lengths_q, case.lengths_k)):
-        seq_opts = Options(**{**opts.__dict__})
+        # Varlen window sides are compared with max_seqlen_k, as in flash_attn (params.h).
+        seq_opts = Options(**{**opts.__dict__, "window_limit": max(case.lengths_k)})
         if opts.alibi_slopes is not None and opts.alibi_slopes.dim() == 2:
             seq_opts.alibi_slopes = opts.alibi_slopes[b:b + 1]
         seq_opts.dropout_p = case.dropout_p
