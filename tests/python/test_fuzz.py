@@ -8,8 +8,9 @@ fixed or packed varlen with empty sequences, causal / sliding window / softcap /
 combinations, dropout with the mask S_dmask reports, deterministic mode), so that a combination no
 grid lists is still run. A failure names the seed; `draw_case(seed)` rebuilds the case.
 
-The CUDA test runs seeds 0..119; FLASHKIT_FUZZ_SEEDS="start-stop" runs range(start, stop) instead
-(conftest.fuzz_seeds), e.g. FLASHKIT_FUZZ_SEEDS=0-2000 for a long run on a GPU.
+The CUDA test runs seeds 0..119, and test_fuzz_strided_cuda seeds 1000..1039 with non-contiguous
+q, k, v and dout (strided()); FLASHKIT_FUZZ_SEEDS="start-stop" runs range(start, stop) in both
+instead (conftest.fuzz_seeds), e.g. FLASHKIT_FUZZ_SEEDS=0-2000 for a long run on a GPU.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ from test_backward import GRAD_FACTOR, reference_grads
 from test_forward import DTYPES, pack, randn
 
 CUDA_SEEDS = fuzz_seeds(range(120))
+STRIDED_SEEDS = fuzz_seeds(range(1000, 1040))
 CPU_SEEDS = range(100, 106)  # the CPU backend is the fp64 reference: a few short cases suffice
+CPU_STRIDED_SEEDS = range(106, 109)
 MASKS = ["none", "causal", "window", "softcap", "alibi", "causal_alibi", "causal_softcap",
          "window_alibi"]
 # Bounds the reference's work per case: batch x heads_q x seqlen_q x seqlen_k x head_dim.
@@ -130,7 +133,22 @@ def kept(s_dmask: Optional[torch.Tensor], b: int, len_q: int, len_k: int) -> Opt
     return ~torch.signbit(s_dmask[b:b + 1, :, :len_q, :len_k]).cpu()
 
 
-def run_case(case: Case, device: str) -> None:
+def strided(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor):
+    """The same values in layouts a model hands over ([..., tokens, heads, d] tensors, the tokens
+    dim first after any batch dim): q and dout head-major underneath (a transposed
+    [..., heads, tokens, d] tensor), k and v interleaved as in a packed kv tensor [..., tokens, 2,
+    heads, d]. Differentiable, so the gradients reach the contiguous leaves."""
+    tokens = q.dim() - 3  # the tokens dim: 1 fixed-length, 0 varlen
+
+    def head_major(t):
+        return t.transpose(tokens, tokens + 1).contiguous().transpose(tokens, tokens + 1)
+
+    kv = torch.stack([k, v], dim=tokens + 1)
+    return head_major(q), kv.select(tokens + 1, 0), kv.select(tokens + 1, 1), head_major(dout)
+
+
+def run_case(case: Case, device: str, layout=lambda q, k, v, dout: (q, k, v, dout)) -> None:
+    """`layout` maps the contiguous leaves (and dout) to the tensors the call gets."""
     skip_unbuilt(case, device)
     seqs = make_inputs(case, device)
     opts = case.opts
@@ -142,10 +160,11 @@ def run_case(case: Case, device: str) -> None:
     if case.varlen:
         (q, cu_q), (k, cu_k), (v, _), (dout, _) = (pack([sq[i] for sq in seqs]) for i in range(4))
         leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+        *inputs, dout_in = layout(*leaves, dout.to(device))
         out, lse, s_dmask = flash_attn_varlen_func(
-            *leaves, cu_q.to(device), cu_k.to(device), max(case.lengths_q), max(case.lengths_k),
+            *inputs, cu_q.to(device), cu_k.to(device), max(case.lengths_q), max(case.lengths_k),
             **kwargs)
-        out.backward(dout.to(device))
+        out.backward(dout_in)
         rows_q = [slice(int(cu_q[b]), int(cu_q[b + 1])) for b in range(len(seqs))]
         rows_k = [slice(int(cu_k[b]), int(cu_k[b + 1])) for b in range(len(seqs))]
         pick = [lambda t, b=b: t[rows_q[b]][None] for b in range(len(seqs))]
@@ -153,8 +172,9 @@ def run_case(case: Case, device: str) -> None:
     else:
         q, k, v, dout = (torch.stack([sq[i] for sq in seqs]) for i in range(4))
         leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
-        out, lse, s_dmask = flash_attn_func(*leaves, **kwargs)
-        out.backward(dout.to(device))
+        *inputs, dout_in = layout(*leaves, dout.to(device))
+        out, lse, s_dmask = flash_attn_func(*inputs, **kwargs)
+        out.backward(dout_in)
         pick = pick_k = [lambda t, b=b: t[b:b + 1] for b in range(len(seqs))]
     assert (s_dmask is not None) == (case.dropout_p > 0)
     grads = [leaf.grad.cpu() for leaf in leaves]
@@ -185,3 +205,15 @@ def test_fuzz_cuda(seed):
 @pytest.mark.parametrize("seed", CPU_SEEDS)
 def test_fuzz_cpu(seed):
     run_case(draw_case(seed, max_len=200), "cpu")
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU_REASON)
+@pytest.mark.parametrize("seed", STRIDED_SEEDS)
+def test_fuzz_strided_cuda(seed):
+    """Other seeds' cases with non-contiguous q, k, v and dout (strided())."""
+    run_case(draw_case(seed, max_len=1100), "cuda", layout=strided)
+
+
+@pytest.mark.parametrize("seed", CPU_STRIDED_SEEDS)
+def test_fuzz_strided_cpu(seed):
+    run_case(draw_case(seed, max_len=200), "cpu", layout=strided)
