@@ -483,9 +483,10 @@ def flash_attn_with_kvcache(
 
     On CUDA the contents of cache_seqlens, cache_leftpad, cache_batch_idx and block_table are the
     caller's promise (0 <= P <= L, L + N within the cache, pages in range and not shared by two
-    sequences' appended rows, rotary query positions inside the tables); FLASHKIT_CHECK_KVCACHE=1 checks them on the host first (one
-    synchronisation). CPU tensors are always checked. Not differentiable (inference only).
-    flashkit's error messages call k and v k_new and v_new, the C++ API's names.
+    sequences' appended rows, rotary query positions inside the tables); FLASHKIT_CHECK_KVCACHE=1
+    checks them on the host first (one synchronisation). CPU tensors are always checked. Not
+    differentiable (inference only). flashkit's error messages call k and v k_new and v_new, the
+    C++ API's names.
     """
     fn = "flash_attn_with_kvcache"
     if q.dim() != 4:
