@@ -64,11 +64,28 @@ def _window(fn: str, window_size: Sequence[int]) -> Tuple[int, int]:
     return int(window_size[0]), int(window_size[1])
 
 
-def _check_head_dim(fn: str, q: torch.Tensor) -> None:
+def _check_head_dim(fn: str, q: torch.Tensor, **others: Optional[torch.Tensor]) -> None:
+    """q's head dim is supported and the other tensors (None: not given) have the same. Checked
+    here because the operators see the padded head dims: 12 and 16 both run as 16."""
     head_dim = q.shape[-1]
     if head_dim > _MAX_HEAD_DIM:
         raise RuntimeError(f"{fn}: head_dim (q.size(-1)) is {head_dim}; supported: up to "
                            f"{_MAX_HEAD_DIM}")
+    for name, tensor in others.items():
+        if tensor is not None and tensor.dim() > 0 and tensor.shape[-1] != head_dim:
+            raise RuntimeError(f"{fn}: {name}.size(-1) is {tensor.shape[-1]} but q's head_dim is "
+                               f"{head_dim}; they must be equal")
+
+
+def _softmax_scale(fn: str, softmax_scale: Optional[float], head_dim: int) -> float:
+    """The scale the operators get. They read 0 as "the default", so an explicit 0 (which
+    flash_attn would apply, giving uniform attention) is refused rather than silently replaced."""
+    if softmax_scale is None:
+        return head_dim ** -0.5
+    if softmax_scale == 0.0:
+        raise ValueError(f"{fn}: softmax_scale is 0.0; flashkit supports a positive scale (None "
+                         "for 1 / sqrt(head_dim))")
+    return softmax_scale
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
@@ -104,6 +121,7 @@ class _FlashAttnFunc(torch.autograd.Function):
         return out[..., :head_dim], softmax_lse, s_dmask
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the gradients have no gradient of their own
     def backward(ctx, dout, _dlse, _ds_dmask):
         q, k, v, out, softmax_lse, alibi_slopes, rng_state = ctx.saved_tensors
         dropout_p, softmax_scale, causal, window, softcap, deterministic = ctx.options
@@ -135,6 +153,7 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
         return out[..., :head_dim], softmax_lse, s_dmask
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the gradients have no gradient of their own
     def backward(ctx, dout, _dlse, _ds_dmask):
         (q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
          rng_state) = ctx.saved_tensors
@@ -155,10 +174,9 @@ def _attention(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softc
     if q.dim() != 4:
         raise RuntimeError(f"{fn}: q has shape {list(q.shape)}; expected 4 dims "
                            "[batch, seqlen_q, heads_q, head_dim]")
-    _check_head_dim(fn, q)
+    _check_head_dim(fn, q, k=k, v=v)
     window = _window(fn, window_size)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
+    softmax_scale = _softmax_scale(fn, softmax_scale, q.shape[-1])
     return_softmax = bool(return_attn_probs) and dropout_p > 0
     if _needs_grad(q, k, v):
         out, softmax_lse, s_dmask = _FlashAttnFunc.apply(q, k, v, dropout_p, softmax_scale, causal,
@@ -178,10 +196,9 @@ def _varlen_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     if q.dim() != 3:
         raise RuntimeError(f"{fn}: q has shape {list(q.shape)}; expected 3 dims "
                            "[total_q, heads_q, head_dim]")
-    _check_head_dim(fn, q)
+    _check_head_dim(fn, q, k=k, v=v)
     window = _window(fn, window_size)
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** -0.5
+    softmax_scale = _softmax_scale(fn, softmax_scale, q.shape[-1])
     return_softmax = bool(return_attn_probs) and dropout_p > 0
     if _needs_grad(q, k, v):
         out, softmax_lse, s_dmask = _FlashAttnVarlenFunc.apply(
@@ -199,15 +216,17 @@ def _varlen_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
 def _packed_lse(softmax_lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
                 total_q: int) -> torch.Tensor:
     """flashkit's varlen LSE [batch, heads, max_seqlen_q] as flash_attn 2.x's [heads, total_q].
-    Tokens past cu_seqlens_q[-1] (unused tail rows) get -inf."""
+    Tokens of no sequence (before cu_seqlens_q[0] or past cu_seqlens_q[-1]) get -inf."""
     batch, heads, max_seqlen_q = softmax_lse.shape
+    if batch == 0 or max_seqlen_q == 0:
+        return softmax_lse.new_full((heads, total_q), float("-inf"))
     tokens = torch.arange(total_q, device=softmax_lse.device, dtype=cu_seqlens_q.dtype)
     # The sequence of each token: how many of cu_seqlens_q[1:] are <= it, counted on the whole
     # cu_seqlens_q (minus its leading 0): torch.compile's Triton searchsorted ignores the offset
     # of a sliced boundary tensor and answers off by one (pytorch/pytorch#182343, torch 2.11).
     seq = torch.searchsorted(cu_seqlens_q, tokens, right=True) - 1
-    in_batch = seq < batch
-    seq = seq.clamp(max=batch - 1)
+    in_batch = (seq >= 0) & (seq < batch)
+    seq = seq.clamp(0, batch - 1)
     row = (tokens - cu_seqlens_q[seq]).clamp(0, max_seqlen_q - 1)
     # One gather along the flattened (sequence, row) axis of [heads, batch * max_seqlen_q].
     by_head = softmax_lse.permute(1, 0, 2).reshape(heads, batch * max_seqlen_q)
@@ -492,7 +511,7 @@ def flash_attn_with_kvcache(
     if q.dim() != 4:
         raise RuntimeError(f"{fn}: q has shape {list(q.shape)}; expected 4 dims "
                            "[batch, seqlen_q, heads_q, head_dim]")
-    _check_head_dim(fn, q)
+    _check_head_dim(fn, q, k_cache=k_cache, v_cache=v_cache, k=k, v=v)
     window = _window(fn, window_size)
     if (k is None) != (v is None):
         raise ValueError(f"{fn}: {'k' if v is None else 'v'} is given without "
@@ -502,23 +521,27 @@ def flash_attn_with_kvcache(
     if rotary_cos is not None and rotary_cos.dim() == 2 and 2 * rotary_cos.shape[1] > head_dim:
         raise ValueError(f"{fn}: rotary_dim (2 * rotary_cos.shape[1]) is {2 * rotary_cos.shape[1]} "
                          f"but head_dim is {head_dim}; rotary_dim must be at most head_dim")
-    if softmax_scale is None:
-        softmax_scale = head_dim ** -0.5
+    softmax_scale = _softmax_scale(fn, softmax_scale, head_dim)
     cache_seqlen = -1
     if isinstance(cache_seqlens, int):
         cache_seqlen, cache_seqlens = cache_seqlens, None
+    # The index arrays with a strided last dim are copied, as flash_attn does.
+    cache_seqlens, cache_batch_idx, cache_leftpad, block_table = (
+        None if x is None else _last_dim_contiguous(x)
+        for x in (cache_seqlens, cache_batch_idx, cache_leftpad, block_table))
     pad = head_dim % _HEAD_DIM_MULTIPLE != 0
     # A head dim that is not a multiple of 8 runs on zero-padded copies, as in flash_attn; the
     # appended rows are copied back into the caller's caches afterwards.
     k_cache_run = _padded_cache(k_cache) if pad else k_cache
     v_cache_run = _padded_cache(v_cache) if pad else v_cache
-    out, softmax_lse = _ops.fwd_kvcache(
-        _pad_head_dim(q), k_cache_run, v_cache_run,
-        None if k is None else _pad_head_dim(k), None if v is None else _pad_head_dim(v),
-        rotary_cos if rotary_cos is None else _last_dim_contiguous(rotary_cos),
-        rotary_sin if rotary_sin is None else _last_dim_contiguous(rotary_sin),
-        cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
-        softmax_scale, causal, window[0], window[1], softcap, rotary_interleaved, num_splits)
+    with torch.no_grad():  # inference only: the outputs never require grad, as in flash_attn
+        out, softmax_lse = _ops.fwd_kvcache(
+            _pad_head_dim(q), k_cache_run, v_cache_run,
+            None if k is None else _pad_head_dim(k), None if v is None else _pad_head_dim(v),
+            rotary_cos if rotary_cos is None else _last_dim_contiguous(rotary_cos),
+            rotary_sin if rotary_sin is None else _last_dim_contiguous(rotary_sin),
+            cache_seqlens, cache_seqlen, cache_batch_idx, cache_leftpad, block_table, alibi_slopes,
+            softmax_scale, causal, window[0], window[1], softcap, rotary_interleaved, num_splits)
     if pad:
         out = out[..., :head_dim]
         if k is not None:
