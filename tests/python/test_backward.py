@@ -154,3 +154,14 @@ def test_compiled_training_step(device):
         fn(*leaves).backward()
         grads.append([leaf.grad for leaf in leaves])
     assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_grad_without_query_rows(device):
+    """seqlen_q = 0: dq is empty and dk, dv are zeros. The gradient reaching the backward is an
+    expanded empty tensor (stride 0), which the last-dim check must let through."""
+    skip_unbuilt_bwd(device, torch.bfloat16, 64)
+    q = randn((2, 0, 4, 64), torch.bfloat16, device, 700).requires_grad_()
+    k, v = (randn((2, 9, 2, 64), torch.bfloat16, device, 701 + i).requires_grad_() for i in range(2))
+    flash_attn_func(q, k, v, causal=True).sum().backward()
+    assert q.grad.shape == q.shape
+    assert torch.all(k.grad == 0) and torch.all(v.grad == 0)

@@ -80,3 +80,12 @@ def test_mha_kv_cache_decode(device):
         out = torch.cat(rows, dim=1)
         check_close("MHA decoded", out, mha_reference(module, x, True),
                     mha_reference(module, x, False), factor=3.0)
+
+
+def test_alibi_slopes_move_with_the_module(device):
+    """The slopes are a buffer, as in flash_attn: .to() moves them, state_dict() leaves them out."""
+    for module in (FlashSelfAttention(alibi_slopes=torch.rand(4)),
+                   FlashCrossAttention(alibi_slopes=torch.rand(4))):
+        assert "alibi_slopes" in dict(module.named_buffers())
+        assert "alibi_slopes" not in module.state_dict()
+        assert module.to(device).alibi_slopes.device.type == device

@@ -1,6 +1,7 @@
-"""Attention modules over flashkit, with the constructor and forward arguments of
-flash_attn.modules.mha: FlashSelfAttention (packed qkv), FlashCrossAttention (q and packed kv) and
-MHA (projections, optional rotary embeddings, GQA/MQA around them).
+"""Attention modules over flashkit, after flash_attn.modules.mha: FlashSelfAttention (packed qkv)
+and FlashCrossAttention (q and packed kv) with flash_attn's constructor and forward arguments, and
+MHA (projections, optional rotary embeddings, GQA/MQA around them) with flash_attn's weight layout
+but its own, smaller set of arguments (see its docstring).
 
 Every module takes either padded batches ([batch, seqlen, ...]) or, with ``cu_seqlens`` and
 ``max_seqlen``, sequences packed along the token dimension ([total, ...]); see
@@ -45,7 +46,8 @@ class FlashSelfAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.drop = nn.Dropout(attention_dropout)
         self.window_size = window_size
-        self.alibi_slopes = alibi_slopes
+        # A buffer (not saved), so that .to() / .cuda() move the slopes with the module.
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         self.deterministic = deterministic
 
     def forward(self, qkv: torch.Tensor, causal: Optional[bool] = None,
@@ -78,7 +80,8 @@ class FlashCrossAttention(nn.Module):
         self.softmax_scale = softmax_scale
         self.drop = nn.Dropout(attention_dropout)
         self.window_size = window_size
-        self.alibi_slopes = alibi_slopes
+        # A buffer (not saved), so that .to() / .cuda() move the slopes with the module.
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         self.deterministic = deterministic
 
     def forward(self, q: torch.Tensor, kv: torch.Tensor, causal: Optional[bool] = None,
