@@ -51,7 +51,8 @@ struct FwdCommon {
   TensorView q;  // [batch, seqlen_q, heads_q, head_dim]       (varlen: [total_q, heads_q, head_dim])
   TensorView k;  // [batch, seqlen_k, heads_kv, head_dim]      (varlen: [total_k, heads_kv, head_dim])
   TensorView v;  // [batch, seqlen_k, heads_kv, head_dim]      (varlen: [total_k, heads_kv, head_dim])
-  TensorView out;          // same shape and dtype as q; written
+  TensorView out;          // same shape and dtype as q; written. May be q itself (in place), except
+                           // with attn_probs; never k, v or softmax_lse
   TensorView softmax_lse;  // fp32 [batch, heads_q, seqlen_q] (varlen: [batch, heads_q, max_seqlen_q]);
                            // natural log of the softmax denominator per row, -inf for a row that sees
                            // no key (its output row is zero). Written; the backward pass reads it.

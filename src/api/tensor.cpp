@@ -2,6 +2,7 @@
 // \brief The non-owning TensorView: element counts, contiguity, printing and the two constructors.
 #include "flashkit/tensor.h"
 
+#include <cstdint>
 #include <string>
 
 #include "flashkit/error.h"
@@ -22,11 +23,22 @@ const char* dtype_name(DType t) {
   return "unknown dtype";
 }
 
-// An undefined view (rank 0) names no tensor and so has no elements.
+// An undefined view (rank 0) names no tensor and so has no elements. The product saturates at
+// INT64_MAX: a hand-filled view whose sizes multiply past 2^63 (e.g. [2^20, 2^20, 2^16, 256])
+// must not wrap to 0, which would read as "empty" and skip the pointer and stride checks.
 int64_t TensorView::numel() const {
   if (!defined()) return 0;
+  const int dims = rank < kMaxRank ? rank : kMaxRank;
+  for (int d = 0; d < dims; ++d) {
+    if (sizes[d] == 0) return 0;
+  }
   int64_t count = 1;
-  for (int d = 0; d < rank; ++d) count *= sizes[d];
+  for (int d = 0; d < dims; ++d) {
+    const int64_t size = sizes[d];
+    if (size < 0) return size;  // not a valid view; validation reports the negative size
+    if (count > INT64_MAX / size) return INT64_MAX;
+    count *= size;
+  }
   return count;
 }
 
@@ -44,7 +56,7 @@ bool TensorView::is_contiguous() const {
 
 std::string TensorView::shape_string() const {
   std::string text = "[";
-  for (int d = 0; d < rank; ++d) {
+  for (int d = 0; d < rank && d < kMaxRank; ++d) {
     if (d > 0) text += ", ";
     text += std::to_string(sizes[d]);
   }

@@ -8,7 +8,12 @@
 namespace flashkit::api {
 
 std::string device_string(const Device& device) {
-  return device.kind == DeviceKind::kCpu ? "cpu" : "cuda:" + std::to_string(device.index);
+  // CPU views normally carry index 0; another index is named, or a mismatch would read
+  // "k is on cpu but q is on cpu".
+  if (device.kind == DeviceKind::kCpu) {
+    return device.index == 0 ? "cpu" : "cpu:" + std::to_string(device.index);
+  }
+  return "cuda:" + std::to_string(device.index);
 }
 
 std::string shape_string(std::initializer_list<int64_t> sizes) {

@@ -92,6 +92,39 @@ void check_scalars(const char* fn, const FwdCommon& p) {
   }
 }
 
+// The outputs (out, softmax_lse) may share memory with no input they are written over while other
+// rows still read it: out over k or v, softmax_lse over any attention tensor. out == q (an in-place
+// forward) is fine, as in FlashAttention: each query row is read before its own output row is
+// written, and no other row reads it; but not with attn_probs, which the CUDA backend recomputes
+// from q after the forward has written out. As for the backward's gradients, only the common
+// mistake (a view passed twice, same data pointer) is caught.
+void check_output_aliasing(const char* fn, const FwdCommon& p) {
+  auto same = [](const TensorView& a, const TensorView& b) {
+    return a.numel() > 0 && b.numel() > 0 && a.data == b.data;
+  };
+  const std::pair<const char*, const TensorView*> out_others[] = {
+      {"k", &p.k}, {"v", &p.v}, {"softmax_lse", &p.softmax_lse}};
+  for (const auto& [name, other] : out_others) {
+    if (same(p.out, *other)) {
+      fail(fn, "out.data (", p.out.data, ") is also ", name, ".data; out needs memory of its "
+           "own, apart from k, v and softmax_lse (it may be q: an in-place forward)");
+    }
+  }
+  const std::pair<const char*, const TensorView*> lse_others[] = {
+      {"q", &p.q}, {"k", &p.k}, {"v", &p.v}};
+  for (const auto& [name, other] : lse_others) {
+    if (same(p.softmax_lse, *other)) {
+      fail(fn, "softmax_lse.data (", p.softmax_lse.data, ") is also ", name,
+           ".data; softmax_lse needs memory of its own");
+    }
+  }
+  if (p.attn_probs.defined() && same(p.out, p.q)) {
+    fail(fn, "out.data (", p.out.data, ") is also q.data with attn_probs requested; the "
+         "probabilities are recomputed from q after out is written, so out needs memory of its own "
+         "when attn_probs is given");
+  }
+}
+
 // The optional return_softmax output: [batch, heads_q, seqlen_q, seqlen_k], each length rounded up
 // by attn_probs_length (api.h), in q's dtype on q's device.
 void check_attn_probs(const char* fn, const FwdCommon& p, int64_t batch, int64_t heads_q,
@@ -287,6 +320,7 @@ FwdProblem validate_mha_fwd(const MhaFwdParams& p, const char* fn) {
   check_shape(fn, "softmax_lse", p.softmax_lse, {batch, heads_q, seqlen_q},
               "([batch, heads_q, seqlen_q])");
   check_layouts(fn, p);
+  check_output_aliasing(fn, p);
   const int64_t alibi_batch_stride =
       p.alibi_slopes.defined() ? check_alibi(fn, p.alibi_slopes, batch, heads_q) : 0;
   check_scalars(fn, p);
@@ -325,6 +359,7 @@ FwdProblem validate_mha_varlen_fwd(const MhaVarlenFwdParams& p, const char* fn) 
   check_shape(fn, "softmax_lse", p.softmax_lse, {batch, heads_q, p.max_seqlen_q},
               "([batch, heads_q, max_seqlen_q], batch = cu_seqlens_q.size(0) - 1)");
   check_layouts(fn, p);
+  check_output_aliasing(fn, p);
   const int64_t alibi_batch_stride =
       p.alibi_slopes.defined() ? check_alibi(fn, p.alibi_slopes, batch, heads_q) : 0;
   check_scalars(fn, p);

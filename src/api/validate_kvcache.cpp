@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "api/tensor_checks.h"
@@ -96,6 +98,26 @@ void check_and_fill_tensors(const MhaFwdKvcacheParams& p, KvcacheProblem& proble
               "([batch, heads_q, seqlen_q])");
   check_last_dim_contiguous(kFn, "softmax_lse", p.softmax_lse);
   check_data_pointer(kFn, "softmax_lse", p.softmax_lse);
+
+  // out and softmax_lse are written while the caches (and, for softmax_lse, q) are still read:
+  // only the common mistake of passing a view twice (same data pointer) is caught. out may be q.
+  auto same = [](const TensorView& a, const TensorView& b) {
+    return a.numel() > 0 && b.numel() > 0 && a.data == b.data;
+  };
+  for (const auto& [name, other] : {std::pair<const char*, const TensorView*>{"k_cache", &p.k_cache},
+                                    {"v_cache", &p.v_cache}, {"softmax_lse", &p.softmax_lse}}) {
+    if (same(p.out, *other)) {
+      fail(kFn, "out.data (", p.out.data, ") is also ", name,
+           ".data; out needs memory of its own (it may be q)");
+    }
+  }
+  for (const auto& [name, other] : {std::pair<const char*, const TensorView*>{"q", &p.q},
+                                    {"k_cache", &p.k_cache}, {"v_cache", &p.v_cache}}) {
+    if (same(p.softmax_lse, *other)) {
+      fail(kFn, "softmax_lse.data (", p.softmax_lse.data, ") is also ", name,
+           ".data; softmax_lse needs memory of its own");
+    }
+  }
 
   problem.dtype = p.q.dtype;
   problem.batch = to_int(kFn, "batch (q.size(0))", batch);
@@ -301,6 +323,8 @@ KvcacheProblem validate_mha_fwd_kvcache(const MhaFwdKvcacheParams& p) {
 
 void check_kvcache_contents(const KvcacheProblem& p, const KvcacheIndexArrays& a) {
   std::vector<int> row_of_cache(p.is_paged() ? 0 : p.cache_batches, -1);
+  // Paged: each page the append writes -> the (sequence, block_table index) that names it.
+  std::unordered_map<int, std::pair<int, int>> appending_page;
   for (int b = 0; b < p.batch; ++b) {
     const int length = a.cache_seqlens != nullptr ? a.cache_seqlens[b] : p.cache_seqlen;
     const int leftpad = a.cache_leftpad != nullptr ? a.cache_leftpad[b] : 0;
@@ -345,6 +369,21 @@ void check_kvcache_contents(const KvcacheProblem& p, const KvcacheIndexArrays& a
           fail(kFn, "block_table[", b, "][", i, "] is ", page, "; sequence ", b, " uses pages ",
                first_page, "..", end_page - 1, " and each must be in [0, ", p.cache_batches,
                ") (num_blocks, k_cache.size(0))");
+        }
+      }
+      // The pages the append writes: named twice (by two sequences, or twice by one), the rows
+      // they get would depend on the order of the writes (the CUDA append writes every token of
+      // every sequence in parallel).
+      if (p.has_append() && p.seqlen_new > 0) {
+        const int first_append_page = length / p.page_block_size;
+        for (int i = first_append_page; i < end_page; ++i) {
+          const int page = a.block_table[b * p.block_table_batch_stride + i];
+          const auto [it, inserted] = appending_page.emplace(page, std::pair<int, int>{b, i});
+          if (!inserted) {
+            fail(kFn, "block_table[", b, "][", i, "] and block_table[", it->second.first, "][",
+                 it->second.second, "] are both page ", page, " and both receive appended "
+                 "tokens; the pages an append writes must be distinct");
+          }
         }
       }
     }

@@ -367,6 +367,49 @@ TEST(KvcacheValidation, BlockTable) {
                        "page_block_size", "300", "256");
 }
 
+// Two sequences appending into one page (or one sequence naming a page twice where it appends)
+// would leave the page's rows to the order of the writes: the CUDA append writes every token of
+// every sequence in parallel, the CPU one sequence after the other. kvcache_params.h lists it among
+// the caller's promises; the CPU backend (and FLASHKIT_CHECK_KVCACHE=1) now checks it like the
+// others. Sharing pages that are only read (a common prefix) stays allowed.
+TEST(KvcacheValidation, AppendedPagesAreNotShared) {
+  const KvcacheCase c = paged_case();
+  const int blocks = c.max_blocks();
+  // Sequence 1 appends into its page 0 (cache_seqlens 0) and names sequence 0's page 0.
+  EXPECT_KVCACHE_ERROR((in.seqlens[0] = in.seqlens[1] = 0, in.leftpad[0] = in.leftpad[1] = 0,
+                        in.block_table[blocks] = in.block_table[0]),
+                       "block_table[1][0] and block_table[0][0] are both page",
+                       "the pages an append writes must be distinct");
+  // One sequence naming one page for two stretches of its append (page_block_size 16, 3 new
+  // tokens from position 15 span its pages 0 and 1).
+  EXPECT_KVCACHE_ERROR((in.seqlens[2] = 15, in.leftpad[2] = 0,
+                        in.block_table[2 * blocks + 1] = in.block_table[2 * blocks]),
+                       "block_table[2][1] and block_table[2][0] are both page");
+
+  // A page every sequence reads but none appends to (a shared prefix) is fine.
+  KvcacheInputs in = make_kvcache_inputs(c);
+  std::vector<uint16_t> out(in.q.size());
+  std::vector<float> lse(int64_t{c.batch} * c.heads_q * c.seqlen_q);
+  for (int b = 0; b < c.batch; ++b) {
+    in.seqlens[b] = 20;  // the append goes to page 1; page 0 is read only
+    in.leftpad[b] = 0;
+    in.block_table[b * blocks] = in.block_table[0];
+  }
+  const MhaFwdKvcacheParams p = kvcache_params(c, in, host_buffers(in, out, lse), kCpu);
+  EXPECT_NO_THROW(mha_fwd_kvcache(p));
+}
+
+// out and softmax_lse are written while the caches are read: a view passed twice is refused, as
+// mha_fwd refuses it (out over q, an in-place call, stays allowed).
+TEST(KvcacheValidation, OutputsDoNotAliasTheCache) {
+  const KvcacheCase c = base_case("alias");
+  EXPECT_KVCACHE_ERROR(p.out.data = p.k_cache.data, "out.data", "is also k_cache.data");
+  EXPECT_KVCACHE_ERROR(p.out.data = p.v_cache.data, "out.data", "is also v_cache.data");
+  EXPECT_KVCACHE_ERROR(p.softmax_lse.data = p.k_cache.data, "softmax_lse.data",
+                       "is also k_cache.data");
+  EXPECT_KVCACHE_ERROR(p.softmax_lse.data = p.out.data, "is also softmax_lse.data");
+}
+
 TEST(KvcacheValidation, TooFewBlocksForTheLength) {
   KvcacheCase c = paged_case();
   // 3 pages of 16 hold 48 tokens; the append would end at 48 + 3.

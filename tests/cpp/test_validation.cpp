@@ -11,9 +11,11 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
 #include <string>
+#include <vector>
 
 #include "api/validate_fwd.h"
 #include "attention_case.h"
@@ -392,6 +394,96 @@ TEST_F(MhaVarlenFwdValidation, AttnProbsAreSizedByTheRoundedMaxima) {
   MhaVarlenFwdParams bad = p;
   bad.attn_probs = make_view(probs.data(), DType::kFloat16, {3, 4, 128, 256}, cpu);
   EXPECT_ERROR_MENTIONS(mha_varlen_fwd(bad), "attn_probs has shape [3, 4, 128, 256]");
+}
+
+// ---- outputs that share memory with inputs ----
+
+// out written over k (or v) corrupts the keys other rows still read: with 300 rows a head runs as
+// several tasks on the CPU backend, and before the check more than half of out came back wrong
+// (on CUDA, CTAs race the same way). FlashAttention does not check it either; flashkit refuses the
+// view passed twice, as it does for attn_probs and the backward's gradients.
+TEST(MhaFwdAliasing, OutOverKOrVOrLseIsRefused) {
+  FwdCase s = fixed_case();
+  s.heads_kv = s.heads_q;
+  s.seqlen_q = s.seqlen_k = 300;
+  AttentionCase c(s);
+  const MhaFwdParams p = c.fwd_params();
+  MhaFwdParams bad = p;
+  bad.out.data = p.k.data;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "mha_fwd: out.data", "is also k.data", "it may be q");
+  bad = p;
+  bad.out.data = p.v.data;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "out.data", "is also v.data");
+  bad = p;
+  bad.out.data = p.softmax_lse.data;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "out.data", "is also softmax_lse.data");
+  bad = p;
+  bad.softmax_lse.data = p.q.data;
+  EXPECT_ERROR_MENTIONS(mha_fwd(bad), "softmax_lse.data", "is also q.data");
+}
+
+// out == q (an in-place forward) is fine, as in FlashAttention: each query row is read before its
+// own output row is written. The result is that of separate buffers.
+TEST(MhaFwdAliasing, InPlaceOutOverQGivesTheSameResult) {
+  FwdCase s = fixed_case();
+  s.seqlen_q = s.seqlen_k = 300;
+  AttentionCase separate(s);
+  mha_fwd(separate.fwd_params());
+  AttentionCase in_place(s);
+  MhaFwdParams p = in_place.fwd_params();
+  p.out.data = p.q.data;
+  ASSERT_NO_THROW(mha_fwd(p));
+  EXPECT_EQ(in_place.in.q, separate.out);
+  EXPECT_EQ(in_place.lse, separate.lse);
+}
+
+// ... but not with attn_probs: the CUDA backend recomputes the probabilities from q after the
+// forward kernel has written out (src/cuda/sm80/fwd_attn_probs.cuh), so an in-place call got
+// probabilities of the output rows on CUDA and the right ones on the CPU.
+TEST(MhaFwdAliasing, InPlaceOutOverQIsRefusedWithAttnProbs) {
+  AttentionCase c(fixed_case());
+  MhaFwdParams p = c.fwd_params();
+  std::vector<uint16_t> probs(2 * 4 * 128 * 128);
+  p.attn_probs = make_view(probs.data(), DType::kFloat16, {2, 4, 128, 128}, Device{});
+  p.out.data = p.q.data;
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "out.data", "is also q.data with attn_probs");
+}
+
+TEST(MhaFwdAliasing, TheVarlenForwardChecksToo) {
+  AttentionCase c(varlen_case());
+  MhaVarlenFwdParams p = c.varlen_params();
+  p.out.data = p.k.data;
+  EXPECT_ERROR_MENTIONS(mha_varlen_fwd(p), "mha_varlen_fwd: out.data", "is also k.data");
+}
+
+// ---- views whose element count overflows ----
+
+// numel() of sizes multiplying past 2^63 wrapped (to exactly 0 for [2^20, 2^20, 2^16, 256]), and a
+// view with no elements skips the pointer and alignment checks: a null (or misaligned) CUDA
+// k_cache passed validation and reached the decode kernel. The count now saturates.
+TEST(TensorViewNumel, SaturatesInsteadOfWrapping) {
+  const TensorView huge =
+      make_view(nullptr, DType::kFloat16, {1 << 20, 1 << 20, 1 << 16, 256}, Device{});
+  EXPECT_EQ(huge.numel(), INT64_MAX);
+  EXPECT_EQ(make_view(nullptr, DType::kFloat16, {1 << 20, 0, 1 << 16, 256}, Device{}).numel(), 0);
+  EXPECT_EQ(make_view(nullptr, DType::kFloat16, {3, 5, 7, 8}, Device{}).numel(), 3 * 5 * 7 * 8);
+
+  alignas(16) static uint16_t fake[64];
+  MhaFwdKvcacheParams p;
+  p.q = make_view(fake, DType::kFloat16, {1, 1, 1 << 16, 256}, kCuda0);
+  p.out = make_view(fake + 16, DType::kFloat16, {1, 1, 1 << 16, 256}, kCuda0);
+  p.softmax_lse = make_view(fake + 32, DType::kFloat32, {1, 1 << 16, 1}, kCuda0);
+  p.k_cache = make_view(nullptr, DType::kFloat16, {1 << 20, 1 << 20, 1 << 16, 256}, kCuda0);
+  p.v_cache = make_view(fake + 48, DType::kFloat16, {1 << 20, 1 << 20, 1 << 16, 256}, kCuda0);
+  p.cache_seqlen = 1;
+  p.num_splits = 1;
+  EXPECT_ERROR_MENTIONS(mha_fwd_kvcache(p), "k_cache.data is null");
+}
+
+// A CPU view with another device index was refused as "k is on cpu but q is on cpu".
+TEST_F(MhaFwdValidation, ADeviceMismatchBetweenCpuIndicesIsNamed) {
+  p.k.device.index = 1;
+  EXPECT_ERROR_MENTIONS(mha_fwd(p), "k is on cpu:1 but q is on cpu");
 }
 
 // ---- defaults ----
