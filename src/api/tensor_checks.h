@@ -53,6 +53,12 @@ int to_int(const char* fn, const char* what, int64_t value);
 void check_shape(const char* fn, const char* name, const TensorView& view,
                  std::initializer_list<int64_t> expected, const char* layout);
 void check_last_dim_contiguous(const char* fn, const char* name, const TensorView& view);
+
+// Whether two non-empty views start at the same address: a view passed twice, the aliasing the
+// validators refuse where an output would be written over an input that other rows still read.
+inline bool shares_data(const TensorView& a, const TensorView& b) {
+  return a.numel() > 0 && b.numel() > 0 && a.data == b.data;
+}
 void check_contiguous(const char* fn, const char* name, const TensorView& view);
 // Every view with elements needs a non-null pointer aligned to its element type, on any device.
 void check_data_pointer(const char* fn, const char* name, const TensorView& view);

@@ -99,13 +99,10 @@ void check_scalars(const char* fn, const FwdCommon& p) {
 // from q after the forward has written out. As for the backward's gradients, only the common
 // mistake (a view passed twice, same data pointer) is caught.
 void check_output_aliasing(const char* fn, const FwdCommon& p) {
-  auto same = [](const TensorView& a, const TensorView& b) {
-    return a.numel() > 0 && b.numel() > 0 && a.data == b.data;
-  };
   const std::pair<const char*, const TensorView*> out_others[] = {
       {"k", &p.k}, {"v", &p.v}, {"softmax_lse", &p.softmax_lse}};
   for (const auto& [name, other] : out_others) {
-    if (same(p.out, *other)) {
+    if (shares_data(p.out, *other)) {
       fail(fn, "out.data (", p.out.data, ") is also ", name, ".data; out needs memory of its "
            "own, apart from k, v and softmax_lse (it may be q: an in-place forward)");
     }
@@ -113,12 +110,12 @@ void check_output_aliasing(const char* fn, const FwdCommon& p) {
   const std::pair<const char*, const TensorView*> lse_others[] = {
       {"q", &p.q}, {"k", &p.k}, {"v", &p.v}};
   for (const auto& [name, other] : lse_others) {
-    if (same(p.softmax_lse, *other)) {
+    if (shares_data(p.softmax_lse, *other)) {
       fail(fn, "softmax_lse.data (", p.softmax_lse.data, ") is also ", name,
            ".data; softmax_lse needs memory of its own");
     }
   }
-  if (p.attn_probs.defined() && same(p.out, p.q)) {
+  if (p.attn_probs.defined() && shares_data(p.out, p.q)) {
     fail(fn, "out.data (", p.out.data, ") is also q.data with attn_probs requested; the "
          "probabilities are recomputed from q after out is written, so out needs memory of its own "
          "when attn_probs is given");

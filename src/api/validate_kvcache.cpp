@@ -101,19 +101,16 @@ void check_and_fill_tensors(const MhaFwdKvcacheParams& p, KvcacheProblem& proble
 
   // out and softmax_lse are written while the caches (and, for softmax_lse, q) are still read:
   // only the common mistake of passing a view twice (same data pointer) is caught. out may be q.
-  auto same = [](const TensorView& a, const TensorView& b) {
-    return a.numel() > 0 && b.numel() > 0 && a.data == b.data;
-  };
   for (const auto& [name, other] : {std::pair<const char*, const TensorView*>{"k_cache", &p.k_cache},
                                     {"v_cache", &p.v_cache}, {"softmax_lse", &p.softmax_lse}}) {
-    if (same(p.out, *other)) {
+    if (shares_data(p.out, *other)) {
       fail(kFn, "out.data (", p.out.data, ") is also ", name,
            ".data; out needs memory of its own (it may be q)");
     }
   }
   for (const auto& [name, other] : {std::pair<const char*, const TensorView*>{"q", &p.q},
                                     {"k_cache", &p.k_cache}, {"v_cache", &p.v_cache}}) {
-    if (same(p.softmax_lse, *other)) {
+    if (shares_data(p.softmax_lse, *other)) {
       fail(kFn, "softmax_lse.data (", p.softmax_lse.data, ") is also ", name,
            ".data; softmax_lse needs memory of its own");
     }
