@@ -26,7 +26,7 @@ def kept(s_dmask: torch.Tensor, seqlen_q: int, seqlen_k: int) -> torch.Tensor:
 def check_against_mask(q, k, v, dout, opts, out, grads, keep):
     """out and (dq, dk, dv) against the references that drop what `keep` drops."""
     opts = Options(**{**opts.__dict__, "dropout_p": P, "dropout_keep": keep.cpu()})
-    ref = reference_grads(q, k, v, dout, opts, upcast=True)
+    ref = reference_grads(q, k, v, dout, opts, upcast=True, stored_out=out)
     lowp = reference_grads(q, k, v, dout, opts, upcast=False)
     check_close("out", out, ref[0], lowp[0], GRAD_FACTOR)
     for name, grad, r, lp in zip(("dq", "dk", "dv"), grads, ref[1:], lowp[1:]):

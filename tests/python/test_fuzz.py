@@ -187,7 +187,7 @@ def run_case(case: Case, device: str, layout=lambda q, k, v, dout: (q, k, v, dou
         seq_opts.dropout_p = case.dropout_p
         seq_opts.dropout_keep = kept(s_dmask, b, len_q, len_k)
         one = [t[None] for t in sq]
-        ref = reference_grads(*one, seq_opts, upcast=True)
+        ref = reference_grads(*one, seq_opts, upcast=True, stored_out=pick[b](out))
         lowp = reference_grads(*one, seq_opts, upcast=False)
         where = f"{case}, sequence {b}"
         check_close(f"out ({where})", pick[b](out), ref[0], lowp[0], GRAD_FACTOR)
