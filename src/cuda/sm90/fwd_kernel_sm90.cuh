@@ -216,8 +216,9 @@ struct FwdKernelTraits {
   // until the producer's release has put enough in the pool, so the claims must not exceed the
   // release: 40 / 232 with two consumers, 32 / 160 with three (both balance exactly).
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 40 : 32;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 232 : 160;
+  static constexpr bool kWideConsumers = kConsumerWarpgroups == 2 && kHeadDim == 256 && !kDropout;
+  static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? (kWideConsumers ? 24 : 40) : 32;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? (kWideConsumers ? 240 : 232) : 160;
   static_assert((kLaunchRegisters - kProducerRegisters) * kWarpgroupThreads >=
                     (kConsumerRegisters - kLaunchRegisters) * kConsumerWarpgroups * kWarpgroupThreads,
                 "the consumers claim more registers than the producer releases: setmaxnreg would hang");
