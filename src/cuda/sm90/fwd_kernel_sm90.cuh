@@ -214,10 +214,13 @@ struct FwdKernelTraits {
   // setmaxnreg moves registers within the CTA's allocation at launch (the 64K file split evenly
   // and rounded down to 8: 168 per thread at 384 threads, 128 at 512). A consumer's claim blocks
   // until the producer's release has put enough in the pool, so the claims must not exceed the
-  // release: 40 / 232 with two consumers, 32 / 160 with three (both balance exactly).
+  // release: 40 / 232 with two consumers, 32 / 160 with three (both balance exactly). d256's p = 0
+  // kernel takes 24 / 240 (also exact): its 128 x 80 tile spills at 232, and its producer only
+  // issues copies (a dropout kernel's producer draws the mask and needs its 40).
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
-  static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? 40 : 32;
-  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? 232 : 160;
+  static constexpr bool kWideConsumers = kConsumerWarpgroups == 2 && kHeadDim == 256 && !kDropout;
+  static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? (kWideConsumers ? 24 : 40) : 32;
+  static constexpr int kConsumerRegisters = kConsumerWarpgroups == 2 ? (kWideConsumers ? 240 : 232) : 160;
   static_assert((kLaunchRegisters - kProducerRegisters) * kWarpgroupThreads >=
                     (kConsumerRegisters - kLaunchRegisters) * kConsumerWarpgroups * kWarpgroupThreads,
                 "the consumers claim more registers than the producer releases: setmaxnreg would hang");

@@ -5,7 +5,7 @@
 // warpgroups of 64 query rows each. S = Q K^T is m64 x kBlockN per consumer, held in kBlockN / 2
 // fp32 registers per thread, beside the output accumulator (D / 2 registers) and the previous
 // block's P (kBlockN / 4 registers, read by O += P V while S of the next block lands); after
-// setmaxnreg two consumers run at 232 registers, three at 160. Shared memory holds Q (kBlockM x D)
+// setmaxnreg two consumers run at 232 registers (240 in d256's p = 0 kernel), three at 160. Shared memory holds Q (kBlockM x D)
 // and kStages stages of K and V (kBlockN x D each) and caps the stages; where it has room beside
 // them (all but 256), also O's staging tiles for the TMA-store epilogue (kBlockM x D, the "+ O" in
 // the table):
@@ -14,7 +14,8 @@
 //   64     | 192 x 96          | 4      | 24 + 4 x 24 = 120 + O 24 | 32 + 48 + 24 (160)  | three consumers keep the tensor cores busier than two (H200, bf16+fp16: +8% over 128 x 128); 192 x 128 spills 112 bytes at 160 registers
 //   64 (dropout) | 128 x 128   | 4      | 16 + 4 x 32 = 144 + O 16 | 32 + 64 + 32 (232)  | the dropout instance, tested on this shape; short k-loop (4 k-steps per S): a deep ring hides the TMA latency
 //   128    | 128 x 128         | 2      | 32 + 2 x 64 = 160 + O 32 | 64 + 64 + 32 (232)  | FA3's d128 shape; 128 keys per block amortise the softmax; 2 stages suffice because K and V are freed separately; O's 64 registers leave no room for a third consumer
-//   256    | 128 x 64          | 2      | 64 + 2 x 64 = 192 | 128 + 32 + 16 (232) | O takes 128 registers; 80 keys spilled 100 bytes with the pipelined schedule (S of the next block live beside P), 64 spill none
+//   256    | 128 x 80          | 2      | 64 + 2 x 80 = 224 | 128 + 40 + 20 (240) | O takes 128 registers; at 232 registers 80 keys spilled 100 bytes with the pipelined schedule (S of the next block live beside P); at 240 (the producer at 24) 40 bytes, outside the main loop; 1.02-1.10x 128 x 64 (H200, bf16 + fp16, bench/NOTES.md, session 8)
+//   256 (dropout) | 128 x 64    | 2      | 64 + 2 x 64 = 192 | 128 + 32 + 16 (232) | the drop marks take 32 keys at a time; the producer draws them, so it keeps 40 registers
 //
 // d64, measured on an H200 (bench/NOTES.md, 2026-11-23, forward, bf16 + fp16, 2k/8k/16k, causal and
 // not, geometric mean over the 12 cells vs SDPA cuDNN in the same run): 128 x 128 0.927, 192 x 128
@@ -36,7 +37,7 @@ constexpr FwdTileConfig fwd_tile_config(int head_dim_family, bool dropout = fals
   switch (head_dim_family) {
     case 64: return dropout ? FwdTileConfig{128, 128, 4} : FwdTileConfig{192, 96, 4};
     case 128: return {128, 128, 2};
-    case 256: return {128, 64, 2};
+    case 256: return dropout ? FwdTileConfig{128, 64, 2} : FwdTileConfig{128, 80, 2};
     default: return {0, 0, 0};
   }
 }
