@@ -2,23 +2,24 @@
 // \brief The warp-specialized forward kernel on wgmma + TMA (sm_90a, Hopper).
 //
 // A CTA walks tiles of kBlockM = 64 x kConsumerWarpgroups (128 or 192, fwd_tile_config_sm90.h)
-// query rows of one (batch, head): tile blockIdx.x, then every gridDim.x-th after it, in the order
-// of TileOrder (heaviest first within groups of (batch, head) pairs). Where all tiles cost the same
-// the grid is persistent (one CTA per SM, several tiles each); under a mask or with variable lengths
-// it has one CTA per tile (fwd_launch_sm90.cuh says why). Its warpgroups:
+// query rows of one (batch, head), in the order of TileOrder (heaviest first within groups of
+// (batch, head) pairs): tile blockIdx.x, then every gridDim.x-th after it where all tiles cost the
+// same, or the next one no CTA has taken where they differ (a mask, variable lengths), with one CTA
+// per SM either way (take_next_tile, fwd_launch_sm90.cuh). Its warpgroups:
 //
-//   producer  (warpgroup 0, 40 or 32 registers; its first warp works, one lane issues the copies)
-//     per tile: wait q_empty; TMA Q (kBlockM x D)      -> q_full
+//   producer  (warpgroup 0, 40, 32 or 24 registers; its first warp works, one lane issues the copies)
+//     per tile: wait q_empty; publish the tile; TMA Q (kBlockM x D)  -> q_full
+//               (a tile with no visible key is published without Q; num_tiles ends the walk)
 //     for each visible key block n, last to first, through a ring of kStages stages:
 //       wait k_empty[s]; TMA K[n] -> k_full[s]
 //       wait v_empty[s]; TMA V[n] -> v_full[s]
 //       (varlen, a block reaching past the sequence: V lands on v_tail, the warp zeroes the rows
 //        past the sequence (they hold the next sequence's tokens, possibly inf or NaN, which
 //        0 * x would spread into O), fences, and then arrives on v_full[s] itself)
-//   consumers (warpgroups 1 .. kConsumerWarpgroups, 232 registers for two, 160 for three; 64 query
+//   consumers (warpgroups 1 .. kConsumerWarpgroups, 232 or 240 registers for two, 160 for three; 64 query
 //   rows each), software-pipelined by one block so that each block's softmax overlaps the tensor
 //   cores:
-//     per tile: wait q_full
+//     per tile: wait q_full; read the tile (the end of the walk: exit)
 //     first block:  S = Q K^T (wgmma SS); release K; softmax S -> P (registers)
 //     each next block n, previous block p:
 //       [turn]  issue S_n = Q K_n^T (SS) and O += P_p V_p (RS: P from registers)   [pass turn]
@@ -150,6 +151,9 @@ struct FwdParams {
   CUtensorMap v_map;
   CUtensorMap o_map;
   int tile_groups;  // TileOrder's number of (batch, head) groups, 1 .. batch * heads_q
+  // The dynamic tile scheduler's counter (0 on entry, left 0; tile_counter_slots.h), or nullptr for
+  // the static round robin (take_next_tile).
+  unsigned* tile_counter;
 #ifdef FLASHKIT_SM90_FWD_TRACE
   long long* trace;
 #endif
@@ -236,13 +240,14 @@ struct FwdKernelTraits {
   using OTile = Swizzle128Tile<64, kHeadDim>;  // one consumer's rows of O, staged for the TMA store
 
   struct Barriers {
-    uint64_t q_full;
+    uint64_t q_full;   // the next tile is published in `tile` and, if it has keys, its Q has landed
     uint64_t q_empty;  // every consumer's last S = Q K^T of a tile has completed
     uint64_t k_full[kStages];
     uint64_t v_full[kStages];
     uint64_t k_empty[kStages];  // K and V are released separately: K after S, V after O += P V
     uint64_t v_empty[kStages];
     uint64_t v_tail;
+    int tile;  // the walk's next tile (num_tiles: its end), written before q_full completes
   };
   // Shared-memory plan, byte offsets from a 1024-byte aligned base: Q, the K and V stages, O's
   // staging tiles where they fit (kStageOutput), barriers last. + 1024: the dynamic shared-memory
@@ -272,6 +277,27 @@ enum class FwdBarrier : uint32_t {
   kScheduler2,                       // consumer 2 (of three) may issue its matrix products
   kOutput0,  // consumer c's staging tile (kOutput0 + c, its 128 threads): free, then written
 };
+
+// The tiles a CTA walks: tile blockIdx.x first, then either every gridDim.x-th after it (the static
+// round robin) or, with a counter (the dynamic scheduler), the next one that no CTA has taken:
+// gridDim.x + a count that every CTA adds to, so that tiles go out in TileOrder to whichever SM frees
+// up first, as the hardware hands out one-tile CTAs, but without a CTA start per tile. The producer
+// warp takes the tiles and publishes each to the consumers with its Q (Barriers::tile, q_full), so
+// that both walk the same ones.
+//
+// Called by the producer warp (every lane) after a tile's copies are issued, where it would wait for
+// the consumers to free Q anyway, so the atomic's round trip costs nothing. Every walked tile is
+// followed by one take, so a launch's takes number num_tiles, and the one that returns
+// num_tiles - 1 is the last: it stores 0 back for the next launch on the counter.
+__device__ __forceinline__ int take_next_tile(unsigned* counter, int linear, int num_tiles) {
+  if (counter == nullptr) return linear + static_cast<int>(gridDim.x);
+  unsigned taken = 0;
+  if (threadIdx.x % 32 == 0) {
+    taken = atomicAdd(counter, 1u);
+    if (taken == static_cast<unsigned>(num_tiles) - 1u) *reinterpret_cast<volatile unsigned*>(counter) = 0u;
+  }
+  return static_cast<int>(gridDim.x) + static_cast<int>(__shfl_sync(0xffffffffu, taken, 0));
+}
 
 // Where a tile's rows and keys live, and which key blocks it visits.
 struct FwdTile {
@@ -361,17 +387,22 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
   RingCursor<Traits::kStages> cursor;
   uint32_t tail_phase = 0;
   uint32_t q_loads = 0;
-  for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
+  for (int linear = blockIdx.x; linear < num_tiles; linear = take_next_tile(params.tile_counter, linear, num_tiles)) {
     const FwdTile tile = FwdTile::locate<Traits::kBlockM, kBlockN>(params, linear);
-    if (!tile.has_keys()) continue;
+    if (tile.rows_in_block <= 0) continue;  // varlen: past the sequence; the consumers skip it too
     const int batch = varlen ? 0 : tile.batch;
     mbarrier_wait(smem_u32(&bars.q_empty), (q_loads & 1u) ^ 1u);
     ++q_loads;
     if (lane == 0) {
+      *reinterpret_cast<volatile int*>(&bars.tile) = linear;
       const uint32_t q_full = smem_u32(&bars.q_full);
-      mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
-      tma_load_tile<QTile>(smem + Traits::kQOffset, params.q_map, q_full, varlen,
-                           tile.q_token + tile.m0, tile.head, batch);
+      if (tile.has_keys()) {
+        mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
+        tma_load_tile<QTile>(smem + Traits::kQOffset, params.q_map, q_full, varlen,
+                             tile.q_token + tile.m0, tile.head, batch);
+      } else {
+        mbarrier_arrive(q_full);
+      }
     }
     for (int n_block = tile.n_end - 1; n_block >= tile.n_begin; --n_block) {
       const int n0 = n_block * kBlockN;
@@ -414,6 +445,12 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
       }
       cursor.advance();
     }
+  }
+  // The walk's end, published like a tile.
+  mbarrier_wait(smem_u32(&bars.q_empty), (q_loads & 1u) ^ 1u);
+  if (lane == 0) {
+    *reinterpret_cast<volatile int*>(&bars.tile) = num_tiles;
+    mbarrier_arrive(smem_u32(&bars.q_full));
   }
 }
 
@@ -557,9 +594,13 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   Cursor ring;  // the next K/V stage to consume, continued across tiles
   uint32_t q_loads = 0;
 
-  for (int linear = blockIdx.x; linear < num_tiles; linear += gridDim.x) {
+  for (;;) {
+    // The producer's next tile, and its Q (take_next_tile).
+    mbarrier_wait(smem_u32(&bars.q_full), q_loads & 1u);
+    ++q_loads;
+    const int linear = *reinterpret_cast<volatile int*>(&bars.tile);
+    if (linear >= num_tiles) break;
     const FwdTile tile = FwdTile::locate<kBlockM, kBlockN>(params, linear);
-    if (tile.rows_in_block <= 0) continue;  // varlen: the sequence is shorter than max_seqlen_q
     FLASHKIT_FWD_TRACE(0, clock64());
     FLASHKIT_FWD_TRACE(6, trace_global_ns());
     FLASHKIT_FWD_TRACE(7, trace_sm_id());
@@ -597,10 +638,9 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       return any;
     };
 
+    if (!tile.has_keys()) release(bars.q_empty);  // the producer may publish the next tile
     if (tile.has_keys()) {
-      mbarrier_wait(smem_u32(&bars.q_full), q_loads & 1u);
       FLASHKIT_FWD_TRACE(1, clock64());
-      ++q_loads;
       float acc_s[1][kNTiles][4];
       float rescale[2];
       if constexpr (!kPipelined) {

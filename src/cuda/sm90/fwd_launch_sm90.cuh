@@ -15,12 +15,17 @@
 #include "cuda/sm90/fwd_sm90.h"
 #include "cuda/sm90/fwd_tile_config_sm90.h"
 #include "cuda/sm90/tensor_map.h"
+#include "cuda/sm90/tile_counter_slots.h"
 #include "flashkit/error.h"
 
 namespace flashkit::sm90 {
 #ifdef FLASHKIT_SM90_FWD_TRACE
 inline namespace traced {  // the traced build's own symbols, beside the library's untraced ones
 #endif
+
+// The dynamic tile scheduler's counters of this instance (tile_counter_slots.h): zero when the module
+// loads, and every launch leaves its counter zero.
+static __device__ unsigned fwd_tile_counters[kTileCounterSlots];
 
 template <DType kDType> struct ElementOf;
 template <> struct ElementOf<DType::kBFloat16> { using type = __nv_bfloat16; };
@@ -67,6 +72,7 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   const bool varlen = problem.is_varlen();
   FwdParams params;
   params.problem = problem;
+  params.tile_counter = nullptr;
   params.q_map = input_tensor_map(problem, problem.q, varlen ? problem.total_q : problem.seqlen_q,
                                   problem.heads_q, problem.q_row_stride, problem.q_head_stride,
                                   problem.q_batch_stride, Traits::kBlockM, "q");
@@ -106,19 +112,36 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   // in a static round robin (persistent): the next tile's Q, K and V load under the previous tile's
   // last products and epilogue instead of behind a CTA launch. H200, bf16, 2026-11-23: +1% to +3%
   // over one CTA per tile in all nine unmasked cells of the grid (bench/NOTES.md). Under a mask, or
-  // with sequences of different lengths, the tiles differ; the hardware handing one-tile CTAs to SMs
-  // as they free up balances them, where the static round robin ran causal cells 3-28% slower in
-  // that run; a static snake over every pair's heaviest tiles first, balanced in a model, still ran
-  // them 1-13% slower (hx/fwdsched: K and V of all pairs in flight at once, by count past L2), so a
-  // dynamic tile scheduler would be needed. FLASHKIT_SM90_GRID=persistent or =tile forces either
-  // (measurement switch).
+  // with sequences of different lengths, the tiles differ and a static walk leaves SMs idle at the
+  // end (the static round robin ran causal cells 3-28% slower; a static snake over every pair's
+  // heaviest tiles first, balanced in a model, 1-13% slower: K and V of all pairs in flight at once,
+  // by count past L2). There one CTA per SM takes the tiles from a counter in TileOrder (dynamic),
+  // which balances as the hardware does with one CTA per tile, without a CTA start per tile. A
+  // launch being captured into a CUDA graph runs one CTA per tile instead: a replay may run beside
+  // launches on the capturing stream, which would share its counter. FLASHKIT_SM90_GRID=persistent
+  // (static), =dynamic or =tile forces one (measurement switch; dynamic, outside a capture).
   const char* grid = std::getenv("FLASHKIT_SM90_GRID");
-  const bool persistent = grid != nullptr ? std::string(grid) == "persistent" : !uneven_tiles && !varlen;
+  const std::string forced = grid != nullptr ? grid : "";
+  const bool uniform = !uneven_tiles && !varlen;
+  int device = 0;
+  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
+  bool dynamic = forced.empty() ? !uniform : forced == "dynamic";
+  if (dynamic) {
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    cuda::check(cudaStreamIsCapturing(stream, &capture), "cudaStreamIsCapturing");
+    const int slot = capture == cudaStreamCaptureStatusNone ? tile_counter_slot(device, stream) : -1;
+    if (slot >= 0) {
+      unsigned* counters = nullptr;
+      cuda::check(cudaGetSymbolAddress(reinterpret_cast<void**>(&counters), fwd_tile_counters),
+                  "cudaGetSymbolAddress(fwd_tile_counters)");
+      params.tile_counter = counters + slot;
+    }
+    dynamic = slot >= 0;
+  }
+  const bool persistent = dynamic || (forced.empty() ? uniform : forced == "persistent");
   int64_t ctas = num_blocks;
   if (persistent) {
-    int device = 0;
     int sm_count = 0;
-    cuda::check(cudaGetDevice(&device), "cudaGetDevice");
     cuda::check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
                 "cudaDeviceGetAttribute(multiprocessor count)");
     ctas = std::min<int64_t>(num_blocks, sm_count);
