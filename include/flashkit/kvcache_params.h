@@ -37,7 +37,7 @@ namespace flashkit {
 struct MhaFwdKvcacheParams {
   TensorView q;  // [batch, seqlen_q, heads_q, head_dim]
   // Contiguous: [batch_cache, seqlen_cache, heads_kv, head_dim]; paged (block_table given):
-  // [num_blocks, page_block_size, heads_kv, head_dim], page_block_size 1..256. Same dtype as q;
+  // [num_blocks, page_block_size, heads_kv, head_dim], any page_block_size >= 1. Same dtype as q;
   // written in place when k_new / v_new are given.
   TensorView k_cache;
   TensorView v_cache;

@@ -472,7 +472,7 @@ def flash_attn_with_kvcache(
         q: [batch, seqlen_q, heads_q, head_dim], float16 or bfloat16.
         k_cache, v_cache: [batch_cache, seqlen_cache, heads_kv, head_dim] (contiguous cache), or
             [num_blocks, page_block_size, heads_kv, head_dim] with block_table (paged cache,
-            page_block_size 1 to 256); dtype of q; last dim contiguous (they are written in place,
+            any page_block_size >= 1); dtype of q; last dim contiguous (they are written in place,
             so they are not copied, except for a head dim that is not a multiple of 8: that runs
             on padded copies and the appended rows are copied back). heads_q a multiple of
             heads_kv.

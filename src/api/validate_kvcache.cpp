@@ -129,9 +129,8 @@ void check_and_fill_tensors(const MhaFwdKvcacheParams& p, KvcacheProblem& proble
       fail(kFn, "cache_batch_idx is given with a paged cache (block_table); a paged cache names "
                 "its pages per sequence, so cache_batch_idx is only for contiguous caches");
     }
-    if (cache_rows < 1 || cache_rows > kMaxPageBlockSize) {
-      fail(kFn, "page_block_size (k_cache.size(1)) is ", cache_rows, "; supported: 1 to ",
-           kMaxPageBlockSize);
+    if (cache_rows < 1) {
+      fail(kFn, "page_block_size (k_cache.size(1)) is ", cache_rows, "; a page holds at least one token");
     }
     check_dtype(kFn, "block_table", p.block_table, DType::kInt32);
     check_same_device_as_q(kFn, "block_table", p.block_table, p.q);

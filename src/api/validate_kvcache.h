@@ -16,7 +16,6 @@
 namespace flashkit::api {
 
 constexpr int kMaxKvcacheSplits = 128;
-constexpr int kMaxPageBlockSize = 256;
 
 // Throws flashkit::Error("mha_fwd_kvcache: ...") naming the argument, its value and what is
 // supported. Defaults resolved as in mha_fwd (scale, causal folded into the window, window sides

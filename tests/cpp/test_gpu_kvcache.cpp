@@ -1,6 +1,6 @@
 // tests/cpp/test_gpu_kvcache.cpp
 // \brief The CUDA decode path of mha_fwd_kvcache against the CPU reference: paged (randperm block
-// tables, page sizes 1 to 256) and contiguous caches, appends that cross pages and fill a cache to
+// tables, page sizes 1 to 1024) and contiguous caches, appends that cross pages and fill a cache to
 // its end, rotary both ways and rotary_dim < head_dim, cache_batch_idx, left pads, masks, ALiBi,
 // softcap, splits 1 to 128 and the heuristic, seqlen_q 1 to 16 with GQA ratios 1 to 16 and MQA,
 // bf16 and fp16, head dims 64 / 128 / 256 (and one that pads).
@@ -298,7 +298,7 @@ std::vector<KvcacheCase> gqa_cases() {
 
 std::vector<KvcacheCase> page_and_append_cases() {
   std::vector<KvcacheCase> cases;
-  for (int page : {1, 3, 16, 48, 256}) {
+  for (int page : {1, 3, 16, 48, 256, 512, 1024}) {
     KvcacheCase c = decode_case("page" + std::to_string(page) + "_fill_to_end");
     c.page_block_size = page;
     c.capacity = page * ((768 + page - 1) / page);

@@ -264,7 +264,8 @@ def check_cache_after_append(case: Case, before: Inputs, after: Inputs, k_new_re
 DTYPES = [torch.float16, torch.bfloat16]
 
 
-@pytest.mark.parametrize("page_block_size", [0, 16, 5], ids=["contiguous", "page16", "page5"])
+@pytest.mark.parametrize("page_block_size", [0, 16, 5, 512],
+                         ids=["contiguous", "page16", "page5", "page512"])
 @pytest.mark.parametrize("rotary", ["none", "interleaved", "half"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
 def test_append_rotary_paging(device, dtype, rotary, page_block_size):

@@ -4,8 +4,8 @@ against the fp32 reference with the error-ratio rule, the cache contents after t
 test_kvcache's grids vary one or two knobs at a time; here each case draws all of them at once:
 dtype, any head dim 1..256 (non-multiples of 8 run on padded copies), MHA / GQA 4, 8, 16 / MQA,
 batch 1..5, seqlen_q 1..16, appends of 0..8 tokens, caches of up to ~2000 rows, contiguous or paged
-with any page size 1..256, rotary (interleaved or half, rotary_dim a multiple of 16 up to head_dim)
-on the appended keys, cache_batch_idx, cache_leftpad, scalar cache_seqlens, empty and full
+with any page size 1..256 or 512..1024 (flash_attn's multiples of 256), rotary (interleaved or half,
+rotary_dim a multiple of 16 up to head_dim) on the appended keys, cache_batch_idx, cache_leftpad, scalar cache_seqlens, empty and full
 sequences, num_splits 0..128, causal / sliding window / softcap / ALiBi and their combinations.
 Only what the API accepts is drawn (test_kvcache.test_bad_input covers the refusals).
 
@@ -62,7 +62,7 @@ def draw_case(seed: int, max_capacity: int, max_work: float) -> Case:
     # L + seqlen_q within the capacity.
     capacity = max(capacity, seqlen_new, seqlen_q if rotary != "none" else 1)
     page_block_size = rng.choice([0, 0, 16 * rng.randint(1, 16), 2 ** rng.randint(0, 8),
-                                  rng.randint(1, 256)])
+                                  rng.randint(1, 256), 256 * rng.randint(2, 4)])
 
     batch_idx = not page_block_size and rng.random() < 0.3  # paged caches name pages instead
     leftpad = rng.random() < 0.3
