@@ -45,6 +45,7 @@
 
 #include "build_config.h"
 #include "cuda/sm90/fwd_sm90.h"
+#include "cuda/sm90/tile_counter_slots.h"
 #include "flashkit/flashkit.h"
 #include "gpu_case_builders.h"
 #include "gpu_case_grids.h"
@@ -533,6 +534,35 @@ TEST_F(GpuFwdTest, GridDynamicAcrossLaunchesStreamsAndGraphs) {
     }
   }
   if (ran == 0) GTEST_SKIP() << "neither case's kernels are built";
+}
+
+// The dynamic scheduler's counter slots (tile_counter_slots.h): host bookkeeping, no GPU needed. One
+// slot per (device, stream), the same on every call; the per-thread default stream gets one per host
+// thread; -1 once a device's slots are all taken (the launch then runs one CTA per tile), while the
+// keys that have a slot keep it. Device ids far from real ones keep the process's launches apart.
+TEST(TileCounterSlots, OnePerDeviceAndStreamAndThreadForThePerThreadStream) {
+  using flashkit::sm90::kTileCounterSlots;
+  using flashkit::sm90::tile_counter_slot;
+  constexpr int kDevice = 1000;
+  constexpr int kOtherDevice = 1001;
+  auto stream = [](uintptr_t i) { return reinterpret_cast<void*>(0x10000 + 16 * i); };
+  const int first = tile_counter_slot(kDevice, stream(1));
+  const int second = tile_counter_slot(kDevice, stream(2));
+  EXPECT_EQ(first, 0);
+  EXPECT_EQ(second, 1);
+  EXPECT_EQ(tile_counter_slot(kDevice, stream(1)), first);
+  EXPECT_EQ(tile_counter_slot(kOtherDevice, stream(1)), 0) << "slots are counted per device";
+  void* per_thread = static_cast<void*>(cudaStreamPerThread);
+  const int mine = tile_counter_slot(kDevice, per_thread);
+  int theirs = -2;
+  std::thread([&] { theirs = tile_counter_slot(kDevice, per_thread); }).join();
+  EXPECT_EQ(mine, 2);
+  EXPECT_EQ(theirs, 3) << "another host thread's per-thread stream is another stream";
+  EXPECT_EQ(tile_counter_slot(kDevice, per_thread), mine);
+  for (int i = 3; i < kTileCounterSlots - 1; ++i) EXPECT_EQ(tile_counter_slot(kDevice, stream(i)), i + 1);
+  EXPECT_EQ(tile_counter_slot(kDevice, stream(kTileCounterSlots)), -1);
+  EXPECT_EQ(tile_counter_slot(kDevice, stream(kTileCounterSlots + 1)), -1);
+  EXPECT_EQ(tile_counter_slot(kDevice, stream(2)), second);
 }
 
 // ------------------------------------------------------------------------------------------------
