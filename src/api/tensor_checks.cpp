@@ -100,6 +100,16 @@ void check_contiguous(const char* fn, const char* name, const TensorView& view) 
   }
 }
 
+void check_own_memory(const char* fn, const char* name, const TensorView& view,
+                      std::initializer_list<std::pair<const char*, const TensorView*>> others,
+                      const char* why) {
+  for (const auto& [other_name, other] : others) {
+    if (other != &view && shares_data(view, *other)) {
+      fail(fn, name, ".data (", view.data, ") is also ", other_name, ".data; ", why);
+    }
+  }
+}
+
 // Every view with elements needs a pointer aligned to its element type, on any device.
 void check_data_pointer(const char* fn, const char* name, const TensorView& view) {
   if (view.numel() == 0) return;

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
+#include <utility>
 #include <string>
 
 #include "flashkit/error.h"
@@ -59,6 +60,13 @@ void check_last_dim_contiguous(const char* fn, const char* name, const TensorVie
 inline bool shares_data(const TensorView& a, const TensorView& b) {
   return a.numel() > 0 && b.numel() > 0 && a.data == b.data;
 }
+
+// Fails when the output `name` shares its data with one of `others` (shares_data; `view` itself in
+// the list is skipped): "<name>.data (<pointer>) is also <other>.data; <why>". Only the common
+// mistake is caught, a view passed twice; views that overlap from different addresses are not.
+void check_own_memory(const char* fn, const char* name, const TensorView& view,
+                      std::initializer_list<std::pair<const char*, const TensorView*>> others,
+                      const char* why);
 void check_contiguous(const char* fn, const char* name, const TensorView& view);
 // Every view with elements needs a non-null pointer aligned to its element type, on any device.
 void check_data_pointer(const char* fn, const char* name, const TensorView& view);

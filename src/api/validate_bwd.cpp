@@ -62,22 +62,13 @@ void check_gradient(const char* fn, const char* name, const TensorView& view, co
 void check_no_aliasing(const char* fn, const BwdCommon& p) {
   const std::pair<const char*, const TensorView*> outputs[] = {
       {"dq", &p.dq}, {"dk", &p.dk}, {"dv", &p.dv}};
-  const std::pair<const char*, const TensorView*> others[] = {{"q", &p.q},
-                                                              {"k", &p.k},
-                                                              {"v", &p.v},
-                                                              {"out", &p.out},
-                                                              {"softmax_lse", &p.softmax_lse},
-                                                              {"dout", &p.dout},
-                                                              {"dq", &p.dq},
-                                                              {"dk", &p.dk},
-                                                              {"dv", &p.dv}};
   for (const auto& [name, view] : outputs) {
-    for (const auto& [other_name, other] : others) {
-      if (other == view || !shares_data(*view, *other)) continue;
-      fail(fn, name, ".data (", view->data, ") is also ", other_name,
-           ".data; every gradient needs memory of its own, apart from the inputs and the other "
-           "gradients");
-    }
+    check_own_memory(fn, name, *view,
+                     {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out},
+                      {"softmax_lse", &p.softmax_lse}, {"dout", &p.dout}, {"dq", &p.dq},
+                      {"dk", &p.dk}, {"dv", &p.dv}},
+                     "every gradient needs memory of its own, apart from the inputs and the other "
+                     "gradients");
   }
 }
 

@@ -99,22 +99,11 @@ void check_scalars(const char* fn, const FwdCommon& p) {
 // from q after the forward has written out. As for the backward's gradients, only the common
 // mistake (a view passed twice, same data pointer) is caught.
 void check_output_aliasing(const char* fn, const FwdCommon& p) {
-  const std::pair<const char*, const TensorView*> out_others[] = {
-      {"k", &p.k}, {"v", &p.v}, {"softmax_lse", &p.softmax_lse}};
-  for (const auto& [name, other] : out_others) {
-    if (shares_data(p.out, *other)) {
-      fail(fn, "out.data (", p.out.data, ") is also ", name, ".data; out needs memory of its "
-           "own, apart from k, v and softmax_lse (it may be q: an in-place forward)");
-    }
-  }
-  const std::pair<const char*, const TensorView*> lse_others[] = {
-      {"q", &p.q}, {"k", &p.k}, {"v", &p.v}};
-  for (const auto& [name, other] : lse_others) {
-    if (shares_data(p.softmax_lse, *other)) {
-      fail(fn, "softmax_lse.data (", p.softmax_lse.data, ") is also ", name,
-           ".data; softmax_lse needs memory of its own");
-    }
-  }
+  check_own_memory(fn, "out", p.out, {{"k", &p.k}, {"v", &p.v}, {"softmax_lse", &p.softmax_lse}},
+                   "out needs memory of its own, apart from k, v and softmax_lse (it may be q: an "
+                   "in-place forward)");
+  check_own_memory(fn, "softmax_lse", p.softmax_lse, {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}},
+                   "softmax_lse needs memory of its own");
   if (p.attn_probs.defined() && shares_data(p.out, p.q)) {
     fail(fn, "out.data (", p.out.data, ") is also q.data with attn_probs requested; the "
          "probabilities are recomputed from q after out is written, so out needs memory of its own "
@@ -139,14 +128,10 @@ void check_attn_probs(const char* fn, const FwdCommon& p, int64_t batch, int64_t
   check_data_pointer(fn, "attn_probs", view);
   // Written after the forward, from q, k and the lse: the common mistake of passing one of them
   // (or out) again would overwrite an input.
-  const std::pair<const char*, const TensorView*> others[] = {
-      {"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}, {"softmax_lse", &p.softmax_lse}};
-  for (const auto& [name, other] : others) {
-    if (view.numel() > 0 && other->numel() > 0 && other->data == view.data) {
-      fail(fn, "attn_probs.data (", view.data, ") is also ", name,
-           ".data; attn_probs needs memory of its own");
-    }
-  }
+  check_own_memory(fn, "attn_probs", view,
+                   {{"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out},
+                    {"softmax_lse", &p.softmax_lse}},
+                   "attn_probs needs memory of its own");
   problem.attn_probs = view.data;
   problem.attn_probs_batch_stride = view.strides[0];
   problem.attn_probs_head_stride = view.strides[1];

@@ -101,20 +101,12 @@ void check_and_fill_tensors(const MhaFwdKvcacheParams& p, KvcacheProblem& proble
 
   // out and softmax_lse are written while the caches (and, for softmax_lse, q) are still read:
   // only the common mistake of passing a view twice (same data pointer) is caught. out may be q.
-  for (const auto& [name, other] : {std::pair<const char*, const TensorView*>{"k_cache", &p.k_cache},
-                                    {"v_cache", &p.v_cache}, {"softmax_lse", &p.softmax_lse}}) {
-    if (shares_data(p.out, *other)) {
-      fail(kFn, "out.data (", p.out.data, ") is also ", name,
-           ".data; out needs memory of its own (it may be q)");
-    }
-  }
-  for (const auto& [name, other] : {std::pair<const char*, const TensorView*>{"q", &p.q},
-                                    {"k_cache", &p.k_cache}, {"v_cache", &p.v_cache}}) {
-    if (shares_data(p.softmax_lse, *other)) {
-      fail(kFn, "softmax_lse.data (", p.softmax_lse.data, ") is also ", name,
-           ".data; softmax_lse needs memory of its own");
-    }
-  }
+  check_own_memory(kFn, "out", p.out,
+                   {{"k_cache", &p.k_cache}, {"v_cache", &p.v_cache}, {"softmax_lse", &p.softmax_lse}},
+                   "out needs memory of its own (it may be q)");
+  check_own_memory(kFn, "softmax_lse", p.softmax_lse,
+                   {{"q", &p.q}, {"k_cache", &p.k_cache}, {"v_cache", &p.v_cache}},
+                   "softmax_lse needs memory of its own");
 
   problem.dtype = p.q.dtype;
   problem.batch = to_int(kFn, "batch (q.size(0))", batch);

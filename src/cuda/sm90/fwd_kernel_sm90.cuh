@@ -16,9 +16,9 @@
 //       (varlen, a block reaching past the sequence: V lands on v_tail, the warp zeroes the rows
 //        past the sequence (they hold the next sequence's tokens, possibly inf or NaN, which
 //        0 * x would spread into O), fences, and then arrives on v_full[s] itself)
-//   consumers (warpgroups 1 .. kConsumerWarpgroups, 232 or 240 registers for two, 160 for three; 64 query
-//   rows each), software-pipelined by one block so that each block's softmax overlaps the tensor
-//   cores:
+//   consumers (warpgroups 1 .. kConsumerWarpgroups, 232 or 240 registers for two, 160 for three;
+//   64 query rows each), software-pipelined by one block so that each block's softmax overlaps the
+//   tensor cores:
 //     per tile: wait q_full; read the tile (the end of the walk: exit)
 //     first block:  S = Q K^T (wgmma SS); release K; softmax S -> P (registers)
 //     each next block n, previous block p:

@@ -5,10 +5,10 @@
 // warpgroups of 64 query rows each. S = Q K^T is m64 x kBlockN per consumer, held in kBlockN / 2
 // fp32 registers per thread, beside the output accumulator (D / 2 registers) and the previous
 // block's P (kBlockN / 4 registers, read by O += P V while S of the next block lands); after
-// setmaxnreg two consumers run at 232 registers (240 in d256's p = 0 kernel), three at 160. Shared memory holds Q (kBlockM x D)
-// and kStages stages of K and V (kBlockN x D each) and caps the stages; where it has room beside
-// them (all but 256), also O's staging tiles for the TMA-store epilogue (kBlockM x D, the "+ O" in
-// the table):
+// setmaxnreg two consumers run at 232 registers (240 in d256's p = 0 kernel), three at 160. Shared
+// memory holds Q (kBlockM x D) and kStages stages of K and V (kBlockN x D each) and caps the
+// stages; where it has room beside them (all but 256), also O's staging tiles for the TMA-store
+// epilogue (kBlockM x D, the "+ O" in the table):
 //
 //   family | kBlockM x kBlockN | stages | smem (KiB)        | O + S + P registers | why
 //   64     | 192 x 96          | 4      | 24 + 4 x 24 = 120 + O 24 | 32 + 48 + 24 (160)  | three consumers keep the tensor cores busier than two (H200, bf16+fp16: +8% over 128 x 128); 192 x 128 spills 112 bytes at 160 registers
