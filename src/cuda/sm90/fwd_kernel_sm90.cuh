@@ -638,8 +638,41 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       return any;
     };
 
+    // A consumer whose 64 rows all lie past the sequence's end (the last tile of a sequence whose
+    // length is not a multiple of kBlockM) computes nothing: it only makes the handshakes its
+    // products would have made, in the pipelined schedule's order (the K and V stages of each block,
+    // the turns, Q), so that the other consumers' products have the tensor cores to themselves.
+    // Its output rows are never stored and its LSE rows never written.
+    const bool rows_here = !kPipelined || row0 < tile.rows_in_block;
     if (!tile.has_keys()) release(bars.q_empty);  // the producer may publish the next tile
-    if (tile.has_keys()) {
+    if (tile.has_keys() && !rows_here) {
+      if (consumer == kLastConsumer) turn.pass();
+      Cursor cursor = ring;
+      mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+      turn.wait();
+      turn.pass();
+      release(bars.k_empty[cursor.stage]);
+      for (int n_block = tile.n_end - 2; n_block >= tile.n_begin; --n_block) {
+        const Cursor previous = cursor;
+        cursor.advance();
+        mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+        mbarrier_wait(smem_u32(&bars.v_full[previous.stage]), previous.phase);
+        turn.wait();
+        turn.pass();
+        release(bars.k_empty[cursor.stage]);
+        release(bars.v_empty[previous.stage]);
+      }
+      release(bars.q_empty);
+      mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
+      turn.wait();
+      if (consumer != kLastConsumer) turn.pass();
+      release(bars.v_empty[cursor.stage]);
+      // The ring moves on by the tile's blocks, counted again rather than carried out of the walk:
+      // `ring = cursor` here made ptxas keep the main loop's descriptors off the uniform datapath,
+      // and spill.
+      for (int n_block = tile.n_end - 1; n_block >= tile.n_begin; --n_block) ring.advance();
+    }
+    if (tile.has_keys() && rows_here) {
       FLASHKIT_FWD_TRACE(1, clock64());
       float acc_s[1][kNTiles][4];
       float rescale[2];
