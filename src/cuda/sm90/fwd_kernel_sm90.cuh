@@ -215,6 +215,10 @@ struct FwdKernelTraits {
   // bench/NOTES.md, "Session 6".
   static constexpr bool kShortChain = kHeadDim <= 128 && !kDropout;
   static constexpr int kPBuffers = kShortChain ? 2 : 1;
+  // Whether a consumer whose rows all lie past the sequence skips its products (consumer_warpgroup).
+  // Not at d256: there the walk that replaces them made ptxas spill in the main loop (p = 0: 44 B
+  // instead of 20; dropout: 104 B instead of 0).
+  static constexpr bool kSkipIdleRows = kHeadDim <= 128;
   // setmaxnreg moves registers within the CTA's allocation at launch (the 64K file split evenly
   // and rounded down to 8: 168 per thread at 384 threads, 128 at 512). A consumer's claim blocks
   // until the producer's release has put enough in the pool, so the claims must not exceed the
@@ -643,9 +647,9 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     // products would have made, in the pipelined schedule's order (the K and V stages of each block,
     // the turns, Q), so that the other consumers' products have the tensor cores to themselves.
     // Its output rows are never stored and its LSE rows never written.
-    const bool rows_here = !kPipelined || row0 < tile.rows_in_block;
+    const bool rows_here = !kPipelined || !Traits::kSkipIdleRows || row0 < tile.rows_in_block;
     if (!tile.has_keys()) release(bars.q_empty);  // the producer may publish the next tile
-    if (tile.has_keys() && !rows_here) {
+    if (Traits::kSkipIdleRows && tile.has_keys() && !rows_here) {
       if (consumer == kLastConsumer) turn.pass();
       Cursor cursor = ring;
       mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
@@ -882,7 +886,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   __syncthreads();
 
-  const int warpgroup = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
+  // With kSkipIdleRows through a shuffle, so that ptxas knows it to be warp-uniform: derived from
+  // threadIdx.x alone, the branch on a consumer's rows (consumer_warpgroup) kept the main loop's
+  // descriptor arithmetic off the uniform datapath, and spilled. (At d256, which does not skip, the
+  // shuffle alone made the dropout kernel spill 92 B.)
+  const int thread_warpgroup = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
+  const int warpgroup = Traits::kSkipIdleRows ? __shfl_sync(0xffffffffu, thread_warpgroup, 0) : thread_warpgroup;
   if (warpgroup == 0) {
     warpgroup_release_registers<Traits::kProducerRegisters>();
     if (threadIdx.x / 32 == 0) producer_warp<Traits>(params, smem, bars, num_tiles);
