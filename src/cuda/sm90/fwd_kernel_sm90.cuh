@@ -29,6 +29,9 @@
 //       depend on the pending P V; otherwise after the wait for O)
 //       wait for the next K and V if the test failed; wait O; rescale O if a row maximum moved;
 //       release V_p
+//     (a consumer whose 64 rows all lie past the sequence's end, in d64 / d128 kernels: no products,
+//      no softmax; it waits for and releases each block's K and V and takes its turns, in the same
+//      order, so that the others' products have the tensor cores to themselves)
 //     release Q (q_empty): with several tiles per CTA, the producer loads the next tile's Q under
 //                          this tile's last P V and epilogue, as it loads the next tile's K and V
 //                          into the stages this tile frees
@@ -671,9 +674,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       turn.wait();
       if (consumer != kLastConsumer) turn.pass();
       release(bars.v_empty[cursor.stage]);
-      // The ring moves on by the tile's blocks, counted again rather than carried out of the walk:
-      // `ring = cursor` here made ptxas keep the main loop's descriptors off the uniform datapath,
-      // and spill.
+      // The ring moves on by the tile's blocks (counted again; the walk's own cursor is not carried
+      // out of it, the form whose SASS was checked and measured).
       for (int n_block = tile.n_end - 1; n_block >= tile.n_begin; --n_block) ring.advance();
     }
     if (tile.has_keys() && rows_here) {
