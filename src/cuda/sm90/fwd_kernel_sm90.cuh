@@ -29,6 +29,9 @@
 //       depend on the pending P V; otherwise after the wait for O)
 //       wait for the next K and V if the test failed; wait O; rescale O if a row maximum moved;
 //       release V_p
+//     (a consumer whose 64 rows all lie past the sequence's end, in d64 / d128 kernels: no products,
+//      no softmax; it waits for and releases each block's K and V and takes its turns, in the same
+//      order, so that the others' products have the tensor cores to themselves)
 //     release Q (q_empty): with several tiles per CTA, the producer loads the next tile's Q under
 //                          this tile's last P V and epilogue, as it loads the next tile's K and V
 //                          into the stages this tile frees
@@ -215,6 +218,10 @@ struct FwdKernelTraits {
   // bench/NOTES.md, "Session 6".
   static constexpr bool kShortChain = kHeadDim <= 128 && !kDropout;
   static constexpr int kPBuffers = kShortChain ? 2 : 1;
+  // Whether a consumer whose rows all lie past the sequence skips its products (consumer_warpgroup).
+  // Not at d256: there the walk that replaces them made ptxas spill in the main loop (p = 0: 44 B
+  // instead of 20; dropout: 104 B instead of 0).
+  static constexpr bool kSkipIdleRows = kHeadDim <= 128;
   // setmaxnreg moves registers within the CTA's allocation at launch (the 64K file split evenly
   // and rounded down to 8: 168 per thread at 384 threads, 128 at 512). A consumer's claim blocks
   // until the producer's release has put enough in the pool, so the claims must not exceed the
@@ -638,8 +645,40 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       return any;
     };
 
+    // A consumer whose 64 rows all lie past the sequence's end (the last tile of a sequence whose
+    // length is not a multiple of kBlockM) computes nothing: it only makes the handshakes its
+    // products would have made, in the pipelined schedule's order (the K and V stages of each block,
+    // the turns, Q), so that the other consumers' products have the tensor cores to themselves.
+    // Its output rows are never stored and its LSE rows never written.
+    const bool rows_here = !kPipelined || !Traits::kSkipIdleRows || row0 < tile.rows_in_block;
     if (!tile.has_keys()) release(bars.q_empty);  // the producer may publish the next tile
-    if (tile.has_keys()) {
+    if (Traits::kSkipIdleRows && tile.has_keys() && !rows_here) {
+      if (consumer == kLastConsumer) turn.pass();
+      Cursor cursor = ring;
+      mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+      turn.wait();
+      turn.pass();
+      release(bars.k_empty[cursor.stage]);
+      for (int n_block = tile.n_end - 2; n_block >= tile.n_begin; --n_block) {
+        const Cursor previous = cursor;
+        cursor.advance();
+        mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+        mbarrier_wait(smem_u32(&bars.v_full[previous.stage]), previous.phase);
+        turn.wait();
+        turn.pass();
+        release(bars.k_empty[cursor.stage]);
+        release(bars.v_empty[previous.stage]);
+      }
+      release(bars.q_empty);
+      mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
+      turn.wait();
+      if (consumer != kLastConsumer) turn.pass();
+      release(bars.v_empty[cursor.stage]);
+      // The ring moves on by the tile's blocks (counted again; the walk's own cursor is not carried
+      // out of it, the form whose SASS was checked and measured).
+      for (int n_block = tile.n_end - 1; n_block >= tile.n_begin; --n_block) ring.advance();
+    }
+    if (tile.has_keys() && rows_here) {
       FLASHKIT_FWD_TRACE(1, clock64());
       float acc_s[1][kNTiles][4];
       float rescale[2];
@@ -849,7 +888,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   }
   __syncthreads();
 
-  const int warpgroup = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
+  // With kSkipIdleRows through a shuffle, so that ptxas knows it to be warp-uniform: derived from
+  // threadIdx.x alone, the branch on a consumer's rows (consumer_warpgroup) kept the main loop's
+  // descriptor arithmetic off the uniform datapath, and spilled. (At d256, which does not skip, the
+  // shuffle alone made the dropout kernel spill 92 B.)
+  const int thread_warpgroup = static_cast<int>(threadIdx.x) / kWarpgroupThreads;
+  const int warpgroup = Traits::kSkipIdleRows ? __shfl_sync(0xffffffffu, thread_warpgroup, 0) : thread_warpgroup;
   if (warpgroup == 0) {
     warpgroup_release_registers<Traits::kProducerRegisters>();
     if (threadIdx.x / 32 == 0) producer_warp<Traits>(params, smem, bars, num_tiles);
