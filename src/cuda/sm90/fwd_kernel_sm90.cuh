@@ -216,7 +216,7 @@ struct FwdKernelTraits {
   // Otherwise (d256: O takes 128 registers; the dropout instances: their drop marks; both spilled
   // or ran slower with it) the pack waits for P V and an iteration waits for its K and V first.
   // bench/NOTES.md, "Session 6".
-  static constexpr bool kShortChain = kHeadDim <= 128 && !kDropout;
+  static constexpr bool kShortChain = kHeadDim <= 128 && !kDropout && kBlockN * kBlockM <= 128 * 128;
   static constexpr int kPBuffers = kShortChain ? 2 : 1;
   // Whether a consumer whose rows all lie past the sequence skips its products (consumer_warpgroup).
   // Not at d256: there the walk that replaces them made ptxas spill in the main loop (p = 0: 44 B

@@ -35,7 +35,7 @@ struct FwdTileConfig {
 // The tile of a head-dim family's p = 0 kernel, or of its dropout kernel (`dropout`).
 constexpr FwdTileConfig fwd_tile_config(int head_dim_family, bool dropout = false) {
   switch (head_dim_family) {
-    case 64: return dropout ? FwdTileConfig{128, 128, 4} : FwdTileConfig{192, 96, 4};
+    case 64: return dropout ? FwdTileConfig{128, 128, 4} : FwdTileConfig{192, 128, 4};
     case 128: return {128, 128, 2};
     case 256: return dropout ? FwdTileConfig{128, 64, 2} : FwdTileConfig{128, 80, 2};
     default: return {0, 0, 0};
