@@ -213,10 +213,15 @@ struct FwdKernelTraits {
   // (SASS, d64 / d128): the exponentials, then the barrier waits, then P V's wait, then the pack
   // (sunk there). With one P buffer it hoists the barrier waits and P V's wait above the
   // exponentials, so each block's softmax waits for the previous block's P V, as it did before.
-  // Otherwise (d256: O takes 128 registers; the dropout instances: their drop marks; both spilled
-  // or ran slower with it) the pack waits for P V and an iteration waits for its K and V first.
-  // bench/NOTES.md, "Session 6".
-  static constexpr bool kShortChain = kHeadDim <= 128 && !kDropout && kBlockN * kBlockM <= 128 * 128;
+  // S, two P buffers and O take kBlockN + D / 2 registers per thread (S kBlockN / 2, each P
+  // kBlockN / 4, O D / 2); the short chain runs where that leaves the rest room: up to 128 of the 160
+  // registers of three consumers (d64 on 192 x 96 had it; on 192 x 128 a second P spilled 112 bytes,
+  // and one P buffer on 128 keys measured faster: bench/NOTES.md, "Session 9"), up to 192 of the 232
+  // of two (d128; not d256, whose O alone takes 128). The dropout instances never (their drop marks;
+  // they spilled or ran slower with it). Otherwise the pack waits for P V and an iteration waits for
+  // its K and V first. bench/NOTES.md, "Session 6".
+  static constexpr bool kShortChain =
+      !kDropout && kBlockN + kHeadDim / 2 <= (kConsumerWarpgroups == 3 ? 128 : 192);
   static constexpr int kPBuffers = kShortChain ? 2 : 1;
   // Whether a consumer whose rows all lie past the sequence skips its products (consumer_warpgroup).
   // Not at d256: there the walk that replaces them made ptxas spill in the main loop (p = 0: 44 B

@@ -11,7 +11,7 @@
 // epilogue (kBlockM x D, the "+ O" in the table):
 //
 //   family | kBlockM x kBlockN | stages | smem (KiB)        | O + S + P registers | why
-//   64     | 192 x 96          | 4      | 24 + 4 x 24 = 120 + O 24 | 32 + 48 + 24 (160)  | three consumers keep the tensor cores busier than two (H200, bf16+fp16: +8% over 128 x 128); 192 x 128 spills 112 bytes at 160 registers
+//   64     | 192 x 128         | 4      | 24 + 4 x 32 = 152 + O 24 | 32 + 64 + 32 (160)  | three consumers keep the tensor cores busier than two (H200, bf16+fp16: +8% over 128 x 128); 128 keys per block with one P buffer (no short chain: two spilled 112 bytes at 160 registers) beat 96 keys with two by 2.6-8.7% without a mask, -1..+3.3% causal (H200, session 9); 2048 keys are 16 whole blocks (21.3 of 96)
 //   64 (dropout) | 128 x 128   | 4      | 16 + 4 x 32 = 144 + O 16 | 32 + 64 + 32 (232)  | the dropout instance, tested on this shape; short k-loop (4 k-steps per S): a deep ring hides the TMA latency
 //   128    | 128 x 128         | 2      | 32 + 2 x 64 = 160 + O 32 | 64 + 64 + 32 (232)  | FA3's d128 shape; 128 keys per block amortise the softmax; 2 stages suffice because K and V are freed separately; O's 64 registers leave no room for a third consumer
 //   256    | 128 x 80          | 2      | 64 + 2 x 80 = 224 | 128 + 40 + 20 (240) | O takes 128 registers; at 232 registers 80 keys spilled 100 bytes with the pipelined schedule (S of the next block live beside P); at 240 (the producer at 24) 40 bytes, outside the main loop; 1.02-1.10x 128 x 64 (H200, bf16 + fp16, bench/NOTES.md, session 8)
@@ -21,7 +21,9 @@
 // not, geometric mean over the 12 cells vs SDPA cuDNN in the same run): 128 x 128 0.927, 192 x 128
 // with the serial schedule (fits 160 registers) 0.938, 192 x 128 pipelined (spilling) 0.988,
 // 192 x 96 pipelined 1.002 (those runs also waited for P V after the softmax, a placement since
-// reverted as undefined: bench/NOTES.md; the final grid of that session read d64 at 0.999).
+// reverted as undefined: bench/NOTES.md; the final grid of that session read d64 at 0.999). Session 6's
+// short chain (a second P buffer) then kept 192 x 96; session 9 measured 192 x 128 with one P buffer
+// against it (bench/NOTES.md, "Session 9").
 #pragma once
 
 namespace flashkit::sm90 {
