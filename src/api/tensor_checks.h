@@ -10,8 +10,8 @@
 #include <cstdint>
 #include <initializer_list>
 #include <sstream>
-#include <utility>
 #include <string>
+#include <utility>
 
 #include "flashkit/error.h"
 #include "flashkit/params.h"
