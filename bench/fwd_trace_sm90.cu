@@ -3,9 +3,9 @@
 // bf16 d128 kernels (p = 0 and the dropout instance) with FLASHKIT_SM90_FWD_TRACE (each consumer's
 // first thread records clock64 at six points of every tile), runs one problem of the standard
 // grid's shape (16k tokens, 16 heads) and prints, per consumer, the mean cycles of each phase and the
-// time between two tiles of one CTA (same SM, in start order); without a mask also the main loop's
-// per-block period, the per-tile cost in key blocks and the mean cycles of each phase of a main-loop
-// iteration (slots 10-16 of the instrument: fwd_kernel_sm90.cuh).
+// time between two tiles of one CTA (same SM, in start order), the main loop's per-block period, the
+// per-tile cost in key blocks, the mean cycles of each phase of a main-loop iteration (slots 10-16 of
+// the instrument: fwd_kernel_sm90.cuh), the key blocks per SM and the idle time at the end.
 //
 //   flashkit_fwd_trace_sm90 [seqlen (2048)] [causal (0)] [dropout p (0): > 0 traces the dropout instance]
 #define FLASHKIT_SM90_FWD_TRACE 1
@@ -81,7 +81,7 @@ int trace(int seqlen, bool causal, float dropout_p) {
       const long long* e = record(tile, c);
       if (e[0] != 0) by_sm[e[7]].push_back({e[0], tile});
     }
-    double sum[6] = {}, count[6] = {}, per_block = 0, loops = 0;
+    double sum[6] = {}, count[6] = {}, loop_cycles = 0, blocks = 0;
     double loop_sum[sm90::kTraceLoopPhases] = {}, iterations = 0;
     for (auto& [sm, list] : by_sm) {
       std::sort(list.begin(), list.end());
@@ -89,11 +89,11 @@ int trace(int seqlen, bool causal, float dropout_p) {
         const long long* e = record(list[i].second, c);
         for (int ph = 0; ph < 5; ++ph) { sum[ph] += e[ph + 1] - e[ph]; count[ph] += 1; }
         for (int ph = 0; ph < sm90::kTraceLoopPhases; ++ph) loop_sum[ph] += e[10 + ph];
-        iterations += causal ? 0 : blocks_full - 1;
-        // Unmasked: every tile visits blocks_full key blocks, the main loop the last blocks_full - 1.
-        if (!causal && blocks_full > 1) {
-          per_block += static_cast<double>(e[3] - e[2]) / (blocks_full - 1);
-          loops += 1;
+        // The main loop (slots 2 -> 3) runs every visited block (slot 9) but the first.
+        blocks += static_cast<double>(e[9]);
+        if (e[9] > 1) {
+          loop_cycles += static_cast<double>(e[3] - e[2]);
+          iterations += static_cast<double>(e[9] - 1);
         }
         if (i + 1 < list.size()) {
           const long long* f = record(list[i + 1].second, c);
@@ -103,13 +103,12 @@ int trace(int seqlen, bool causal, float dropout_p) {
     }
     std::printf("consumer %d:", c);
     for (int ph = 0; ph < 6; ++ph) std::printf("  %s %.0f", names[ph], count[ph] ? sum[ph] / count[ph] : 0.0);
-    if (loops > 0) {
-      const double period = per_block / loops;
-      const double tile_total = (sum[0] + sum[1] + sum[2] + sum[3] + sum[4]) / count[0] + (count[5] ? sum[5] / count[5] : 0);
-      std::printf("\n  main-loop period %.0f cycles per key block; tile start to next tile start %.0f = %.2f periods for %d blocks (%.2f blocks of overhead)",
-                  period, tile_total, tile_total / period, blocks_full, tile_total / period - blocks_full);
-    }
     if (iterations > 0) {
+      const double period = loop_cycles / iterations;
+      const double tile_total = (sum[0] + sum[1] + sum[2] + sum[3] + sum[4]) / count[0] + (count[5] ? sum[5] / count[5] : 0);
+      const double mean_blocks = blocks / count[0];
+      std::printf("\n  main-loop period %.0f cycles per key block; tile start to next tile start %.0f = %.2f periods for %.2f blocks (%.2f blocks of overhead)",
+                  period, tile_total, tile_total / period, mean_blocks, tile_total / period - mean_blocks);
       const char* loop_names[] = {"K/V wait", "turn wait", "issue", "S wait", "softmax", "P V wait", "rescale O"};  // slots 10-16
       double total = 0;
       std::printf("\n  main-loop iteration, mean cycles:");
@@ -118,6 +117,43 @@ int trace(int seqlen, bool causal, float dropout_p) {
         total += loop_sum[ph] / iterations;
       }
       std::printf("  (sum %.0f)", total);
+    }
+    // The main loop's first iterations of a tile against its later ones (tiles of >= 6 blocks),
+    // and the time an iteration waits for its next K and V after the softmax (slots 17-20).
+    {
+      double first = 0, second = 0, third_fourth = 0, rest = 0, rest_iterations = 0, tiles_counted = 0, late = 0;
+      for (auto& [sm, list] : by_sm) {
+        for (auto& [start, tile] : list) {
+          const long long* e = record(tile, c);
+          late += static_cast<double>(e[20]);
+          if (e[9] < 6) continue;
+          first += static_cast<double>(e[17] - e[2]);
+          second += static_cast<double>(e[18] - e[17]);
+          third_fourth += static_cast<double>(e[19] - e[18]) / 2;
+          rest += static_cast<double>(e[3] - e[19]);
+          rest_iterations += static_cast<double>(e[9] - 5);
+          tiles_counted += 1;
+        }
+      }
+      if (tiles_counted > 0) {
+        std::printf("\n  main-loop iterations (tiles of >= 6 blocks): 1st %.0f  2nd %.0f  3rd-4th %.0f  later %.0f cycles;"
+                    " of the softmax phase, %.0f cycles per iteration waiting for the next K and V",
+                    first / tiles_counted, second / tiles_counted, third_fourth / tiles_counted,
+                    rest / rest_iterations, iterations > 0 ? late / iterations : 0.0);
+      }
+    }
+    // Work per SM (key blocks of its tiles) against the mean: what the schedule left unbalanced.
+    {
+      std::vector<double> sm_blocks;
+      for (auto& [sm, list] : by_sm) {
+        double b = 0;
+        for (auto& [start, tile] : list) b += static_cast<double>(record(tile, c)[9]);
+        sm_blocks.push_back(b);
+      }
+      double mean = 0, most = 0;
+      for (double b : sm_blocks) { mean += b; most = std::max(most, b); }
+      mean /= static_cast<double>(sm_blocks.size());
+      std::printf("\n  key blocks per SM: mean %.1f, most %.0f (mean / most %.3f)", mean, most, mean / most);
     }
     // Balance (globaltimer, comparable across SMs): each SM's last tile end against the kernel's.
     long long first = -1, last = 0;

@@ -93,12 +93,14 @@ inline namespace traced {  // the traced build's own symbols, beside the library
 // fwd_trace_buffer[(linear tile * consumers + consumer) * kTraceSlots + slot]: clock64 when the tile
 // is located (0), its Q has landed (1), its first S has landed (2), every S has (3), its last P V has
 // (4) and its epilogue is done (5); %globaltimer at its start (6) and end (8), comparable across
-// SMs; the SM's id (7). Slots 10-16 sum, over the main loop's iterations (every block but the
-// first), the cycles of its phases: waiting for K and V (10; with Traits::kShortChain those waits
-// follow the softmax and count in 14), for the turn (11), issuing S and P V (12), waiting for S
-// (13), the softmax (14; with kShortChain also the pack), waiting for P V (15), rescaling O and
-// releasing V (16; without kShortChain also the pack).
-constexpr int kTraceSlots = 17;
+// SMs; the SM's id (7); the key blocks the tile visits (9). Slots 10-16 sum, over the main loop's
+// iterations (every block but the first), the cycles of its phases: waiting for K and V (10; with
+// Traits::kShortChain those waits follow the softmax and count in 14), for the turn (11), issuing S
+// and P V (12), waiting for S (13), the softmax (14; with kShortChain also the pack), waiting for
+// P V (15), rescaling O and releasing V (16; without kShortChain also the pack). Slots 17-19:
+// clock64 at the end of the main loop's first, second and fourth iterations (0 if the tile has
+// fewer); slot 20: the cycles of phase 14 spent waiting for the next K and V (kShortChain).
+constexpr int kTraceSlots = 21;
 constexpr int kTraceLoopPhases = 7;
 inline long long* fwd_trace_buffer = nullptr;  // set by the tool; read by launch_fwd
 __device__ __forceinline__ long long trace_global_ns() {
@@ -121,13 +123,19 @@ __device__ __forceinline__ long long trace_sm_id() {
 // Main-loop phase marks: MARK(i) at the end of phase i - 1 (i = 1 .. 7, 0 at the iteration's
 // start); LOOP_SUM adds an iteration's phases to the tile's sums, LOOP_STORE writes them.
 #define FLASHKIT_FWD_LOOP_MARK(i) loop_mark[i] = clock64()
+#define FLASHKIT_FWD_LOOP_KV_WAIT() loop_kv_begin = clock64()
 #define FLASHKIT_FWD_LOOP_SUM()                                                                    \
   do {                                                                                             \
     for (int ph = 0; ph < kTraceLoopPhases; ++ph) loop_sum[ph] += loop_mark[ph + 1] - loop_mark[ph]; \
+    ++loop_count;                                                                                  \
+    if (loop_count == 1 || loop_count == 2 || loop_count == 4) loop_early[loop_count / 2] = loop_mark[7]; \
+    loop_kv_late += loop_mark[5] - loop_kv_begin;                                                  \
   } while (0)
 #define FLASHKIT_FWD_LOOP_STORE()                                                          \
   do {                                                                                     \
     for (int ph = 0; ph < kTraceLoopPhases; ++ph) FLASHKIT_FWD_TRACE(10 + ph, loop_sum[ph]); \
+    for (int i = 0; i < 3; ++i) FLASHKIT_FWD_TRACE(17 + i, loop_early[i]);                 \
+    FLASHKIT_FWD_TRACE(20, loop_kv_late);                                                  \
   } while (0)
 #else
 #define FLASHKIT_FWD_TRACE(slot, value) \
@@ -138,6 +146,9 @@ __device__ __forceinline__ long long trace_sm_id() {
   } while (0)
 #define FLASHKIT_FWD_LOOP_SUM() \
   do {                          \
+  } while (0)
+#define FLASHKIT_FWD_LOOP_KV_WAIT() \
+  do {                              \
   } while (0)
 #define FLASHKIT_FWD_LOOP_STORE() \
   do {                            \
@@ -616,6 +627,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     FLASHKIT_FWD_TRACE(0, clock64());
     FLASHKIT_FWD_TRACE(6, trace_global_ns());
     FLASHKIT_FWD_TRACE(7, trace_sm_id());
+    FLASHKIT_FWD_TRACE(9, tile.n_end - tile.n_begin);
     const int m0 = tile.m0;
     const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
     const float alibi_slope =
@@ -736,6 +748,10 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
 #ifdef FLASHKIT_SM90_FWD_TRACE
         long long loop_mark[kTraceLoopPhases + 1];
         long long loop_sum[kTraceLoopPhases] = {};
+        long long loop_early[3] = {};
+        int loop_count = 0;
+        long long loop_kv_begin = 0;
+        long long loop_kv_late = 0;
 #endif
         // Block n_block: S = Q K^T and the previous block's P V (P from p_pending), the softmax, P
         // packed into p_next. With kShortChain p_next is the other buffer and the pack is written
@@ -775,6 +791,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           FLASHKIT_FWD_LOOP_MARK(4);
           const bool any_rescale = softmax_block(acc_s, n_block * kBlockN, rescale);
           if constexpr (Traits::kShortChain) pack_probabilities<Traits>(acc_s, p_next, drop_marks);
+          FLASHKIT_FWD_LOOP_KV_WAIT();
           if (!k_ready) mbarrier_wait(smem_u32(&bars.k_full[next.stage]), next.phase);
           if (!v_ready) mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
           FLASHKIT_FWD_LOOP_MARK(5);
