@@ -119,13 +119,14 @@ int trace(int seqlen, bool causal, float dropout_p) {
       std::printf("  (sum %.0f)", total);
     }
     // The main loop's first iterations of a tile against its later ones (tiles of >= 6 blocks),
-    // and the time an iteration waits for its next K and V after the softmax (slots 17-20).
+    // and the time an iteration waits for its next K and V after the softmax (slots 17-21).
     {
-      double first = 0, second = 0, third_fourth = 0, rest = 0, rest_iterations = 0, tiles_counted = 0, late = 0;
+      double first = 0, second = 0, third_fourth = 0, rest = 0, rest_iterations = 0, tiles_counted = 0, late_k = 0, late_v = 0;
       for (auto& [sm, list] : by_sm) {
         for (auto& [start, tile] : list) {
           const long long* e = record(tile, c);
-          late += static_cast<double>(e[20]);
+          late_k += static_cast<double>(e[20]);
+          late_v += static_cast<double>(e[21]);
           if (e[9] < 6) continue;
           first += static_cast<double>(e[17] - e[2]);
           second += static_cast<double>(e[18] - e[17]);
@@ -137,9 +138,10 @@ int trace(int seqlen, bool causal, float dropout_p) {
       }
       if (tiles_counted > 0) {
         std::printf("\n  main-loop iterations (tiles of >= 6 blocks): 1st %.0f  2nd %.0f  3rd-4th %.0f  later %.0f cycles;"
-                    " of the softmax phase, %.0f cycles per iteration waiting for the next K and V",
+                    " of the softmax phase, %.0f + %.0f cycles per iteration waiting for the next K + V",
                     first / tiles_counted, second / tiles_counted, third_fourth / tiles_counted,
-                    rest / rest_iterations, iterations > 0 ? late / iterations : 0.0);
+                    rest / rest_iterations, iterations > 0 ? late_k / iterations : 0.0,
+                    iterations > 0 ? late_v / iterations : 0.0);
       }
     }
     // Work per SM (key blocks of its tiles) against the mean: what the schedule left unbalanced.

@@ -99,8 +99,9 @@ inline namespace traced {  // the traced build's own symbols, beside the library
 // and P V (12), waiting for S (13), the softmax (14; with kShortChain also the pack), waiting for
 // P V (15), rescaling O and releasing V (16; without kShortChain also the pack). Slots 17-19:
 // clock64 at the end of the main loop's first, second and fourth iterations (0 if the tile has
-// fewer); slot 20: the cycles of phase 14 spent waiting for the next K and V (kShortChain).
-constexpr int kTraceSlots = 21;
+// fewer); slots 20 and 21: the cycles of phase 14 spent waiting for the next K, then for the next V
+// (kShortChain).
+constexpr int kTraceSlots = 22;
 constexpr int kTraceLoopPhases = 7;
 inline long long* fwd_trace_buffer = nullptr;  // set by the tool; read by launch_fwd
 __device__ __forceinline__ long long trace_global_ns() {
@@ -124,18 +125,21 @@ __device__ __forceinline__ long long trace_sm_id() {
 // start); LOOP_SUM adds an iteration's phases to the tile's sums, LOOP_STORE writes them.
 #define FLASHKIT_FWD_LOOP_MARK(i) loop_mark[i] = clock64()
 #define FLASHKIT_FWD_LOOP_KV_WAIT() loop_kv_begin = clock64()
+#define FLASHKIT_FWD_LOOP_V_WAIT() loop_v_begin = clock64()
 #define FLASHKIT_FWD_LOOP_SUM()                                                                    \
   do {                                                                                             \
     for (int ph = 0; ph < kTraceLoopPhases; ++ph) loop_sum[ph] += loop_mark[ph + 1] - loop_mark[ph]; \
     ++loop_count;                                                                                  \
     if (loop_count == 1 || loop_count == 2 || loop_count == 4) loop_early[loop_count / 2] = loop_mark[7]; \
-    loop_kv_late += loop_mark[5] - loop_kv_begin;                                                  \
+    loop_k_late += loop_v_begin - loop_kv_begin;                                                   \
+    loop_v_late += loop_mark[5] - loop_v_begin;                                                    \
   } while (0)
 #define FLASHKIT_FWD_LOOP_STORE()                                                          \
   do {                                                                                     \
     for (int ph = 0; ph < kTraceLoopPhases; ++ph) FLASHKIT_FWD_TRACE(10 + ph, loop_sum[ph]); \
     for (int i = 0; i < 3; ++i) FLASHKIT_FWD_TRACE(17 + i, loop_early[i]);                 \
-    FLASHKIT_FWD_TRACE(20, loop_kv_late);                                                  \
+    FLASHKIT_FWD_TRACE(20, loop_k_late);                                                   \
+    FLASHKIT_FWD_TRACE(21, loop_v_late);                                                   \
   } while (0)
 #else
 #define FLASHKIT_FWD_TRACE(slot, value) \
@@ -149,6 +153,9 @@ __device__ __forceinline__ long long trace_sm_id() {
   } while (0)
 #define FLASHKIT_FWD_LOOP_KV_WAIT() \
   do {                              \
+  } while (0)
+#define FLASHKIT_FWD_LOOP_V_WAIT() \
+  do {                             \
   } while (0)
 #define FLASHKIT_FWD_LOOP_STORE() \
   do {                            \
@@ -751,7 +758,9 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         long long loop_early[3] = {};
         int loop_count = 0;
         long long loop_kv_begin = 0;
-        long long loop_kv_late = 0;
+        long long loop_v_begin = 0;
+        long long loop_k_late = 0;
+        long long loop_v_late = 0;
 #endif
         // Block n_block: S = Q K^T and the previous block's P V (P from p_pending), the softmax, P
         // packed into p_next. With kShortChain p_next is the other buffer and the pack is written
@@ -793,6 +802,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           if constexpr (Traits::kShortChain) pack_probabilities<Traits>(acc_s, p_next, drop_marks);
           FLASHKIT_FWD_LOOP_KV_WAIT();
           if (!k_ready) mbarrier_wait(smem_u32(&bars.k_full[next.stage]), next.phase);
+          FLASHKIT_FWD_LOOP_V_WAIT();
           if (!v_ready) mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
           FLASHKIT_FWD_LOOP_MARK(5);
           wgmma_wait<0>();
