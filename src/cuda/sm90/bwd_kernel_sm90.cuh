@@ -191,35 +191,35 @@ __device__ __forceinline__ void fence_acquire() { asm volatile("fence.acquire.gp
 // that the mask keeps (sm80::kept_transposed with the marks of sm80::load_transposed_marks), i.e.
 // P^T o Z. Then dS^T = P^T (dP^T o Z - dot) = kept dP^T - scaled ((1 - p) dot): one multiply and
 // one fused multiply-add per element, the count of the code without dropout, and no select on
-// dP^T. kept is made element by element as scaled is consumed, so that the two do not live side by
+// dP^T. `kept_dot_rows` holds (1 - p) dot already (the preprocess kernel's kKeepScaled: one
+// multiply per row there instead of two per 8-query group and warp here, the same fp32 product).
+// kept is made element by element as scaled is consumed, so that the two do not live side by
 // side; softcap's chain rule (sm80::softcap_chain_rule_t, on P^T = scaled (1 - p)) takes the same
 // per-element gradient.
 template <typename Traits, int kRowBlocks>
 __device__ __forceinline__ void dropout_score_gradients_t(
     float (&dp)[1][2 * kRowBlocks][4], const float (&scaled)[1][2 * kRowBlocks][4],
     float (&kept)[1][2 * kRowBlocks][4], const uint32_t (&marks)[kRowBlocks][2], const float* lse_rows,
-    const float* dot_rows, int first_query, int m0, int first_key, const FwdProblem& p, float alibi_slope,
+    const float* kept_dot_rows, int first_query, int m0, int first_key, const FwdProblem& p, float alibi_slope,
     int diagonal) {
   static_assert(Traits::kSKeyTiles == 1 && Traits::kSQueryTiles == 2 * kRowBlocks, "a warp's 16 keys");
-  const float keep_probability = 1.0f - p.dropout_p;
   auto gradient = [&](int nt, int i, float kept_dot) {
     kept[0][nt][i] = sm80::kept_transposed(marks, nt, i, scaled[0][nt][i]);
     return kept[0][nt][i] * dp[0][nt][i] - scaled[0][nt][i] * kept_dot;
   };
   if (p.softcap > 0.0f) {
-    sm80::softcap_chain_rule_t<Traits>(dp, scaled, keep_probability, lse_rows, first_query, m0, first_key, p,
+    sm80::softcap_chain_rule_t<Traits>(dp, scaled, 1.0f - p.dropout_p, lse_rows, first_query, m0, first_key, p,
                                        alibi_slope, diagonal, [&](int, int nt, int i, int column) {
-                                         return gradient(nt, i, dot_rows[column + i % 2] * keep_probability);
+                                         return gradient(nt, i, kept_dot_rows[column + i % 2]);
                                        });
     return;
   }
   const int lane = static_cast<int>(threadIdx.x) % 32;
 #pragma unroll
   for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
-    const float2 dot = *reinterpret_cast<const float2*>(dot_rows + first_query + nt * 8 + (lane % 4) * 2);
-    const float kept_dot[2] = {dot.x * keep_probability, dot.y * keep_probability};
+    const float2 kept_dot = *reinterpret_cast<const float2*>(kept_dot_rows + first_query + nt * 8 + (lane % 4) * 2);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) dp[0][nt][i] = gradient(nt, i, kept_dot[i % 2]);
+    for (int i = 0; i < 4; ++i) dp[0][nt][i] = gradient(nt, i, i % 2 == 0 ? kept_dot.x : kept_dot.y);
   }
 }
 
@@ -444,6 +444,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const uint32_t do_tile = smem + Traits::kDoOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const float* lse_rows =
           reinterpret_cast<const float*>(smem_aligned + Traits::kLseOffset + stage * Traits::kRowStatsBytes);
+      // With dropout these rows hold (1 - p) dot (run_bwd's preprocess; dropout_score_gradients_t).
       const float* dot_rows =
           reinterpret_cast<const float*>(smem_aligned + Traits::kDotOffset + stage * Traits::kRowStatsBytes);
 
