@@ -51,7 +51,7 @@
 // ahead: while the tensor cores work on a block's dV, dK and dQ, the warps draw the next block's
 // drop marks (sm80::store_transposed_marks_pair: the two warps of a 32-key block each draw half of
 // the block's Philox calls) into shared memory (two stages, like Q and dO), and the next block reads
-// them after its first barrier (sm80::load_transposed_marks). So the RNG runs in the tensor cores'
+// them once its dP^T is in (sm80::load_transposed_marks). So the RNG runs in the tensor cores'
 // shadow instead of between S^T and dS^T. P^T comes out already scaled by 1 / (1 - p) (folded into
 // the LSE term), so its kept entries (sm80::kept_transposed, two instructions per element) are
 // P^T o Z, dV's operand as it is, and dropout_score_gradients_t gives dS^T from them with
@@ -151,9 +151,9 @@ struct BwdKernelTraits {
   static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
   // Dropout: the drop marks the two warps of a 32-key block pass each other
   // (sm80::store_transposed_marks_pair), per stage, warp pair and query part kPartM / 16 row blocks
-  // x 2 ranks x 32 lanes x 8 bytes.
+  // x 32 chunks of 16 bytes (4 marks words).
   static constexpr int kDropoutPairs = kWarpgroups * 2;
-  static constexpr int kDropoutExchangeBytes = (kPartM / 16) * 2 * 32 * 8;
+  static constexpr int kDropoutExchangeBytes = (kPartM / 16) * 32 * 16;
   static constexpr int kDropoutStageBytes = kDropoutPairs * kQueryParts * kDropoutExchangeBytes;
   static constexpr int kDropoutOffset = kDotOffset + kStages * kRowStatsBytes;
   // And the Philox round keys (PhiloxRoundKeys), read by every draw.
@@ -199,12 +199,14 @@ __device__ __forceinline__ void fence_acquire() { asm volatile("fence.acquire.gp
 template <typename Traits, int kRowBlocks>
 __device__ __forceinline__ void dropout_score_gradients_t(
     float (&dp)[1][2 * kRowBlocks][4], const float (&scaled)[1][2 * kRowBlocks][4],
-    float (&kept)[1][2 * kRowBlocks][4], const uint32_t (&marks)[kRowBlocks][2], const float* lse_rows,
+    float (&kept)[1][2 * kRowBlocks][4], const uint32_t (&marks)[kRowBlocks][2][2], const float* lse_rows,
     const float* kept_dot_rows, int first_query, int m0, int first_key, const FwdProblem& p, float alibi_slope,
     int diagonal) {
   static_assert(Traits::kSKeyTiles == 1 && Traits::kSQueryTiles == 2 * kRowBlocks, "a warp's 16 keys");
+  uint32_t selectors[2];
+  sm80::transposed_mark_selectors(selectors);
   auto gradient = [&](int nt, int i, float kept_dot) {
-    kept[0][nt][i] = sm80::kept_transposed(marks, nt, i, scaled[0][nt][i]);
+    kept[0][nt][i] = sm80::kept_transposed(marks, selectors, nt, i, scaled[0][nt][i]);
     return kept[0][nt][i] * dp[0][nt][i] - scaled[0][nt][i] * kept_dot;
   };
   if (p.softcap > 0.0f) {
@@ -490,9 +492,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // so one wait serves both.
         constexpr bool kProbabilitiesFirst = kQueryParts == 1;
         const int first_query = wg_query0 + h * kPartM;  // in the block
-        // Dropout: this part's drop marks, stored during the previous block (or the prologue).
-        [[maybe_unused]] uint32_t drop_marks[kPartM / 16][2];
-        if constexpr (Traits::kDropout) sm80::load_transposed_marks(drop_marks, exchange(stage, h), first_key);
         wgmma_wait_dynamic(2 * kQueryParts - h - (kProbabilitiesFirst ? 1 : 2));
         wgmma_fence_registers<kPartM / 2>(&acc_s[h][0][0][0]);
         if (!kProbabilitiesFirst) wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
@@ -516,6 +515,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
         };
         if constexpr (Traits::kDropout) {  // dS^T, and P^T o Z for dV
+          // This part's drop marks, stored during the previous block (or the prologue). Loaded here,
+          // not before the waits: 4 words per row block, and held across the exponentials they cost
+          // 12 more instructions in the loop (spill loads; bf16 d128).
+          uint32_t drop_marks[kPartM / 16][2][2];
+          sm80::load_transposed_marks(drop_marks, exchange(stage, h), first_key);
           float kept[1][kPartM / 8][4];
           dropout_score_gradients_t<PartScores>(acc_dp[h], acc_s[h], kept, drop_marks, lse_rows, dot_rows,
                                                       first_query, m0, first_key, p, alibi_slope, diagonal);
