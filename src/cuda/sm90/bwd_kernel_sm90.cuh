@@ -251,6 +251,29 @@ __device__ __forceinline__ void pack_a_operand(const float (&x)[1][kTiles][4], u
   }
 }
 
+// A warp's S^T-layout A operand (pack_a_operand: 16 keys x kPartM queries, 16 bits) into the keys x
+// queries tile `tile` at key row first_key_row (a multiple of 8) and 8-query chunk
+// first_query_chunk: one stmatrix.x4 per k-step of 16 queries, its four 8 x 8 matrices the
+// operand's four registers (keys 0-7 / 8-15 x queries 0-7 / 8-15 of the step), lane i giving the
+// address of row i % 8 of matrix i / 8. Four instructions instead of sm80::store_keys_by_queries'
+// 16 st.shared.b32 (bf16 d128), and 4 row addresses per lane instead of 16 (the swizzle XORs the
+// chunk with the row, so one address per k-step): in the dropout instances, where those 16
+// addresses were spilled, that took the spill loads out of the loop. (The p = 0 instances keep
+// store_keys_by_queries, so that their code stays as measured.)
+template <typename Traits>
+__device__ __forceinline__ void store_a_operand(uint32_t tile, const uint32_t (&a)[Traits::kPartM / 16][4],
+                                                int first_key_row, int first_query_chunk) {
+  using PTile = typename Traits::PTile;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int row = first_key_row + ((lane / 8) % 2) * 8 + lane % 8;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kPartM / 16; ++kk) {
+    const uint32_t address = tile + PTile::chunk_offset(row, first_query_chunk + 2 * kk + lane / 16);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address),
+                 "r"(a[kk][0]), "r"(a[kk][1]), "r"(a[kk][2]), "r"(a[kk][3]));
+  }
+}
+
 // acc (64 rows of `a_rows` x kPartM columns) = A B^T over the head dim: A = K or V rows of this
 // warpgroup, B = kPartM Q or dO rows from `b_rows`, both K-major. Issued, not waited for.
 template <typename Traits>
@@ -507,7 +530,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // P^T for dV (with dropout its kept entries): packed to an A operand, or (split) stored for
         // the other warpgroup too.
         auto keep_probabilities = [&](const float (&probabilities)[1][kPartM / 8][4]) {
-          if constexpr (Traits::kSplitHeadDim) {
+          if constexpr (Traits::kSplitHeadDim && Traits::kDropout) {
+            pack_a_operand<Element, kPartM / 8>(probabilities, p_frag[h]);
+            store_a_operand<Traits>(smem + Traits::kPOffset, p_frag[h], warp_key0, first_query / 8);
+          } else if constexpr (Traits::kSplitHeadDim) {
             sm80::store_keys_by_queries<PartScores>(smem + Traits::kPOffset, probabilities, warp_key0,
                                                     first_query / 8);
           } else {
@@ -529,9 +555,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                               first_key, p, alibi_slope, diagonal);
           keep_probabilities(acc_s[h]);
         }
-        sm80::store_keys_by_queries<PartScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
-        if constexpr (!Traits::kSplitHeadDim) {
+        if constexpr (Traits::kDropout) {
           pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
+          store_a_operand<Traits>(smem + Traits::kDsOffset, ds_frag[h], warp_key0, first_query / 8);
+        } else {
+          sm80::store_keys_by_queries<PartScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
+          if constexpr (!Traits::kSplitHeadDim) pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
+        }
+        if constexpr (!Traits::kSplitHeadDim) {
           wgmma_fence();
           issue_key_gradient<Traits>(&acc_dv[0][0][0], p_frag[h], do_tile + first_query * 128);
           issue_key_gradient<Traits>(&acc_dk[0][0][0], ds_frag[h], q_tile + first_query * 128);
