@@ -543,7 +543,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if constexpr (Traits::kDropout) {  // dS^T, and P^T o Z for dV
           // This part's drop marks, stored during the previous block (or the prologue). Loaded here,
           // not before the waits: 4 words per row block, and held across the exponentials they cost
-          // 12 more instructions in the loop (spill loads; bf16 d128).
+          // 9 spill loads in the loop (bf16 d128).
           uint32_t drop_marks[kPartM / 16][2][2];
           sm80::load_transposed_marks(drop_marks, exchange(stage, h), first_key);
           float kept[1][kPartM / 8][4];
