@@ -140,83 +140,88 @@ struct DropMarker {
 // The backward's S^T drop marks for a warp holding 16 keys whose neighbour warp holds the other 16
 // keys of the same 32-key block (the sm90 backward: warp w of a warpgroup holds keys 16w .. 16w +
 // 15), passed through shared memory in two steps: store_transposed_marks_pair draws and stores,
-// and after a barrier of the caller's load_transposed_marks reads a lane's marks. The exchange
-// (one per warp pair: kRowBlocks x 2 ranks x 32 lanes x 2 words) holds word e of entry (m, q, l):
-// the marks of lane l of pair rank q (0: the block's first 16 keys) for its queries 2t + e of row
-// block m. Bit 7 of byte 2h + tile of that word is set where the lane's element [2m + h][2 tile +
-// e] (key g + 8 tile, query 16 m + 8h + 2t + e) is dropped: see kept_transposed.
+// and after a barrier of the caller's load_transposed_marks reads a lane's marks.
 //
-// Both warps need the same Philox calls: lane l of either needs slot s(l) = ((l % 4) * 2 + parity)
-// * 4 + l / 8 of each 16-query row block (parity = (l / 4) % 2; mark_dropped_transposed's
-// addressing), and of its four words, words q and 2 + q decide the keys of rank q. So rank r draws
-// only the calls of the row blocks m with m % 2 == r and writes both ranks' entries: half the calls
-// of drawing every block in both warps. Each word becomes drop marks (DropMarker). As in
-// mark_dropped_transposed, the call of lane l is the one of its queries 2t + parity; of the marks of
-// rank q's two words, the bytes of key parity `parity` are lane l's own (word e = parity of entry
-// (m, q, l)) and the others belong to lane l ^ 4 (same word of entry (m, q, l ^ 4), whose own
-// parity is the other one). So every lane's word of every entry is written once, and all the byte
-// shuffling happens at the store, off the reader's path. `keys`: mask.round_keys().
+// Both warps need the same Philox calls: lane l (g = l / 4, t = l % 4) of either needs slot (2t +
+// e) * 4 + g / 2 (mark_dropped_transposed's addressing) of each 16-query row block for its queries
+// 2t + e, e = 0, 1, and of a call's four words, words q and 2 + q decide the keys of pair rank q (0:
+// the block's first 16 keys), query halves h = 0 and 1. So rank r draws only the calls of the row
+// blocks m with m % 2 == r and writes both ranks' words: half the calls of drawing every block in
+// both warps. Each word becomes drop marks (DropMarker) and is stored as drawn: the lane a reader
+// takes its bytes from (those of its key parity g % 2) is chosen by kept_transposed's selector.
+//
+// Which lane draws which slot is free: lane d draws slot (2t + e) * 4 + k with t = (d / 2) % 4, e =
+// d % 2, k = d / 8, so that the two calls a reader (t, k = g / 2) needs (e = 0, 1) are next to each
+// other. The exchange (one per warp pair: kRowBlocks x 32 chunks of 16 bytes) holds in chunk m * 32
+// + t + 4 (k % 2) + 8q + 16 (k / 2) the marks of words q and 2 + q (h = 0, 1) of the calls e = 0, 1
+// of row block m, i.e. word 2e + h of the chunk. A reader's chunk is (l & 0x13) + ((l / 2) & 4) +
+// 8 rank, a drawer's 8-byte slot d + (d & 16) + 16q: one 8-byte store per call and rank from the
+// drawing lane (each half warp's 16 stores on 16 different 8-byte bank pairs), one 16-byte load per
+// row block for the reader. (Each lane drawing the call of its own queries 2t + g % 2 and storing
+// the bytes its partner lane l ^ 4 needs cost a byte_perm per stored word, 8 per warp and query
+// block at d128, and twice the stores.) `keys`: mask.round_keys().
 template <int kRowBlocks>
 __device__ __forceinline__ void store_transposed_marks_pair(const DropoutMask& mask, const PhiloxRoundKeys& keys,
                                                             const DropMarker& marker, uint32_t batch_head,
                                                             int first_key, int first_query, uint32_t* exchange) {
   static_assert(kRowBlocks % 2 == 0, "the pair's two warps draw the same number of calls");
   const uint32_t lane = threadIdx.x % 32;
-  const uint32_t parity = (lane / 4) % 2;
-  const uint32_t slot = ((lane % 4) * 2 + parity) * 4 + lane / 8;
+  const uint32_t slot = (lane & 6u) * 4u + (lane % 2) * 4u + lane / 8;  // (2t + e) * 4 + k
+  const int pair_slot = static_cast<int>(lane + (lane & 0x10u));       // chunk (t + 4 (k % 2) + 16 (k / 2)) * 2 + e
   const int rank = (first_key / 16) % 2;
   const uint32_t key32 = static_cast<uint32_t>(first_key) / 32;
   const uint32_t row16 = static_cast<uint32_t>(first_query) / 16;
-  // __byte_perm selectors taking the bytes of this lane's key parity (own) or the other one of two
-  // words, in order: bytes 2c + parity of words h = 0, 1 are the marks of key group c.
-  const uint32_t own_bytes = parity != 0 ? 0x7531u : 0x6420u;
-  const uint32_t partner_bytes = parity != 0 ? 0x6420u : 0x7531u;
-  auto word = [&](int m, int q, uint32_t l) -> uint32_t& {
-    return exchange[((m * 2 + q) * 32 + static_cast<int>(l)) * 2 + static_cast<int>(parity)];
-  };
 #pragma unroll
   for (int c = 0; c < kRowBlocks / 2; ++c) {
     const int m = 2 * c + rank;
     const PhiloxBlock bits = mask.block(batch_head, row16 + static_cast<uint32_t>(m), slot, key32, keys);
 #pragma unroll
     for (int q = 0; q < 2; ++q) {
-      const uint32_t marks0 = marker.marks(bits.word[q]);
-      const uint32_t marks1 = marker.marks(bits.word[2 + q]);
-      word(m, q, lane) = __byte_perm(marks0, marks1, own_bytes);
-      word(m, q, lane ^ 4u) = __byte_perm(marks0, marks1, partner_bytes);
+      const uint2 marks = make_uint2(marker.marks(bits.word[q]), marker.marks(bits.word[2 + q]));
+      *reinterpret_cast<uint2*>(exchange + (m * 64 + 16 * q + pair_slot) * 2) = marks;
     }
   }
 }
 
 // This lane's marks from a pair exchange that store_transposed_marks_pair filled (both warps of the
-// pair, before a barrier): marks[m][e] = word e of entry (m, rank, lane), one 8-byte load per row
-// block.
+// pair, before a barrier): marks[m][e][h] = the marks of word 2h + rank of the call of row block m
+// that holds the lane's queries 2t + e, one 16-byte load per row block.
 template <int kRowBlocks>
-__device__ __forceinline__ void load_transposed_marks(uint32_t (&marks)[kRowBlocks][2], const uint32_t* exchange,
+__device__ __forceinline__ void load_transposed_marks(uint32_t (&marks)[kRowBlocks][2][2], const uint32_t* exchange,
                                                       int first_key) {
   const int lane = static_cast<int>(threadIdx.x % 32);
-  const int rank = (first_key / 16) % 2;
+  // t + 4 (k % 2) + 8 rank + 16 (k / 2)
+  const int chunk = (lane & 0x13) + ((lane >> 1) & 4) + 8 * ((first_key / 16) % 2);
 #pragma unroll
   for (int m = 0; m < kRowBlocks; ++m) {
-    const uint2 words = *reinterpret_cast<const uint2*>(exchange + ((m * 2 + rank) * 32 + lane) * 2);
-    marks[m][0] = words.x;
-    marks[m][1] = words.y;
+    const uint4 words = *reinterpret_cast<const uint4*>(exchange + (m * 32 + chunk) * 4);
+    marks[m][0][0] = words.x;
+    marks[m][0][1] = words.y;
+    marks[m][1][0] = words.z;
+    marks[m][1][1] = words.w;
   }
+}
+
+// The PRMT selectors of kept_transposed for this lane: selectors[tile] replicates the sign of byte
+// 2 tile + parity (the lane's key parity, (lane / 4) % 2) over a word.
+__device__ __forceinline__ void transposed_mark_selectors(uint32_t (&selectors)[2]) {
+  selectors[0] = (threadIdx.x & 4u) != 0 ? 0x9999u : 0x8888u;
+  selectors[1] = selectors[0] + 0x2222u;
 }
 
 // Dropout on element [nt][i] of a warp's S^T-layout fragments (16 keys x 2 kRowBlocks 8-query
 // groups), with the marks of load_transposed_marks: x where the mask keeps the element, 0 where it
-// drops it. Its mark is bit 7 of byte 2 (nt % 2) + i / 2 of marks[nt / 2][i % 2]. Two integer
-// instructions: PRMT replicates the mark over a word and LOP3 clears x with it. A bit test into a
-// predicate and a select count the same, but in the sm90 backward the compiler hoisted those tests,
-// kept some predicates as bits of a register and spilled more: 43 more instructions in its main loop
-// (bf16 d128), 14 of them spill loads.
+// drops it. The element (key g + 8 (i / 2), query 8 nt + 2t + i % 2) is byte 2 (i / 2) + parity of
+// marks[nt / 2][i % 2][nt % 2] (transposed_mark_selectors). Two integer instructions: PRMT
+// replicates the mark over a word and LOP3 clears x with it. A bit test into a predicate and a
+// select count the same, but in the sm90 backward the compiler hoisted those tests, kept some
+// predicates as bits of a register and spilled more: 43 more instructions in its main loop (bf16
+// d128), 14 of them spill loads.
 template <int kRowBlocks>
-__device__ __forceinline__ float kept_transposed(const uint32_t (&marks)[kRowBlocks][2], int nt, int i, float x) {
-  // Selector 0x8888 + 0x1111 b: every byte the sign of byte b.
-  const uint32_t selector = 0x8888u + 0x1111u * static_cast<uint32_t>(2 * (nt % 2) + i / 2);
+__device__ __forceinline__ float kept_transposed(const uint32_t (&marks)[kRowBlocks][2][2],
+                                                 const uint32_t (&selectors)[2], int nt, int i, float x) {
   uint32_t dropped;
-  asm("prmt.b32 %0, %1, %1, %2;\n" : "=r"(dropped) : "r"(marks[nt / 2][i % 2]), "r"(selector));
+  asm("prmt.b32 %0, %1, %1, %2;\n" : "=r"(dropped) : "r"(marks[nt / 2][i % 2][nt % 2]), "r"(selectors[i / 2]));
   return __uint_as_float(__float_as_uint(x) & ~dropped);
 }
 

@@ -31,8 +31,9 @@ inline unsigned row_kernel_blocks(int64_t rows, const char* what) {
 }
 
 // Launches before the main kernel: the deterministic mode's semaphores cleared, then dot(dO, O)
-// per query row (which also zeroes the dq accumulator). Shared by the sm80 and sm90 backward.
-template <typename Element>
+// per query row (which also zeroes the dq accumulator). Shared by the sm80 and sm90 backward;
+// kKeepScaled (the sm90 backward with dropout) stores (1 - p) dot instead.
+template <typename Element, bool kKeepScaled = false>
 void launch_bwd_preprocess(const BwdProblem& problem, const BwdWorkspacePointers& ws, cudaStream_t s) {
   const FwdProblem& p = problem.fwd;
   if (problem.deterministic) {
@@ -42,7 +43,8 @@ void launch_bwd_preprocess(const BwdProblem& problem, const BwdWorkspacePointers
   }
   const int64_t q_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
   if (q_rows > 0) {
-    bwd_preprocess_kernel<Element><<<row_kernel_blocks(q_rows, "query"), kRowKernelWarps * 32, 0, s>>>(problem, ws);
+    bwd_preprocess_kernel<Element, kKeepScaled>
+        <<<row_kernel_blocks(q_rows, "query"), kRowKernelWarps * 32, 0, s>>>(problem, ws);
     cuda::check_last_launch("bwd_preprocess_kernel");
   }
 }

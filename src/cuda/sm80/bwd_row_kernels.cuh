@@ -2,6 +2,7 @@
 // \brief The backward's memory-bound kernels around the main one, one warp per row of head_dim
 // elements (each lane moves one 16-byte chunk of 8 elements, head_dim <= 256):
 //   bwd_preprocess_kernel  dot(dout, out) per query row (fp32) and zeroing of the dq accumulator
+//                          (kKeepScaled: dot times 1 - p, for the sm90 backward's dropout instances)
 //   bwd_dq_convert_kernel  dq = scale * dq accumulator, rounded to the element type
 //   bwd_group_sum_kernel   GQA/MQA: dk, dv of a kv head = sum over its query heads, in head order
 // Rows are numbered (batch, head, row within the sequence), row fastest; rows past a varlen
@@ -70,7 +71,10 @@ __device__ __forceinline__ uint4 pack8(const float (&x)[8]) {
                     pack2<Element>(x[6], x[7]));
 }
 
-template <typename Element>
+// kKeepScaled stores (1 - p) dot, the product the sm90 backward's dropout instances take (dS^T =
+// kept dP^T - (P^T / (1 - p)) ((1 - p) dot)): one multiply per row here instead of one per row in
+// every warp of every key block there, rounded the same way (1 - p, then the product, in fp32).
+template <typename Element, bool kKeepScaled = false>
 __global__ void __launch_bounds__(kRowKernelWarps * 32)
     bwd_preprocess_kernel(const __grid_constant__ BwdProblem bp, const BwdWorkspacePointers ws) {
   const FwdProblem& p = bp.fwd;
@@ -96,6 +100,7 @@ __global__ void __launch_bounds__(kRowKernelWarps * 32)
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
+  if constexpr (kKeepScaled) sum *= 1.0f - p.dropout_p;
   if (lane == 0) ws.dot[(b * p.heads_q + r.head) * p.seqlen_q + r.row] = sum;
 }
 

@@ -51,7 +51,7 @@
 // ahead: while the tensor cores work on a block's dV, dK and dQ, the warps draw the next block's
 // drop marks (sm80::store_transposed_marks_pair: the two warps of a 32-key block each draw half of
 // the block's Philox calls) into shared memory (two stages, like Q and dO), and the next block reads
-// them after its first barrier (sm80::load_transposed_marks). So the RNG runs in the tensor cores'
+// them once its dP^T is in (sm80::load_transposed_marks). So the RNG runs in the tensor cores'
 // shadow instead of between S^T and dS^T. P^T comes out already scaled by 1 / (1 - p) (folded into
 // the LSE term), so its kept entries (sm80::kept_transposed, two instructions per element) are
 // P^T o Z, dV's operand as it is, and dropout_score_gradients_t gives dS^T from them with
@@ -151,9 +151,9 @@ struct BwdKernelTraits {
   static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
   // Dropout: the drop marks the two warps of a 32-key block pass each other
   // (sm80::store_transposed_marks_pair), per stage, warp pair and query part kPartM / 16 row blocks
-  // x 2 ranks x 32 lanes x 8 bytes.
+  // x 32 chunks of 16 bytes (4 marks words).
   static constexpr int kDropoutPairs = kWarpgroups * 2;
-  static constexpr int kDropoutExchangeBytes = (kPartM / 16) * 2 * 32 * 8;
+  static constexpr int kDropoutExchangeBytes = (kPartM / 16) * 32 * 16;
   static constexpr int kDropoutStageBytes = kDropoutPairs * kQueryParts * kDropoutExchangeBytes;
   static constexpr int kDropoutOffset = kDotOffset + kStages * kRowStatsBytes;
   // And the Philox round keys (PhiloxRoundKeys), read by every draw.
@@ -191,35 +191,37 @@ __device__ __forceinline__ void fence_acquire() { asm volatile("fence.acquire.gp
 // that the mask keeps (sm80::kept_transposed with the marks of sm80::load_transposed_marks), i.e.
 // P^T o Z. Then dS^T = P^T (dP^T o Z - dot) = kept dP^T - scaled ((1 - p) dot): one multiply and
 // one fused multiply-add per element, the count of the code without dropout, and no select on
-// dP^T. kept is made element by element as scaled is consumed, so that the two do not live side by
+// dP^T. `kept_dot_rows` holds (1 - p) dot already (the preprocess kernel's kKeepScaled: one
+// multiply per row there instead of two per 8-query group and warp here, the same fp32 product).
+// kept is made element by element as scaled is consumed, so that the two do not live side by
 // side; softcap's chain rule (sm80::softcap_chain_rule_t, on P^T = scaled (1 - p)) takes the same
 // per-element gradient.
 template <typename Traits, int kRowBlocks>
 __device__ __forceinline__ void dropout_score_gradients_t(
     float (&dp)[1][2 * kRowBlocks][4], const float (&scaled)[1][2 * kRowBlocks][4],
-    float (&kept)[1][2 * kRowBlocks][4], const uint32_t (&marks)[kRowBlocks][2], const float* lse_rows,
-    const float* dot_rows, int first_query, int m0, int first_key, const FwdProblem& p, float alibi_slope,
+    float (&kept)[1][2 * kRowBlocks][4], const uint32_t (&marks)[kRowBlocks][2][2], const float* lse_rows,
+    const float* kept_dot_rows, int first_query, int m0, int first_key, const FwdProblem& p, float alibi_slope,
     int diagonal) {
   static_assert(Traits::kSKeyTiles == 1 && Traits::kSQueryTiles == 2 * kRowBlocks, "a warp's 16 keys");
-  const float keep_probability = 1.0f - p.dropout_p;
+  uint32_t selectors[2];
+  sm80::transposed_mark_selectors(selectors);
   auto gradient = [&](int nt, int i, float kept_dot) {
-    kept[0][nt][i] = sm80::kept_transposed(marks, nt, i, scaled[0][nt][i]);
+    kept[0][nt][i] = sm80::kept_transposed(marks, selectors, nt, i, scaled[0][nt][i]);
     return kept[0][nt][i] * dp[0][nt][i] - scaled[0][nt][i] * kept_dot;
   };
   if (p.softcap > 0.0f) {
-    sm80::softcap_chain_rule_t<Traits>(dp, scaled, keep_probability, lse_rows, first_query, m0, first_key, p,
+    sm80::softcap_chain_rule_t<Traits>(dp, scaled, 1.0f - p.dropout_p, lse_rows, first_query, m0, first_key, p,
                                        alibi_slope, diagonal, [&](int, int nt, int i, int column) {
-                                         return gradient(nt, i, dot_rows[column + i % 2] * keep_probability);
+                                         return gradient(nt, i, kept_dot_rows[column + i % 2]);
                                        });
     return;
   }
   const int lane = static_cast<int>(threadIdx.x) % 32;
 #pragma unroll
   for (int nt = 0; nt < Traits::kSQueryTiles; ++nt) {
-    const float2 dot = *reinterpret_cast<const float2*>(dot_rows + first_query + nt * 8 + (lane % 4) * 2);
-    const float kept_dot[2] = {dot.x * keep_probability, dot.y * keep_probability};
+    const float2 kept_dot = *reinterpret_cast<const float2*>(kept_dot_rows + first_query + nt * 8 + (lane % 4) * 2);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) dp[0][nt][i] = gradient(nt, i, kept_dot[i % 2]);
+    for (int i = 0; i < 4; ++i) dp[0][nt][i] = gradient(nt, i, i % 2 == 0 ? kept_dot.x : kept_dot.y);
   }
 }
 
@@ -246,6 +248,29 @@ __device__ __forceinline__ void pack_a_operand(const float (&x)[1][kTiles][4], u
     a[kk][1] = sm80::pack2<Element>(x[0][2 * kk][2], x[0][2 * kk][3]);
     a[kk][2] = sm80::pack2<Element>(x[0][2 * kk + 1][0], x[0][2 * kk + 1][1]);
     a[kk][3] = sm80::pack2<Element>(x[0][2 * kk + 1][2], x[0][2 * kk + 1][3]);
+  }
+}
+
+// A warp's S^T-layout A operand (pack_a_operand: 16 keys x kPartM queries, 16 bits) into the keys x
+// queries tile `tile` at key row first_key_row (a multiple of 8) and 8-query chunk
+// first_query_chunk: one stmatrix.x4 per k-step of 16 queries, its four 8 x 8 matrices the
+// operand's four registers (keys 0-7 / 8-15 x queries 0-7 / 8-15 of the step), lane i giving the
+// address of row i % 8 of matrix i / 8. Four instructions instead of sm80::store_keys_by_queries'
+// 16 st.shared.b32 (bf16 d128), and 4 row addresses per lane instead of 16 (the swizzle XORs the
+// chunk with the row, so one address per k-step): in the dropout instances, where those 16
+// addresses were spilled, that took the spill loads out of the loop. (The p = 0 instances keep
+// store_keys_by_queries, so that their code stays as measured.)
+template <typename Traits>
+__device__ __forceinline__ void store_a_operand(uint32_t tile, const uint32_t (&a)[Traits::kPartM / 16][4],
+                                                int first_key_row, int first_query_chunk) {
+  using PTile = typename Traits::PTile;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int row = first_key_row + ((lane / 8) % 2) * 8 + lane % 8;
+#pragma unroll
+  for (int kk = 0; kk < Traits::kPartM / 16; ++kk) {
+    const uint32_t address = tile + PTile::chunk_offset(row, first_query_chunk + 2 * kk + lane / 16);
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(address),
+                 "r"(a[kk][0]), "r"(a[kk][1]), "r"(a[kk][2]), "r"(a[kk][3]));
   }
 }
 
@@ -444,6 +469,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const uint32_t do_tile = smem + Traits::kDoOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const float* lse_rows =
           reinterpret_cast<const float*>(smem_aligned + Traits::kLseOffset + stage * Traits::kRowStatsBytes);
+      // With dropout these rows hold (1 - p) dot (run_bwd's preprocess; dropout_score_gradients_t).
       const float* dot_rows =
           reinterpret_cast<const float*>(smem_aligned + Traits::kDotOffset + stage * Traits::kRowStatsBytes);
 
@@ -489,9 +515,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // so one wait serves both.
         constexpr bool kProbabilitiesFirst = kQueryParts == 1;
         const int first_query = wg_query0 + h * kPartM;  // in the block
-        // Dropout: this part's drop marks, stored during the previous block (or the prologue).
-        [[maybe_unused]] uint32_t drop_marks[kPartM / 16][2];
-        if constexpr (Traits::kDropout) sm80::load_transposed_marks(drop_marks, exchange(stage, h), first_key);
         wgmma_wait_dynamic(2 * kQueryParts - h - (kProbabilitiesFirst ? 1 : 2));
         wgmma_fence_registers<kPartM / 2>(&acc_s[h][0][0][0]);
         if (!kProbabilitiesFirst) wgmma_fence_registers<kPartM / 2>(&acc_dp[h][0][0][0]);
@@ -507,7 +530,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // P^T for dV (with dropout its kept entries): packed to an A operand, or (split) stored for
         // the other warpgroup too.
         auto keep_probabilities = [&](const float (&probabilities)[1][kPartM / 8][4]) {
-          if constexpr (Traits::kSplitHeadDim) {
+          if constexpr (Traits::kSplitHeadDim && Traits::kDropout) {
+            pack_a_operand<Element, kPartM / 8>(probabilities, p_frag[h]);
+            store_a_operand<Traits>(smem + Traits::kPOffset, p_frag[h], warp_key0, first_query / 8);
+          } else if constexpr (Traits::kSplitHeadDim) {
             sm80::store_keys_by_queries<PartScores>(smem + Traits::kPOffset, probabilities, warp_key0,
                                                     first_query / 8);
           } else {
@@ -515,6 +541,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           }
         };
         if constexpr (Traits::kDropout) {  // dS^T, and P^T o Z for dV
+          // This part's drop marks, stored during the previous block (or the prologue). Loaded here,
+          // not before the waits: 4 words per row block, and held across the exponentials they cost
+          // 9 spill loads in the loop (bf16 d128).
+          uint32_t drop_marks[kPartM / 16][2][2];
+          sm80::load_transposed_marks(drop_marks, exchange(stage, h), first_key);
           float kept[1][kPartM / 8][4];
           dropout_score_gradients_t<PartScores>(acc_dp[h], acc_s[h], kept, drop_marks, lse_rows, dot_rows,
                                                       first_query, m0, first_key, p, alibi_slope, diagonal);
@@ -524,9 +555,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                               first_key, p, alibi_slope, diagonal);
           keep_probabilities(acc_s[h]);
         }
-        sm80::store_keys_by_queries<PartScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
-        if constexpr (!Traits::kSplitHeadDim) {
+        if constexpr (Traits::kDropout) {
           pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
+          store_a_operand<Traits>(smem + Traits::kDsOffset, ds_frag[h], warp_key0, first_query / 8);
+        } else {
+          sm80::store_keys_by_queries<PartScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
+          if constexpr (!Traits::kSplitHeadDim) pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
+        }
+        if constexpr (!Traits::kSplitHeadDim) {
           wgmma_fence();
           issue_key_gradient<Traits>(&acc_dv[0][0][0], p_frag[h], do_tile + first_query * 128);
           issue_key_gradient<Traits>(&acc_dk[0][0][0], ds_frag[h], q_tile + first_query * 128);

@@ -60,7 +60,12 @@ void run_bwd(const BwdProblem& problem, void* stream) {
   auto* s = static_cast<cudaStream_t>(stream);
   const sm80::BwdWorkspacePointers ws = sm80::BwdWorkspacePointers::of(problem);
 
-  sm80::launch_bwd_preprocess<Element>(problem, ws, s);
+  // The dropout instances take dot(dO, O) times 1 - p (dropout_score_gradients_t).
+  if (problem.fwd.dropout_p > 0.0f) {
+    sm80::launch_bwd_preprocess<Element, true>(problem, ws, s);
+  } else {
+    sm80::launch_bwd_preprocess<Element>(problem, ws, s);
+  }
   const int64_t num_blocks = sm80::bwd_main_grid(problem.fwd, Traits::kBlockN);
   if (num_blocks > 0) {
     const BwdInstance instance = bwd_instance_for<kDType, kHeadDimFamily>(problem);
