@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# scripts/ab_rounds.sh OUT_DIR: more alternated rounds of the benchmark for two trees already built by
+# scripts/ab_branch.sh (/tmp/ab-A, /tmp/ab-B; rebuilt here for $AB_FAMILIES if the machine is fresh),
+# with nvidia-smi sampling the SM clock, power and clock-event reasons beside them, so that a
+# difference in cycles can be told from a difference in clocks (a power-capped GPU lowers its clock
+# when the same energy is spent in fewer cycles).
+#
+#   AB_B=.hx/x AB_ROUNDS=5 AB_BENCH_ARGS="--dtype bf16 --hdim 128 --seqlen 8k,16k --causal both" \
+#     bash scripts/ab_rounds.sh $OUT
+set -u
+FINAL=$(mkdir -p "$1" && cd "$1" && pwd)
+cd "$(dirname "$0")/.." || exit 2
+ROOT=$PWD
+export PATH=/usr/local/cuda/bin:$PATH
+for tree in A B; do
+  [ -x "/tmp/ab-$tree/bench/flashkit_bench" ] && continue
+  src=$ROOT
+  [ "$tree" = B ] && src="$ROOT/$AB_B"
+  cmake -S "$src" -B "/tmp/ab-$tree" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
+    -DFLASHKIT_HEAD_DIMS="${AB_FAMILIES:-64;128;256}" -DFLASHKIT_DTYPES="${AB_DTYPES:-bf16}" \
+    -DFLASHKIT_PYTHON=OFF -DFLASHKIT_TESTS=OFF >"$FINAL/configure-$tree.log" 2>&1 &&
+    cmake --build "/tmp/ab-$tree" -j 16 --target flashkit_bench >"$FINAL/build-$tree.log" 2>&1
+  echo "build $tree: $?"
+done
+nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.sw_power_cap,clocks_event_reasons.hw_slowdown,clocks_event_reasons.sw_thermal_slowdown \
+  --format=csv,noheader -lms 100 >"$FINAL/smi.csv" 2>&1 &
+smi=$!
+read -r -a args <<<"${AB_BENCH_ARGS:---dtype bf16 --hdim 128 --seqlen 8k,16k --causal both}"
+for round in $(seq 1 "${AB_ROUNDS:-5}"); do
+  for tree in A B; do
+    date +"%H:%M:%S.%N start $tree $round" >>"$FINAL/marks.txt"
+    timeout 150 "/tmp/ab-$tree/bench/flashkit_bench" --op fwd "${args[@]}" --json "$FINAL/bench-$tree-$round.json" >/dev/null 2>&1
+    date +"%H:%M:%S.%N end $tree $round" >>"$FINAL/marks.txt"
+  done
+done
+kill $smi
+python3 - "$FINAL" <<'PY'
+import collections, glob, json, statistics, sys
+d = sys.argv[1]
+cells = collections.defaultdict(lambda: collections.defaultdict(list))
+for path in sorted(glob.glob(f"{d}/bench-*-*.json")):
+    tree = path.rsplit("/", 1)[1].split("-")[1]
+    for rec in json.load(open(path))["records"]:
+        key = (rec["dtype"], rec["head_dim"], rec["causal"], rec["seqlen_q"])
+        cells[key][tree].append(rec["tflops"])
+print("| dtype | hdim | causal | seqlen | A rounds | B rounds | B/A (medians) |")
+print("| --- | --- | --- | --- | --- | --- | --- |")
+for key in sorted(cells):
+    a, b = cells[key]["A"], cells[key]["B"]
+    ma, mb = statistics.median(a), statistics.median(b)
+    print(f"| {' | '.join(map(str, key))} | {' '.join(f'{x:.0f}' for x in a)} | {' '.join(f'{x:.0f}' for x in b)} | {mb / ma:.3f} |")
+rows = [l.split(", ") for l in open(f"{d}/smi.csv") if l.count(",") >= 7]
+busy = [r for r in rows if float(r[2].split()[0]) > 200]
+if busy:
+    clocks = sorted(int(r[1].split()[0]) for r in busy)
+    power = sorted(float(r[2].split()[0]) for r in busy)
+    capped = sum(1 for r in busy if "Active" in r[5])
+    def sec(hms):
+        h, m, x = hms.split(":")
+        return int(h) * 3600 + int(m) * 60 + float(x)
+    spans = collections.defaultdict(list)
+    start = {}
+    for line in open(f"{d}/marks.txt"):
+        t, what, tree, rnd = line.split()
+        if what == "start":
+            start[(tree, rnd)] = sec(t)
+        else:
+            spans[tree].append((start[(tree, rnd)], sec(t)))
+    for tree in sorted(spans):
+        mine = [r for r in busy if any(a <= sec(r[0].split()[1]) <= b for a, b in spans[tree])]
+        if mine:
+            c = sorted(int(r[1].split()[0]) for r in mine)
+            w = sorted(float(r[2].split()[0]) for r in mine)
+            print(f"tree {tree}: SM clock median {c[len(c)//2]} MHz, power median {w[len(w)//2]:.0f} W ({len(mine)} samples)")
+    print(f"\nnvidia-smi over {len(busy)} samples above 200 W: SM clock median {clocks[len(clocks)//2]} MHz"
+          f" (min {clocks[0]}, max {clocks[-1]}), power median {power[len(power)//2]:.0f} W (max {power[-1]:.0f},"
+          f" limit {busy[0][3]}), power-cap reason active in {capped} samples")
+PY
