@@ -530,10 +530,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // P^T for dV (with dropout its kept entries): packed to an A operand, or (split) stored for
         // the other warpgroup too.
         auto keep_probabilities = [&](const float (&probabilities)[1][kPartM / 8][4]) {
-          if constexpr (Traits::kSplitHeadDim && Traits::kDropout) {
-            pack_a_operand<Element, kPartM / 8>(probabilities, p_frag[h]);
-            store_a_operand<Traits>(smem + Traits::kPOffset, p_frag[h], warp_key0, first_query / 8);
-          } else if constexpr (Traits::kSplitHeadDim) {
+          if constexpr (Traits::kSplitHeadDim) {
             sm80::store_keys_by_queries<PartScores>(smem + Traits::kPOffset, probabilities, warp_key0,
                                                     first_query / 8);
           } else {
