@@ -150,7 +150,7 @@ Result run_gpu_bwd_case(const Case& c, Gpu& gpu) {
       }
     };
     int last_set = 0;
-    r.ms = time_launches(launch, sets, gpu.stream, poison, &last_set);
+    r.ms = time_launches(launch, sets, gpu.stream, poison, &last_set, gpu.energy, &r);
 
     std::vector<uint16_t> host_dq(elems), host_dk(elems), host_dv(elems);
     CUDA_OK(cudaMemcpy(host_dq.data(), dq, tensor_bytes, cudaMemcpyDeviceToHost));

@@ -31,6 +31,7 @@
 #include <ctime>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -62,6 +63,7 @@ const char* const kCpuMethodNote =
 const char* const kUsage =
     "usage: flashkit_bench [--dtype bf16,fp16] [--hdim 64,128,256] [--seqlen 512,1k,2k,4k,8k,16k]\n"
     "                      [--causal both|yes|no] [--op fwd,bwd,fwd_bwd] [--quick] [--json PATH]\n"
+    "                      [--dropout P] [--energy]\n"
     "  Times flashkit::mha_fwd, mha_bwd (default and deterministic) and both with\n"
     "  batch = 16384 / seqlen and heads = 2048 / hdim.\n"
     "  --quick     bf16, hdim 64 and 128, seqlen 2k and 8k (explicit flags still override)\n"
@@ -69,6 +71,8 @@ const char* const kUsage =
     "  --dropout P every op with dropout.p = P (the backward regenerates the forward's mask;\n"
     "              results get \"dropout\": P and skip the forward's CPU spot check, whose\n"
     "              sub-problems would draw another mask)\n"
+    "  --energy    also the energy per call and the mean power, from the GPU's energy counter\n"
+    "              (NVML) over 1 s more of launches per case; results get \"joules\" and \"watts\"\n"
     "  Lists are comma-separated; seqlens take a k suffix (2k = 2048).\n"
     "  Environment: FLASHKIT_GIT_COMMIT, FLASHKIT_DRIVER (nvidia-smi's driver version) for the\n"
     "  JSON.\n";
@@ -84,6 +88,7 @@ struct Options {
   std::vector<bool> causal;
   std::string json_path;
   float dropout = 0.0f;
+  bool energy = false;
 };
 
 std::vector<std::string> split_list(const std::string& s) {
@@ -140,6 +145,7 @@ std::vector<bool> parse_causal(const std::string& s) {
 // Parses argv into Options; throws std::invalid_argument with a message on bad input.
 Options parse_options(int argc, char** argv) {
   bool quick = false;
+  bool energy = false;
   std::string ops = "fwd,bwd,fwd_bwd", dtypes, hdims, seqlens, causal = "both", json, dropout;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
@@ -148,6 +154,10 @@ Options parse_options(int argc, char** argv) {
     if (eq != std::string::npos) {
       value = arg.substr(eq + 1);
       arg = arg.substr(0, eq);
+    }
+    if (arg == "--energy") {
+      energy = true;
+      continue;
     }
     if (arg == "--quick" || arg == "--help" || arg == "-h") {
       if (arg != "--quick") {
@@ -183,6 +193,7 @@ Options parse_options(int argc, char** argv) {
   for (const auto& s : split_list(seqlens)) opt.seqlens.push_back(parse_positive(s, true));
   opt.causal = parse_causal(causal);
   opt.json_path = json;
+  opt.energy = energy;
   if (!dropout.empty()) {
     size_t used = 0;
     try {
@@ -315,6 +326,9 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
        << ", \"window\": [-1, -1], \"ms\": " << format_number(r.ms, "%.6g")
        << ", \"tflops\": " << format_number(r.tflops, "%.4g") << ", \"tbps\": null";
     if (c.dropout > 0.0f) js << ", \"dropout\": " << format_number(c.dropout, "%.6g");
+    if (!std::isnan(r.joules)) {
+      js << ", \"joules\": " << format_number(r.joules, "%.6g") << ", \"watts\": " << format_number(r.watts, "%.4g");
+    }
     if (!r.note.empty()) js << ", \"note\": " << json_string(r.note);
     js << "}";
   }
@@ -343,6 +357,10 @@ void print_row(const Result& r) {
               c.deterministic ? "yes" : "no", format_number(r.ms, "%.4f", "-").c_str(),
               format_number(r.tflops, "%.4g", "-").c_str(),
               format_number(r.rel_err, "%.1e", "-").c_str());
+  if (!std::isnan(r.joules)) {
+    std::printf("      energy: %.4g J per call, %.0f W mean, %.3g TFLOP/J\n", r.joules, r.watts,
+                r.c.flops() / r.joules * 1e-12);
+  }
   if (!r.note.empty()) std::printf("      note: %s\n", r.note.c_str());
   std::fflush(stdout);
 }
@@ -506,7 +524,7 @@ Result run_gpu_case(const Case& c, Gpu& gpu) {
       CUDA_OK(cudaMemsetAsync(lse, 0xff, lse_elems * sizeof(float), gpu.stream));
     };
     int last_set = 0;
-    r.ms = time_launches(launch, sets, gpu.stream, poison, &last_set);
+    r.ms = time_launches(launch, sets, gpu.stream, poison, &last_set, gpu.energy, &r);
 
     gpu.host_out.resize(elems);
     gpu.host_lse.resize(lse_elems);
@@ -572,6 +590,12 @@ int run_gpu_grid(const Options& opt, RunInfo info) {
   info.driver = driver_version();
   info.cuda = std::to_string(runtime / 1000) + "." + std::to_string(runtime % 1000 / 10);
   info.impl = "flashkit";
+  std::unique_ptr<EnergyMeter> energy;
+  if (opt.energy) {
+    energy = std::make_unique<EnergyMeter>(gpu.device);
+    if (!energy->available()) throw std::runtime_error("--energy: " + energy->why_not());
+    gpu.energy = energy.get();
+  }
   std::printf(
       "flashkit_bench: %s (sm_%d%d, %d SMs, L2 %d MiB), driver %s, CUDA runtime %s, commit "
       "%s\n",

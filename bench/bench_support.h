@@ -18,6 +18,8 @@
 
 #ifdef FLASHKIT_BENCH_CUDA
 #include <cuda_runtime.h>
+
+#include "energy_meter.h"
 #endif
 
 namespace flashkit::bench {
@@ -31,6 +33,9 @@ constexpr int kMinWarmupLaunches = 3;
 constexpr double kMinTimedMs = 100.0;
 constexpr int kMinReps = 20;
 constexpr int kMaxReps = 2000;
+// flashkit_bench --energy: launches back to back for at least this long between two readings of the
+// GPU's energy counter (which NVML updates every few milliseconds).
+constexpr double kEnergyMs = 1000.0;
 
 inline const double kNaN = std::numeric_limits<double>::quiet_NaN();
 
@@ -69,6 +74,8 @@ struct Result {
   double ms = kNaN;
   double tflops = kNaN;
   double rel_err = kNaN;  // of the rows compared with the CPU reference
+  double joules = kNaN;   // per call (--energy), and the mean power over its launches
+  double watts = kNaN;
   std::string note;       // why tflops is null (empty when it is not)
   bool failed = false;    // a note that counts as a failure (not a head dim left out of the build)
 };
@@ -198,6 +205,7 @@ struct Gpu {
   int64_t l2_bytes = 0;
   cudaStream_t stream = nullptr;
   InputSets inputs;
+  const EnergyMeter* energy = nullptr;  // --energy: the device's meter (available)
   DeviceBuffer out, lse;
   std::vector<uint16_t> host_out;  // the output copied back for the checks
   std::vector<float> host_lse;
@@ -226,9 +234,12 @@ class Event {
 
 // Times launch(set) for set = 0, 1, ... modulo `sets`: warm-up, then the median of event-timed
 // launches. `before_timed` runs between the two (it poisons the outputs). Returns ms; `last_set` is
-// the set of the last launch (the one whose output the checks read).
+// the set of the last launch (the one whose output the checks read). With `energy` (--energy), the
+// timed launches are followed by kEnergyMs more between two readings of the energy counter, and
+// `result` gets the energy per launch and the mean power.
 inline double time_launches(const std::function<void(int)>& launch, int sets, cudaStream_t stream,
-                            const std::function<void()>& before_timed, int* last_set) {
+                            const std::function<void()>& before_timed, int* last_set,
+                            const EnergyMeter* energy = nullptr, Result* result = nullptr) {
   // Warm-up in batches until 25 ms have passed, at least two batches: the first may pay for module
   // loading, so the per-launch estimate that sizes the timed loop comes from the last batch.
   int launches = 0;
@@ -262,7 +273,24 @@ inline double time_launches(const std::function<void(int)>& launch, int sets, cu
   std::vector<double> times(reps);
   for (int i = 0; i < reps; ++i) times[i] = events[2 * i + 1].since(events[2 * i]);
   *last_set = (reps - 1) % sets;
-  return median(times);
+  const double ms = median(times);
+  if (energy != nullptr && result != nullptr) {
+    const int energy_reps = static_cast<int>(std::ceil(kEnergyMs / std::max(ms, 1e-3)));
+    Event begin, end;
+    const double before = energy->millijoules();
+    begin.record(stream);
+    for (int i = 0; i < energy_reps; ++i) launch(i % sets);
+    end.record(stream);
+    end.synchronize();
+    const double after = energy->millijoules();
+    CUDA_OK(cudaGetLastError());
+    *last_set = (energy_reps - 1) % sets;
+    if (before >= 0 && after > before) {
+      result->joules = (after - before) * 1e-3 / energy_reps;
+      result->watts = (after - before) / end.since(begin);  // mJ / ms
+    }
+  }
+  return ms;
 }
 
 // The backward runner on the GPU (bench_bwd.cpp): times the case's op (bwd alone, on the output

@@ -7,6 +7,7 @@
 #
 #   AB_B=.hx/x AB_ROUNDS=5 AB_BENCH_ARGS="--dtype bf16 --hdim 128 --seqlen 8k,16k --causal both" \
 #     bash scripts/ab_rounds.sh $OUT
+# With --energy in AB_BENCH_ARGS (both trees must have it) the energy per call is compared too.
 set -u
 FINAL=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.." || exit 2
@@ -41,14 +42,22 @@ cells = collections.defaultdict(lambda: collections.defaultdict(list))
 for path in sorted(glob.glob(f"{d}/bench-*-*.json")):
     tree = path.rsplit("/", 1)[1].split("-")[1]
     for rec in json.load(open(path))["records"]:
-        key = (rec["dtype"], rec["head_dim"], rec["causal"], rec["seqlen_q"])
+        key = (rec["op"], rec["impl"], rec["dtype"], rec["head_dim"], rec["causal"], rec["seqlen_q"])
         cells[key][tree].append(rec["tflops"])
-print("| dtype | hdim | causal | seqlen | A rounds | B rounds | B/A (medians) |")
-print("| --- | --- | --- | --- | --- | --- | --- |")
-for key in sorted(cells):
-    a, b = cells[key]["A"], cells[key]["B"]
-    ma, mb = statistics.median(a), statistics.median(b)
-    print(f"| {' | '.join(map(str, key))} | {' '.join(f'{x:.0f}' for x in a)} | {' '.join(f'{x:.0f}' for x in b)} | {mb / ma:.3f} |")
+        if rec.get("joules") is not None:  # --energy
+            cells[key][tree + "J"].append(rec["joules"] * 1e3)
+for unit, suffix, digits in (("TFLOP/s", "", 0), ("mJ per call (--energy)", "J", 1)):
+    keys = [k for k in sorted(cells) if cells[k]["A" + suffix] and cells[k]["B" + suffix]]
+    if not keys:
+        continue
+    print(f"\n{unit}\n")
+    print("| op | impl | dtype | hdim | causal | seqlen | A rounds | B rounds | B/A (medians) |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    for key in keys:
+        a, b = cells[key]["A" + suffix], cells[key]["B" + suffix]
+        ma, mb = statistics.median(a), statistics.median(b)
+        print(f"| {' | '.join(map(str, key))} | {' '.join(f'{x:.{digits}f}' for x in a)} |"
+              f" {' '.join(f'{x:.{digits}f}' for x in b)} | {mb / ma:.3f} |")
 rows = [l.split(", ") for l in open(f"{d}/smi.csv") if l.count(",") >= 7]
 busy = [r for r in rows if float(r[2].split()[0]) > 200]
 if busy:
