@@ -552,7 +552,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                               first_key, p, alibi_slope, diagonal);
           keep_probabilities(acc_s[h]);
         }
-        if constexpr (Traits::kDropout) {
+        if constexpr (Traits::kDropout && !Traits::kSplitHeadDim) {
           pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
           store_a_operand<Traits>(smem + Traits::kDsOffset, ds_frag[h], warp_key0, first_query / 8);
         } else {
