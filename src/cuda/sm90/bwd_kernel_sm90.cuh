@@ -259,7 +259,9 @@ __device__ __forceinline__ void pack_a_operand(const float (&x)[1][kTiles][4], u
 // 16 st.shared.b32 (bf16 d128), and 4 row addresses per lane instead of 16 (the swizzle XORs the
 // chunk with the row, so one address per k-step): in the dropout instances, where those 16
 // addresses were spilled, that took the spill loads out of the loop. (The p = 0 instances keep
-// store_keys_by_queries, so that their code stays as measured.)
+// store_keys_by_queries, so that their code stays as measured; so does the split layout (d256),
+// where this store spilled 4-12 bytes that store_keys_by_queries does not, and its deterministic
+// dropout instance ran 1% slower: bench/NOTES.md, "Session 10".)
 template <typename Traits>
 __device__ __forceinline__ void store_a_operand(uint32_t tile, const uint32_t (&a)[Traits::kPartM / 16][4],
                                                 int first_key_row, int first_query_chunk) {
