@@ -18,7 +18,9 @@ cost the most time.
 
 usage: peers.py [--dtype bf16,fp16] [--hdim 64,128,256] [--seqlen 512,1k,...,16k]
                 [--causal both|yes|no] [--quick] [--ops fwd,bwd,fwd_bwd]
-                [--impls sdpa_flash,...,flex] [--json PATH]
+                [--impls sdpa_flash,...,flex] [--json PATH] [--dropout P] [--energy]
+--energy adds the energy per call and the mean power (records get "joules" and "watts"), from the
+GPU's energy counter over 1 s more of calls per case, as flashkit_bench --energy measures them.
 Environment: FLASHKIT_GIT_COMMIT, FLASHKIT_DRIVER (as for flashkit_bench).
 """
 import argparse
@@ -37,6 +39,7 @@ WARMUP_MS = 25.0
 MIN_WARMUP_CALLS = 3
 MIN_TIMED_MS = 100.0
 MIN_REPS, MAX_REPS = 20, 2000
+ENERGY_MS = 1000.0  # --energy: calls back to back for this long between two energy readings
 IMPLS = ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
 OPS = ["fwd", "bwd", "fwd_bwd"]
 # FLOPs of each op in units of the forward's 4*b*h*sq*sk*d (the FlashAttention convention: the
@@ -72,6 +75,8 @@ def parse_args():
     p.add_argument("--json", help="write the results (docs/DESIGN.md format) to this path")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout_p of the SDPA backends (flex has none); records get \"dropout\"")
+    p.add_argument("--energy", action="store_true",
+                   help="also the energy per call and the mean power (NVML's energy counter)")
     args = p.parse_args()
     if not 0.0 <= args.dropout < 1.0:
         p.error(f"--dropout takes a probability in [0, 1), not {args.dropout}")
@@ -135,11 +140,46 @@ def driver_version():
         return None
 
 
-class Bench:
-    """Times callables on the current CUDA device with flashkit_bench's method."""
+class EnergyMeter:
+    """The GPU's energy counter (NVML's total energy since the driver loaded, in mJ), read through
+    libnvidia-ml with ctypes, as flashkit_bench --energy reads it (bench/energy_meter.h). Raises
+    OSError or RuntimeError where it cannot be read."""
 
-    def __init__(self, torch, warmup_ms=WARMUP_MS, min_timed_ms=MIN_TIMED_MS, min_reps=MIN_REPS):
+    def __init__(self, torch):
+        import ctypes
+        self.ctypes = ctypes
+        self.lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if self.lib.nvmlInit_v2() != 0:
+            raise RuntimeError("nvmlInit failed")
+        self.device = ctypes.c_void_p()
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        if all(hasattr(props, f) for f in ("pci_domain_id", "pci_bus_id", "pci_device_id")):
+            bus_id = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0"
+            found = self.lib.nvmlDeviceGetHandleByPciBusId_v2(bus_id.encode(), ctypes.byref(self.device))
+        elif "CUDA_VISIBLE_DEVICES" not in os.environ:  # CUDA's and NVML's indices agree
+            found = self.lib.nvmlDeviceGetHandleByIndex_v2(torch.cuda.current_device(), ctypes.byref(self.device))
+        else:
+            raise RuntimeError("cannot match the CUDA device to NVML's (no PCI ids in torch)")
+        if found != 0:
+            raise RuntimeError("no NVML device for the current CUDA device")
+        if self.millijoules() is None:
+            raise RuntimeError("this GPU has no total-energy counter")
+
+    def millijoules(self):
+        mj = self.ctypes.c_ulonglong()
+        if self.lib.nvmlDeviceGetTotalEnergyConsumption(self.device, self.ctypes.byref(mj)) != 0:
+            return None
+        return float(mj.value)
+
+
+class Bench:
+    """Times callables on the current CUDA device with flashkit_bench's method; with an
+    EnergyMeter, also the energy per call (last_energy: (joules, watts) of the last time_ms)."""
+
+    def __init__(self, torch, warmup_ms=WARMUP_MS, min_timed_ms=MIN_TIMED_MS, min_reps=MIN_REPS,
+                 energy=None):
         self.torch = torch
+        self.energy, self.last_energy = energy, None
         props = torch.cuda.get_device_properties(0)
         self.l2_bytes = getattr(props, "L2_cache_size", 50 << 20)
         # Shorter runs (python -m flashkit.bench) trade a little precision for a grid in minutes.
@@ -193,7 +233,21 @@ class Bench:
             out = fn(i % sets)
             e.record()
         torch.cuda.synchronize()
-        return statistics.median(b.elapsed_time(e) for b, e in events), out
+        ms = statistics.median(b.elapsed_time(e) for b, e in events)
+        self.last_energy = None
+        if self.energy is not None:
+            reps = math.ceil(ENERGY_MS / max(ms, 1e-3))
+            before = self.energy.millijoules()
+            begin, end = event(), event()
+            begin.record()
+            for i in range(reps):
+                out = fn(i % sets)
+            end.record()
+            end.synchronize()
+            after = self.energy.millijoules()
+            if before is not None and after is not None and after > before:
+                self.last_energy = ((after - before) * 1e-3 / reps, (after - before) / begin.elapsed_time(end))
+        return ms, out
 
 
 def timed_op(torch, attend, c, sets):
@@ -285,6 +339,10 @@ def run_case(torch, bench, impl, runner, c, sets=None):
         try:
             ms, out = runner(c, sets or bench.input_sets(c), bench)
             record["ms"] = round(ms, 6)
+            energy = getattr(bench, "last_energy", None)  # (stand-ins for Bench may not measure it)
+            if energy is not None:
+                record["joules"] = round(energy[0], 6)
+                record["watts"] = round(energy[1], 1)
             if not bool(torch.isfinite(out).all()):
                 record["note"] = "output has NaN/inf"
             else:
@@ -329,7 +387,13 @@ def main():
     print(f"peers.py: {header['gpu']}, driver {header['driver']}, CUDA {header['cuda']}, torch "
           f"{header['torch']}, cuDNN {header['cudnn']}, triton {header['triton']}", flush=True)
 
-    bench = Bench(torch)
+    energy = None
+    if args.energy:
+        try:
+            energy = EnergyMeter(torch)
+        except (OSError, RuntimeError, AttributeError) as e:
+            sys.exit(f"peers.py: --energy: {e}")
+    bench = Bench(torch, energy=energy)
     grid = make_grid(args)
     records = []
     print(f"{'op':<7} {'impl':<15} {'dtype':<5} {'hdim':>4} {'seqlen':>6} {'batch':>5} {'heads':>5} "
@@ -346,6 +410,8 @@ def main():
             tf = "-" if r["tflops"] is None else f"{r['tflops']:.1f}"
             causal = "yes" if c["causal"] else "no"
             note = f"  note: {r['note']}" if r.get("note") else ""
+            if "joules" in r:
+                note = f"  {r['joules'] * 1e3:.1f} mJ, {r['watts']:.0f} W" + note
             print(f"{c['op']:<7} {impl:<15} {c['dtype']:<5} {c['head_dim']:>4} {c['seqlen']:>6} "
                   f"{c['batch']:>5} {c['heads']:>5} {causal:>6} {ms:>10} {tf:>8}{note}", flush=True)
             if args.json:
