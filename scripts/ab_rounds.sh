@@ -8,6 +8,10 @@
 #   AB_B=.hx/x AB_ROUNDS=5 AB_BENCH_ARGS="--dtype bf16 --hdim 128 --seqlen 8k,16k --causal both" \
 #     bash scripts/ab_rounds.sh $OUT
 # With --energy in AB_BENCH_ARGS (both trees must have it) the energy per call is compared too.
+# AB_NCU="op:dtype:hdim:seqlen:causal ..." (e.g. "fwd:bf16:128:8k:yes") then profiles three launches
+# of each cell and tree with Nsight Compute at the base clock (its default clock control), so that
+# the comparison of cycles is free of the power cap's clock (bench/NOTES.md, "Session 10"):
+# sm__cycles_elapsed.max, gpu__time_duration.sum and smsp__inst_executed.sum per launch, in ncu.md.
 set -u
 FINAL=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.." || exit 2
@@ -35,6 +39,25 @@ for round in $(seq 1 "${AB_ROUNDS:-5}"); do
   done
 done
 kill $smi
+if [ -n "${AB_NCU:-}" ]; then
+  NCU=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+  {
+    echo "| cell | tree | cycles (sm__cycles_elapsed.max) | time (gpu__time_duration.sum) | instructions |"
+    echo "| --- | --- | --- | --- | --- |"
+    for cell in $AB_NCU; do
+      IFS=: read -r op dtype hdim seqlen causal <<<"$cell"
+      for tree in A B; do
+        log="$FINAL/ncu-$tree-${cell//:/-}.txt"
+        timeout 120 "$NCU" -k 'regex:(fwd|bwd)_kernel' --launch-skip 5 --launch-count 3 \
+          --metrics sm__cycles_elapsed.max,gpu__time_duration.sum,smsp__inst_executed.sum \
+          "/tmp/ab-$tree/bench/flashkit_bench" --op "$op" --dtype "$dtype" --hdim "$hdim" \
+          --seqlen "$seqlen" --causal "$causal" >"$log" 2>&1
+        pick() { grep "$1" "$log" | awk '{print $(NF - 1) " " $NF}' | paste -sd' '; }
+        echo "| $cell | $tree | $(pick sm__cycles_elapsed.max) | $(pick gpu__time_duration.sum) | $(pick smsp__inst_executed.sum) |"
+      done
+    done
+  } | tee "$FINAL/ncu.md"
+fi
 python3 - "$FINAL" <<'PY'
 import collections, glob, json, statistics, sys
 d = sys.argv[1]
