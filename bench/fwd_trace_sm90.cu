@@ -7,21 +7,26 @@
 // per-tile cost in key blocks, the mean cycles of each phase of a main-loop iteration (slots 10-16 of
 // the instrument: fwd_kernel_sm90.cuh), the key blocks per SM and the idle time at the end.
 //
-// Its inputs (bf16 in [2^-7, 1.5 x 2^-7): few bits toggle) keep the GPU well under its power limit
-// and at its top clock, so the cycle counts are the kernel's own but its span is shorter than the
-// benchmark's on random inputs, which run at the power cap (bench/NOTES.md, "Session 10").
+// Its default inputs (bf16 in [2^-7, 1.5 x 2^-7): few bits toggle) keep the GPU well under its
+// power limit and at its top clock, so the cycle counts are the kernel's own but its span is shorter
+// than the benchmark's; `random` takes the benchmark's inputs (uniform in [-1, 1)), which run at the
+// power cap (bench/NOTES.md, "Session 10").
 //
 //   flashkit_fwd_trace_sm90 [seqlen (2048)] [causal (0)] [dropout p (0): > 0 traces the dropout instance]
+//                           [inputs: small (default) | random]
 #define FLASHKIT_SM90_FWD_TRACE 1
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <string>
 #include <vector>
 
 #include "api/validate_fwd.h"
+#include "common/half_float.h"
 #include "cuda/sm90/fwd_launch_sm90.cuh"
 
 namespace {
@@ -36,7 +41,7 @@ void check(cudaError_t code, const char* what) {
 }  // namespace
 
 template <bool kDropout>
-int trace(int seqlen, bool causal, float dropout_p) {
+int trace(int seqlen, bool causal, float dropout_p, bool random_inputs) {
   using namespace flashkit;
   constexpr int kHeadDim = 128;
   const int batch = 16384 / seqlen, heads = 16;
@@ -46,7 +51,17 @@ int trace(int seqlen, bool causal, float dropout_p) {
 
   const size_t elems = static_cast<size_t>(batch) * seqlen * heads * kHeadDim;
   std::vector<uint16_t> host(elems);
-  for (size_t i = 0; i < elems; ++i) host[i] = 0x3c00 + static_cast<uint16_t>((i * 2654435761u) >> 26);  // bf16 in [2^-7, 1.5 x 2^-7)
+  uint64_t state = 0x5eed;
+  for (size_t i = 0; i < elems; ++i) {
+    if (random_inputs) {  // uniform in [-1, 1), a splitmix64 stream
+      state += 0x9e3779b97f4a7c15ull;
+      uint64_t z = (state ^ (state >> 30)) * 0xbf58476d1ce4e5b9ull;
+      z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+      host[i] = float_to_bf16_bits(static_cast<float>((z ^ (z >> 31)) >> 40) * 0x1p-23f - 1.0f);
+    } else {
+      host[i] = 0x3c00 + static_cast<uint16_t>((i * 2654435761u) >> 26);  // bf16 in [2^-7, 1.5 x 2^-7)
+    }
+  }
   void *q, *k, *v, *out, *lse;
   for (void** p : {&q, &k, &v, &out}) check(cudaMalloc(p, elems * 2), "cudaMalloc");
   check(cudaMalloc(&lse, static_cast<size_t>(batch) * heads * seqlen * 4), "cudaMalloc");
@@ -76,8 +91,8 @@ int trace(int seqlen, bool causal, float dropout_p) {
   auto record = [&](int tile, int c) { return &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceSlots]; };
   // Tiles of one CTA, in walk order: grouped by SM and ordered by start (one CTA per SM at a time).
   const int blocks_full = seqlen / Traits::kBlockN;
-  std::printf("bf16 d128 seqlen %d batch %d heads %d causal %d dropout %g: %d tiles, %d key blocks per full tile\n",
-              seqlen, batch, heads, causal, dropout_p, tiles, blocks_full);
+  std::printf("bf16 d128 seqlen %d batch %d heads %d causal %d dropout %g, %s inputs: %d tiles, %d key blocks per full tile\n",
+              seqlen, batch, heads, causal, dropout_p, random_inputs ? "random" : "small", tiles, blocks_full);
   const char* names[] = {"q wait", "first S", "main loop", "last P V", "epilogue", "to next tile"};
   for (int c = 0; c < kConsumers; ++c) {
     std::map<long long, std::vector<std::pair<long long, int>>> by_sm;  // sm -> (start, tile)
@@ -188,5 +203,7 @@ int main(int argc, char** argv) {
   const int seqlen = argc > 1 ? std::atoi(argv[1]) : 2048;
   const bool causal = argc > 2 && std::atoi(argv[2]) != 0;
   const float dropout_p = argc > 3 ? static_cast<float>(std::atof(argv[3])) : 0.0f;
-  return dropout_p > 0.0f ? trace<true>(seqlen, causal, dropout_p) : trace<false>(seqlen, causal, 0.0f);
+  const bool random_inputs = argc > 4 && std::string(argv[4]) == "random";
+  return dropout_p > 0.0f ? trace<true>(seqlen, causal, dropout_p, random_inputs)
+                          : trace<false>(seqlen, causal, 0.0f, random_inputs);
 }
