@@ -93,3 +93,21 @@ def test_budget_cut_leaves_notes(cpu_peers):
     skipped = [r for r in records if "--budget-s" in r.get("note", "")]
     assert skipped and all(r["tflops"] is None for r in skipped)
     assert len(records) == 24
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and its NVML")
+def test_peers_energy_gives_joules_and_watts(tmp_path):
+    """bench/peers.py --energy on one small case: the record carries the energy per call and the
+    mean power over its extra second of calls, both positive and consistent with the time per call
+    (power = energy / time within a factor of two: the two are measured over different calls)."""
+    import subprocess
+    import sys
+    out = tmp_path / "peers.json"
+    subprocess.run([sys.executable, "bench/peers.py", "--dtype", "bf16", "--hdim", "64", "--seqlen",
+                    "1k", "--causal", "no", "--ops", "fwd", "--impls", "sdpa_flash", "--energy",
+                    "--json", str(out)], check=True, timeout=300)
+    (record,) = json.loads(out.read_text())["records"]
+    assert record["tflops"] is not None, record
+    assert record["joules"] > 0 and record["watts"] > 0, record
+    implied_watts = record["joules"] / (record["ms"] * 1e-3)
+    assert 0.5 < implied_watts / record["watts"] < 2.0, record
