@@ -29,18 +29,11 @@ WORK=/tmp/ab-branch-work
 rm -rf "$WORK" && mkdir -p "$WORK"
 export PATH=/usr/local/cuda/bin:$PATH
 
-build() {  # build NAME SRC TARGETS...
-  local name=$1 src=$2
-  shift 2
-  rm -rf "/tmp/ab-$name"
-  cmake -S "$src" -B "/tmp/ab-$name" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DFLASHKIT_HEAD_DIMS="${AB_FAMILIES:-64;128;256}" -DFLASHKIT_DTYPES="${AB_DTYPES:-bf16}" \
-    -DFLASHKIT_PYTHON=OFF -DFLASHKIT_GTEST_SOURCE_DIR="$ROOT/.deps/googletest" >"$WORK/configure-$name.log" 2>&1 &&
-    cmake --build "/tmp/ab-$name" -j 8 --target "$@" >"$WORK/build-$name.log" 2>&1
-  echo "build $name: $?"
-}
-build A "$ROOT" flashkit_bench &
-build B "$ROOT/$AB_B" flashkit_bench flashkit_gpu_tests &
+# shellcheck source=scripts/ab_common.sh
+source "$ROOT/scripts/ab_common.sh"
+rm -rf /tmp/ab-A /tmp/ab-B  # from scratch: a measured pair is built the same way
+ab_build_tree A "$ROOT" "$WORK" 8 flashkit_bench &
+ab_build_tree B "$ROOT/$AB_B" "$WORK" 8 flashkit_bench flashkit_gpu_tests &
 wait
 
 if [ -n "${AB_TESTS:-}" ]; then

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# scripts/ab_rounds.sh OUT_DIR: more alternated rounds of the benchmark for two trees already built by
-# scripts/ab_branch.sh (/tmp/ab-A, /tmp/ab-B; rebuilt here for $AB_FAMILIES if the machine is fresh),
+# scripts/ab_rounds.sh OUT_DIR: more alternated rounds of the benchmark for two trees, A = this
+# checkout and B = $AB_B, in /tmp/ab-A and /tmp/ab-B (scripts/ab_common.sh: a tree scripts/ab_branch.sh
+# built is brought up to date for $AB_FAMILIES / $AB_DTYPES, a fresh machine builds it),
 # with nvidia-smi sampling the SM clock, power and clock-event reasons beside them, so that a
 # difference in cycles can be told from a difference in clocks (a power-capped GPU lowers its clock
 # when the same energy is spent in fewer cycles).
@@ -17,16 +18,10 @@ FINAL=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.." || exit 2
 ROOT=$PWD
 export PATH=/usr/local/cuda/bin:$PATH
-for tree in A B; do
-  [ -x "/tmp/ab-$tree/bench/flashkit_bench" ] && continue
-  src=$ROOT
-  [ "$tree" = B ] && src="$ROOT/$AB_B"
-  cmake -S "$src" -B "/tmp/ab-$tree" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_ARCHITECTURES=90 \
-    -DFLASHKIT_HEAD_DIMS="${AB_FAMILIES:-64;128;256}" -DFLASHKIT_DTYPES="${AB_DTYPES:-bf16}" \
-    -DFLASHKIT_PYTHON=OFF -DFLASHKIT_TESTS=OFF >"$FINAL/configure-$tree.log" 2>&1 &&
-    cmake --build "/tmp/ab-$tree" -j 16 --target flashkit_bench >"$FINAL/build-$tree.log" 2>&1
-  echo "build $tree: $?"
-done
+# shellcheck source=scripts/ab_common.sh
+source "$ROOT/scripts/ab_common.sh"
+ab_build_tree A "$ROOT" "$FINAL" 16 flashkit_bench
+ab_build_tree B "$ROOT/$AB_B" "$FINAL" 16 flashkit_bench
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.sw_power_cap,clocks_event_reasons.hw_slowdown,clocks_event_reasons.sw_thermal_slowdown \
   --format=csv,noheader -lms 100 >"$FINAL/smi.csv" 2>&1 &
 smi=$!
