@@ -9,8 +9,9 @@ merge). Writes DIR/<gpu>-<yyyy-mm-dd>-<what>.json (DIR defaults to bench/results
 header) and every record tagged with "run" (its input's index), and the same name with .md: the
 header lines (GPU, driver, CUDA, PyTorch, date, commit) and per op a table with, per shape, each
 implementation's TFLOP/s (TB/s for bandwidth-bound ops) and the ratio of the base implementation
-(default flashkit, of the first input that has it) to each other one; then the notes of the cells
-left empty. An implementation found in several inputs gets one column per input, tagged with its
+(default flashkit, of the first input that has it) to each other one; where records carry --energy's
+mean power, a second table per op of TFLOP per joule, with the same ratios; then the notes of the
+cells left empty. An implementation found in several inputs gets one column per input, tagged with its
 commit (or file name). Prints the two paths. Standard library only.
 """
 import argparse
@@ -112,12 +113,23 @@ def format_value(v):
     return f"{v:.1f}" if abs(v) >= 10 else f"{v:.3g}"
 
 
-def op_table(op, rows, labels, base_label):
-    """Markdown lines for one op: rows maps shape key -> {label: record}."""
+def flop_per_joule(r):
+    """TFLOP per joule (TFLOP/s over watts) of a record measured with --energy, else None."""
+    if r.get("tflops") is None or not r.get("watts"):
+        return None
+    return r["tflops"] / r["watts"]
+
+
+def op_table(op, rows, labels, base_label, energy=False):
+    """Markdown lines for one op: rows maps shape key -> {label: record}. With energy, the table of
+    TFLOP per joule (from --energy's mean power) instead of the speed."""
     records = [r for cells in rows.values() for r in cells.values()]
     metric = "tflops" if any(r.get("tflops") is not None for r in records) \
         or not any(r.get("tbps") is not None for r in records) else "tbps"
     unit = "TFLOP/s" if metric == "tflops" else "TB/s"
+    read = lambda r: r.get(metric)
+    if energy:
+        unit, read = "TFLOP per joule (TFLOP/s over the mean power)", flop_per_joule
     present = [lab for lab in labels if any(lab in cells for cells in rows.values())]
     peers = [lab for lab in present if lab != base_label] if base_label in present else []
     show_window = any(list(k[SHAPE_KEYS.index("window")]) not in ([], [-1, -1]) for k in rows)
@@ -127,13 +139,15 @@ def op_table(op, rows, labels, base_label):
     head += present + [f"{base_label} / {p}" for p in peers]
     title = f"## {op}: {unit}, higher is better"
     if peers:
-        title += f"; ratio = {base_label} / peer (> 1: {base_label} faster)"
+        better = "spends less energy per FLOP" if energy else "faster"
+        title += f"; ratio = {base_label} / peer (> 1: {base_label} {better})"
     lines = [title, "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
     for key in sorted(rows, key=lambda k: tuple((v is None, v) for v in k)):
         cells = rows[key]
-        value = {lab: cells[lab].get(metric) if lab in cells else None for lab in present}
+        value = {lab: read(cells[lab]) if lab in cells else None for lab in present}
         row = shape_cells(key, show_window)
-        row += [format_value(value[lab]) for lab in present]
+        row += [("—" if value[lab] is None else f"{value[lab]:.3f}") if energy
+                else format_value(value[lab]) for lab in present]
         for p in peers:
             ok = value[base_label] is not None and value[p]
             row.append(f"{value[base_label] / value[p]:.2f}x" if ok else "—")
@@ -208,6 +222,8 @@ def main():
     md += [f"- Method: {n}" for n in notes] + [""]
     for op, rows in sorted(rows_by_op.items()):
         md += op_table(op, rows, ordered, base_label) + [""]
+        if any(flop_per_joule(r) is not None for cells in rows.values() for r in cells.values()):
+            md += op_table(op, rows, ordered, base_label, energy=True) + [""]
     md += notes_lines(rows_by_op)
     md_path.write_text("\n".join(md))
     print(json_path)

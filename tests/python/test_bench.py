@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import pathlib
 import time
 
 import pytest
@@ -111,3 +112,35 @@ def test_peers_energy_gives_joules_and_watts(tmp_path):
     assert record["joules"] > 0 and record["watts"] > 0, record
     implied_watts = record["joules"] / (record["ms"] * 1e-3)
     assert 0.5 < implied_watts / record["watts"] < 2.0, record
+
+
+def test_report_energy_table(tmp_path):
+    """bench/report.py: records with --energy's mean power get a second table of TFLOP per joule,
+    flashkit's divided by the peer's; records without it leave that table alone."""
+    import subprocess
+    import sys
+
+    def results(impl, tflops, watts):
+        shape = dict(op="fwd", dtype="bf16", head_dim=128, causal=False, window=[-1, -1],
+                     seqlen_q=8192, seqlen_k=8192, batch=2, heads_q=16, heads_kv=16)
+        record = dict(shape, impl=impl, tflops=tflops, ms=1.0)
+        if watts is not None:
+            record.update(watts=watts, joules=watts * 1e-3)
+        return {"gpu": "CPU stand-in", "date": "2026-11-24T00:00:00Z", "records": [record]}
+
+    def report(*inputs):
+        paths = []
+        for n, data in enumerate(inputs):
+            paths.append(tmp_path / f"in{n}.json")
+            paths[-1].write_text(json.dumps(data))
+        out = subprocess.run([sys.executable, "bench/report.py", "--out-dir", str(tmp_path),
+                              "--what", f"t{len(list(tmp_path.iterdir()))}", *map(str, paths)],
+                             check=True, capture_output=True, text=True).stdout.split()
+        return pathlib.Path(out[1]).read_text()
+
+    table = report(results("flashkit", 600.0, 600.0), results("sdpa_cudnn", 550.0, 500.0))
+    energy = table.split("## fwd: TFLOP per joule")[1]
+    assert "| 1.000 | 1.100 | 0.91x |" in energy, energy  # 600/600 beside 550/500
+    assert "| 600.0 | 550.0 | 1.09x |" in table.split("## fwd: TFLOP per joule")[0]
+    assert "TFLOP per joule" not in report(results("flashkit", 600.0, None),
+                                           results("sdpa_cudnn", 550.0, None))
