@@ -1,13 +1,19 @@
 #!/usr/bin/env python3
-"""bench/peers_decode.py: PyTorch SDPA's flash and cuDNN backends on flashkit_bench_decode's grid,
-and the merged decode results (JSON in the docs/DESIGN.md format + a markdown table with ratios).
+"""bench/peers_decode.py: PyTorch SDPA's flash and cuDNN backends and FlashInfer's decode on
+flashkit_bench_decode's grid, and the merged decode results (JSON in the docs/DESIGN.md format + a
+markdown table with ratios).
 
 Shapes as flashkit_bench_decode: bf16, seqlen_q 1, heads 32 / heads_kv (8), head dim 128, every
-sequence holding the whole cache (contiguous: SDPA has no paged cache). q is a [b, h, 1, d] view of
-[b, 1, h, d] memory and k / v are [b, h_kv, s, d] views of [b, s, h_kv, d] memory, as flashkit reads
-them; GQA through enable_gqa=True. tbps counts the bytes of K and V once, as for flashkit. Method:
-warm-up >= 25 ms in >= 2 batches, CUDA events around each call, median of >= 20 calls and >= 100 ms,
-cache sets rotated past 2x L2.
+sequence holding the whole cache. SDPA has no paged cache: q is a [b, h, 1, d] view of [b, 1, h, d]
+memory and k / v are [b, h_kv, s, d] views of [b, s, h_kv, d] memory, as flashkit reads them; GQA
+through enable_gqa=True. FlashInfer (BatchDecodeWithPagedKVCacheWrapper, NHD, planned once per
+shape outside the timing) reads the same caches as flashkit: paged with 16- and 256-token pages
+(randperm page tables) and contiguous as one page per sequence; `flashinfer` is its default CUDA-core
+decode kernel, `flashinfer_tc` its tensor-core path (use_tensor_cores=True). FlashInfer compiles its
+kernels on first use (nvcc; FLASHINFER_CUDA_ARCH_LIST picks the arch); where it is not importable
+its records say so. tbps counts the bytes of K and V once, as for flashkit. Method: warm-up >= 25 ms
+in >= 2 batches, CUDA events around each call, median of >= 20 calls and >= 100 ms, cache sets
+rotated past 2x L2.
 
 usage: peers_decode.py [--batch 1,8,64,256] [--cache 1k,8k,32k,128k] [--heads-kv 8]
                        [--max-tokens 2048k] [--flashkit PATH] --json OUT.json [--md OUT.md]
@@ -19,7 +25,9 @@ import os
 import statistics
 import sys
 
-IMPLS = ["sdpa_flash", "sdpa_cudnn"]
+IMPLS = ["sdpa_flash", "sdpa_cudnn", "flashinfer", "flashinfer_tc"]
+FLASHINFER_LAYOUTS = {"contiguous": None, "paged16": 16, "paged256": 256}  # None: the whole cache
+KV_VALUE = 0.0115  # every K and V element: the output is this value whatever the weights
 
 
 def parse_list(text):
@@ -73,10 +81,10 @@ def run_peers(args):
             q = q.transpose(1, 2)
             kv = []
             for _ in range(sets):
-                k = torch.full((batch, cache, hkv, d), 0.0115, dtype=torch.bfloat16, device="cuda")
-                v = torch.full((batch, cache, hkv, d), 0.0115, dtype=torch.bfloat16, device="cuda")
+                k = torch.full((batch, cache, hkv, d), KV_VALUE, dtype=torch.bfloat16, device="cuda")
+                v = torch.full((batch, cache, hkv, d), KV_VALUE, dtype=torch.bfloat16, device="cuda")
                 kv.append((k.transpose(1, 2), v.transpose(1, 2)))
-            for impl in args.impls:
+            for impl in [i for i in args.impls if i.startswith("sdpa")]:
                 rec = {"op": "decode", "impl": impl, "dtype": "bf16", "batch": batch, "heads_q": hq,
                        "heads_kv": hkv, "seqlen_q": 1, "seqlen_k": cache, "head_dim": d,
                        "causal": False, "window": [-1, -1], "layout": "contiguous",
@@ -95,14 +103,68 @@ def run_peers(args):
                 except Exception as e:  # a backend that cannot run the case: null with the reason
                     lines = str(e).strip().splitlines()
                     rec["note"] = lines[0][:200] if lines else type(e).__name__
-                print(f"  {impl:11s} batch {batch:4d} cache {cache:7d}: "
-                      f"{rec['ms'] if rec['ms'] is not None else float('nan'):8.4f} ms  "
-                      f"{rec['tbps'] if rec['tbps'] is not None else float('nan'):6.3f} TB/s "
-                      f"{rec.get('note', '')}", flush=True)
+                print_record(rec)
                 records.append(rec)
             del kv
+            for impl in [i for i in args.impls if i.startswith("flashinfer")]:
+                records += run_flashinfer(torch, impl, q.transpose(1, 2)[:, 0], cache, hkv, sets)
             torch.cuda.empty_cache()
     return records, torch
+
+
+def print_record(rec):
+    ms, tbps = (float("nan") if rec[k] is None else rec[k] for k in ("ms", "tbps"))
+    print(f"  {rec['impl']:13s} {rec['layout']:10s} batch {rec['batch']:4d} cache "
+          f"{rec['seqlen_k']:7d}: {ms:8.4f} ms  {tbps:6.3f} TB/s {rec.get('note', '')}", flush=True)
+
+
+def run_flashinfer(torch, impl, q, cache, hkv, sets):
+    """FlashInfer's batch decode of q [batch, heads, d] over each layout of FLASHINFER_LAYOUTS: one
+    record per layout, null with the reason where FlashInfer is missing or fails."""
+    batch, hq, d = q.shape
+    records = []
+    try:
+        import flashinfer
+        workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
+        missing = None
+    except Exception as e:  # not installed, or its import fails on this machine
+        missing = f"flashinfer is not importable: {type(e).__name__}: {str(e)[:150]}"
+    for layout, page in FLASHINFER_LAYOUTS.items():
+        rec = {"op": "decode", "impl": impl, "dtype": "bf16", "batch": batch, "heads_q": hq,
+               "heads_kv": hkv, "seqlen_q": 1, "seqlen_k": cache, "head_dim": d, "causal": False,
+               "window": [-1, -1], "layout": layout, "ms": None, "tflops": None, "tbps": None}
+        try:
+            if missing:
+                raise RuntimeError(missing)
+            page = page or cache
+            per_seq = -(-cache // page)
+            pages = batch * per_seq
+            dev = dict(dtype=torch.int32, device="cuda")
+            indices = (torch.randperm(pages, device="cuda") if page < cache
+                       else torch.arange(pages, device="cuda")).to(torch.int32)
+            indptr = torch.arange(batch + 1, **dev) * per_seq
+            last = torch.full((batch,), cache - (per_seq - 1) * page, **dev)
+            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                workspace, "NHD", use_tensor_cores=impl == "flashinfer_tc")
+            wrapper.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=torch.bfloat16,
+                         kv_data_type=torch.bfloat16)
+            kv = [tuple(torch.full((pages, page, hkv, d), KV_VALUE, dtype=torch.bfloat16,
+                                   device="cuda") for _ in range(2)) for _ in range(sets)]
+
+            def call(i):
+                return wrapper.run(q, kv[i])
+            out = call(0)
+            if not torch.allclose(out.float(), torch.full_like(out.float(), KV_VALUE), rtol=1e-2):
+                raise RuntimeError("wrong output: the weighted mean of equal values")
+            rec["ms"] = time_ms(torch, call, sets)
+            rec["tbps"] = 2 * batch * cache * hkv * d * 2 / (rec["ms"] * 1e-3) / 1e12
+            del kv
+        except Exception as e:
+            lines = str(e).strip().splitlines()
+            rec["note"] = lines[0][:200] if lines else type(e).__name__
+        print_record(rec)
+        records.append(rec)
+    return records
 
 
 def write_markdown(path, result):
@@ -112,22 +174,30 @@ def write_markdown(path, result):
         cells.setdefault(key, {})[(r["impl"], r.get("layout", "contiguous"))] = r["tbps"]
     cols = [("flashkit", "contiguous"), ("flashkit", "paged16"), ("flashkit", "paged256"),
             ("sdpa_flash", "contiguous"), ("sdpa_cudnn", "contiguous")]
+    cols += [(impl, layout) for impl in ("flashinfer", "flashinfer_tc")
+             for layout in FLASHINFER_LAYOUTS
+             if any(row.get((impl, layout)) for row in cells.values())]
+    # (name, numerator column, denominator column)
+    ratios = [("flashkit / cuDNN", cols[0], cols[4]), ("paged16 / contiguous", cols[1], cols[0])]
+    ratios += [(f"flashkit / {impl} {layout}", ("flashkit", layout), (impl, layout))
+               for impl, layout in cols[5:] if layout != "paged256"]
 
     def fmt(x):
         return "-" if x is None else f"{x:.2f}"
     lines = [f"# decode: {result['gpu']}, {result['date']}, commit {result['git_commit']}", "",
              "bf16, seqlen_q 1, heads 32/" + str(result["records"][0]["heads_kv"]) +
              ", head dim 128; TB/s of K+V read (higher is better)", "",
-             "| batch | cache | " + " | ".join(f"{i} {l}" for i, l in cols) +
-             " | flashkit / cuDNN | paged16 / contiguous |",
-             "|---" * (len(cols) + 4) + "|"]
+             "| batch | cache | " + " | ".join(f"{i} {l}" for i, l in cols) + " | " +
+             " | ".join(name for name, _, _ in ratios) + " |",
+             "|---" * (len(cols) + len(ratios) + 2) + "|"]
     for (b, s) in sorted(cells):
         row = cells[(b, s)]
-        vals = [row.get(c) for c in cols]
-        ratio = (vals[0] / vals[4]) if vals[0] and vals[4] else None
-        paged = (vals[1] / vals[0]) if vals[0] and vals[1] else None
-        lines.append(f"| {b} | {s} | " + " | ".join(fmt(v) for v in vals) +
-                     f" | {fmt(ratio)} | {fmt(paged)} |")
+        quotients = [row[n] / row[m] if row.get(n) and row.get(m) else None for _, n, m in ratios]
+        lines.append(f"| {b} | {s} | " + " | ".join(fmt(row.get(c)) for c in cols) + " | " +
+                     " | ".join(fmt(x) for x in quotients) + " |")
+    notes = sorted({(r["impl"], r["note"]) for r in result["records"] if r.get("note")})
+    if notes:
+        lines += ["", "Cells left empty:"] + [f"- {impl}: {note}" for impl, note in notes]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -166,7 +236,14 @@ def main():
         result["date"] = datetime.date.today().isoformat()
     result["records"].extend(records)
     result["note"] = ("tbps = bytes of K and V read (2*b*s*h_kv*d*2) / median time; SDPA backends "
-                      "on contiguous caches with enable_gqa")
+                      "on contiguous caches with enable_gqa; FlashInfer on paged caches (contiguous "
+                      "= one page per sequence)")
+    if any(r["impl"].startswith("flashinfer") for r in records):
+        try:
+            import flashinfer
+            result["flashinfer"] = flashinfer.__version__
+        except Exception:
+            pass
     with open(args.json, "w") as f:
         json.dump(result, f, indent=1)
     if args.md:
