@@ -7,9 +7,11 @@ Shapes as flashkit_bench_decode: bf16, seqlen_q 1, heads 32 / heads_kv (8), head
 sequence holding the whole cache. SDPA has no paged cache: q is a [b, h, 1, d] view of [b, 1, h, d]
 memory and k / v are [b, h_kv, s, d] views of [b, s, h_kv, d] memory, as flashkit reads them; GQA
 through enable_gqa=True. FlashInfer (BatchDecodeWithPagedKVCacheWrapper, NHD, planned once per
-shape outside the timing) reads the same caches as flashkit: paged with 16- and 256-token pages
-(randperm page tables) and contiguous as one page per sequence; `flashinfer` is its default CUDA-core
-decode kernel, `flashinfer_tc` its tensor-core path (use_tensor_cores=True). FlashInfer compiles its
+shape outside the timing) reads the same paged caches as flashkit: 16- and 256-token pages, randperm
+page tables. Its contiguous API is single_decode_with_kv_cache, one sequence: the contiguous column
+holds it at batch 1 only (a batch as one page per sequence would be a misuse: FlashInfer splits a
+sequence's work by pages). `flashinfer` is its default CUDA-core decode kernel, `flashinfer_tc` its
+tensor-core path (use_tensor_cores=True). FlashInfer compiles its
 kernels on first use (nvcc; FLASHINFER_CUDA_ARCH_LIST picks the arch); where it is not importable
 its records say so. tbps counts the bytes of K and V once, as for flashkit. Method: warm-up >= 25 ms
 in >= 2 batches, CUDA events around each call, median of >= 20 calls and >= 100 ms, cache sets
@@ -26,7 +28,7 @@ import statistics
 import sys
 
 IMPLS = ["sdpa_flash", "sdpa_cudnn", "flashinfer", "flashinfer_tc"]
-FLASHINFER_LAYOUTS = {"contiguous": None, "paged16": 16, "paged256": 256}  # None: the whole cache
+FLASHINFER_LAYOUTS = {"contiguous": None, "paged16": 16, "paged256": 256}  # None: single decode
 KV_VALUE = 0.0115  # every K and V element: the output is this value whatever the weights
 
 
@@ -136,23 +138,33 @@ def run_flashinfer(torch, impl, q, cache, hkv, sets):
         try:
             if missing:
                 raise RuntimeError(missing)
-            page = page or cache
-            per_seq = -(-cache // page)
-            pages = batch * per_seq
-            dev = dict(dtype=torch.int32, device="cuda")
-            indices = (torch.randperm(pages, device="cuda") if page < cache
-                       else torch.arange(pages, device="cuda")).to(torch.int32)
-            indptr = torch.arange(batch + 1, **dev) * per_seq
-            last = torch.full((batch,), cache - (per_seq - 1) * page, **dev)
-            wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                workspace, "NHD", use_tensor_cores=impl == "flashinfer_tc")
-            wrapper.plan(indptr, indices, last, hq, hkv, d, page, q_data_type=torch.bfloat16,
-                         kv_data_type=torch.bfloat16)
-            kv = [tuple(torch.full((pages, page, hkv, d), KV_VALUE, dtype=torch.bfloat16,
-                                   device="cuda") for _ in range(2)) for _ in range(sets)]
+            tc = impl == "flashinfer_tc"
+            if page is None:
+                if batch != 1:
+                    raise RuntimeError("FlashInfer's contiguous decode (single_decode_with_kv_cache)"
+                                       " takes one sequence: see its paged columns")
+                kv = [tuple(torch.full((cache, hkv, d), KV_VALUE, dtype=torch.bfloat16,
+                                       device="cuda") for _ in range(2)) for _ in range(sets)]
 
-            def call(i):
-                return wrapper.run(q, kv[i])
+                def call(i):
+                    return flashinfer.single_decode_with_kv_cache(q[0], *kv[i], "NHD",
+                                                                  use_tensor_cores=tc)[None]
+            else:
+                per_seq = -(-cache // page)
+                pages = batch * per_seq
+                dev = dict(dtype=torch.int32, device="cuda")
+                indptr = torch.arange(batch + 1, **dev) * per_seq
+                last = torch.full((batch,), cache - (per_seq - 1) * page, **dev)
+                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                                        use_tensor_cores=tc)
+                wrapper.plan(indptr, torch.randperm(pages, device="cuda").to(torch.int32), last,
+                             hq, hkv, d, page, q_data_type=torch.bfloat16,
+                             kv_data_type=torch.bfloat16)
+                kv = [tuple(torch.full((pages, page, hkv, d), KV_VALUE, dtype=torch.bfloat16,
+                                       device="cuda") for _ in range(2)) for _ in range(sets)]
+
+                def call(i):
+                    return wrapper.run(q, kv[i])
             out = call(0)
             if not torch.allclose(out.float(), torch.full_like(out.float(), KV_VALUE), rtol=1e-2):
                 raise RuntimeError("wrong output: the weighted mean of equal values")
@@ -180,7 +192,7 @@ def write_markdown(path, result):
     # (name, numerator column, denominator column)
     ratios = [("flashkit / cuDNN", cols[0], cols[4]), ("paged16 / contiguous", cols[1], cols[0])]
     ratios += [(f"flashkit / {impl} {layout}", ("flashkit", layout), (impl, layout))
-               for impl, layout in cols[5:] if layout != "paged256"]
+               for impl, layout in cols[5:]]
 
     def fmt(x):
         return "-" if x is None else f"{x:.2f}"
@@ -236,8 +248,8 @@ def main():
         result["date"] = datetime.date.today().isoformat()
     result["records"].extend(records)
     result["note"] = ("tbps = bytes of K and V read (2*b*s*h_kv*d*2) / median time; SDPA backends "
-                      "on contiguous caches with enable_gqa; FlashInfer on paged caches (contiguous "
-                      "= one page per sequence)")
+                      "on contiguous caches with enable_gqa; FlashInfer on paged caches as "
+                      "flashkit's, contiguous only at batch 1 (single_decode_with_kv_cache)")
     if any(r["impl"].startswith("flashinfer") for r in records):
         try:
             import flashinfer

@@ -181,6 +181,40 @@ def test_layout_invariance(device):
                                                                  v.contiguous()))
 
 
+def misaligned_copy(x, offset):
+    """x's values in a view `offset` elements into a fresh buffer (2 * offset bytes off the
+    allocation's alignment for 16-bit types), with the same strides as a contiguous x."""
+    buffer = torch.empty(x.numel() + offset, dtype=x.dtype, device=x.device)
+    view = buffer[offset:].view(x.shape)
+    view.copy_(x)
+    return view
+
+
+@pytest.mark.parametrize("offset", [1, 4])
+def test_misaligned_views_run_on_copies(device, offset):
+    """A view that is not on 16-byte boundaries (an odd storage offset; a row stride of 44
+    elements, 88 bytes) is a valid flash_attn input: it gives the result of its contiguous copy,
+    bit for bit, forward and backward, and the caller's tensors are left unchanged."""
+    skip_unbuilt(device, torch.bfloat16, 64)
+    q, k, v = (randn((2, 37, 4, 64), torch.bfloat16, device, 20 + i) for i in range(3))
+    shifted = [misaligned_copy(x, offset).requires_grad_() for x in (q, k, v)]
+    assert all(x.data_ptr() % 16 != 0 for x in shifted)
+    plain = [x.clone().requires_grad_() for x in (q, k, v)]
+    out = flash_attn_func(*shifted, causal=True)
+    expected = flash_attn_func(*plain, causal=True)
+    assert torch.equal(out, expected)
+    dout = randn(out.shape, torch.bfloat16, device, 23)
+    out.backward(dout)
+    expected.backward(dout)
+    for x, y, original in zip(shifted, plain, (q, k, v)):
+        assert torch.equal(x.grad, y.grad)
+        assert torch.equal(x.detach(), original)
+    # Rows 88 bytes apart: head dim 40 (a multiple of 8) inside rows of 44 elements.
+    wide = randn((1, 29, 2, 44), torch.bfloat16, device, 24)[..., :40]
+    assert wide.stride(2) * 2 % 16 != 0
+    assert torch.equal(flash_attn_func(wide, wide, wide), flash_attn_func(*(wide.contiguous(),) * 3))
+
+
 def test_softmax_scale_default_uses_unpadded_head_dim(device):
     q = randn((1, 20, 2, 59), torch.float16, device, 11)
     k = randn((1, 20, 2, 59), torch.float16, device, 12)
