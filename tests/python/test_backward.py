@@ -16,7 +16,7 @@ from flashkit import (
     flash_attn_varlen_func,
     flash_attn_varlen_kvpacked_func,
 )
-from reference import Options, attention_ref, check_close
+from reference import Options, attention_ref, check_close, rounding_slack
 from test_forward import DTYPES, HEADS, make_options, pack, randn
 
 GRAD_FACTOR = 3.0
@@ -63,7 +63,8 @@ def check_grads(q, k, v, dout, opts, run):
     check_close("out", out, ref[0], lowp[0], GRAD_FACTOR)
     for name, leaf, r, lp in zip(("dq", "dk", "dv"), leaves, ref[1:], lowp[1:]):
         assert leaf.grad.shape == leaf.shape and leaf.grad.dtype == leaf.dtype
-        check_close(name, leaf.grad, r, lp, GRAD_FACTOR)
+        check_close(name, leaf.grad, r, lp, GRAD_FACTOR,
+                    rounding_slack(k.shape[1] if name == "dq" else q.shape[1]))
 
 
 @pytest.mark.parametrize("mask", ["none", "causal", "window", "softcap", "alibi"])
@@ -110,7 +111,7 @@ def test_grad_varlen(device, mask):
         check_close(f"out of sequence {b}", out[rows_q][None], ref[0], lowp[0], GRAD_FACTOR)
         for i, (name, rows) in enumerate((("dq", rows_q), ("dk", rows_k), ("dv", rows_k))):
             check_close(f"{name} of sequence {b}", grads[i][rows][None], ref[i + 1], lowp[i + 1],
-                        GRAD_FACTOR)
+                        GRAD_FACTOR, rounding_slack(lengths_k[b] if i == 0 else lengths_q[b]))
 
 
 def test_grad_packed_matches_unpacked(device):
