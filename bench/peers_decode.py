@@ -83,8 +83,8 @@ def run_peers(args):
             q = q.transpose(1, 2)
             kv = []
             for _ in range(sets):
-                k = torch.full((batch, cache, hkv, d), KV_VALUE, dtype=torch.bfloat16, device="cuda")
-                v = torch.full((batch, cache, hkv, d), KV_VALUE, dtype=torch.bfloat16, device="cuda")
+                k, v = (torch.full((batch, cache, hkv, d), KV_VALUE, dtype=torch.bfloat16,
+                                   device="cuda") for _ in range(2))
                 kv.append((k.transpose(1, 2), v.transpose(1, 2)))
             for impl in [i for i in args.impls if i.startswith("sdpa")]:
                 rec = {"op": "decode", "impl": impl, "dtype": "bf16", "batch": batch, "heads_q": hq,
@@ -141,8 +141,8 @@ def run_flashinfer(torch, impl, q, cache, hkv, sets):
             tc = impl == "flashinfer_tc"
             if page is None:
                 if batch != 1:
-                    raise RuntimeError("FlashInfer's contiguous decode (single_decode_with_kv_cache)"
-                                       " takes one sequence: see its paged columns")
+                    raise RuntimeError("FlashInfer's contiguous decode (single_decode_with_kv_"
+                                       "cache) takes one sequence: see its paged columns")
                 kv = [tuple(torch.full((cache, hkv, d), KV_VALUE, dtype=torch.bfloat16,
                                        device="cuda") for _ in range(2)) for _ in range(sets)]
 
