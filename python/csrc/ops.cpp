@@ -15,8 +15,9 @@
 // backward returns (dq, dk, dv); fwd_kvcache returns (out, softmax_lse) and, given new keys and
 // values, writes them into k_cache / v_cache in place (its schema marks both caches mutable, so
 // that functionalization, torch.compile and opcheck know). Outputs are contiguous whatever the
-// inputs' strides (the fake implementations in python/flashkit/_ops.py promise the same). Nothing here synchronises or reads
-// device memory on the host, so the operators can be captured in CUDA graphs.
+// inputs' strides (the fake implementations in python/flashkit/_ops.py promise the same). Nothing
+// here synchronises or reads device memory on the host, so the operators can be captured in CUDA
+// graphs.
 //
 // Dropout: a forward with dropout_p > 0 draws its Philox key from torch's generator and returns it
 // as rng_state (int64 [2], dropout_rng.h), which the backward takes back to regenerate the mask;
@@ -62,6 +63,28 @@ constexpr const char* kPackedLayout = "[total_tokens, heads, head_dim]";
 // the same sign and order.
 int to_int(int64_t value) {
   return static_cast<int>(std::clamp<int64_t>(value, INT32_MIN, INT32_MAX));
+}
+
+// A read-only attention input (q, k, v, dout, out, new keys and values) as the CUDA kernels read
+// it: the data pointer and every stride but the last on 16-byte boundaries (they move 16-byte
+// vectors). A view off them (an odd storage offset, a row stride that is not a multiple of 8
+// elements) is a tensor flash_attn's operators take (and fault on), so it runs on a contiguous copy
+// instead of being refused. The copy lives until the op returns, after the call is enqueued (the
+// caching allocator's stream order makes that safe, as for the workspace). Not copied: a strided
+// last dim, which flashkit refuses at the operator as flash_attn does (the Python functions copy
+// it), and the caches written in place, whose misalignment flashkit names. Done here on real
+// tensors rather than in the Python functions, where torch.compile cannot trace data_ptr().
+at::Tensor vector_ready(const at::Tensor& t) {
+  if (!t.is_cuda() || t.numel() == 0 || t.dim() == 0 || t.stride(-1) != 1) return t;
+  bool ready = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0;
+  for (int64_t d = 0; ready && d + 1 < t.dim(); ++d) {
+    ready = t.size(d) <= 1 || t.stride(d) * static_cast<int64_t>(t.element_size()) % 16 == 0;
+  }
+  return ready ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+OptionalTensor vector_ready(const OptionalTensor& t) {
+  return t ? OptionalTensor(vector_ready(*t)) : t;
 }
 
 MaskSpec make_mask(bool causal, int64_t window_left, int64_t window_right) {
@@ -165,10 +188,13 @@ DropoutOutputs dropout_outputs(const char* fn, const at::Tensor& q, double dropo
   return outputs;
 }
 
-FwdOutputs fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+FwdOutputs fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                const OptionalTensor& alibi_slopes, double dropout_p, double softmax_scale,
                bool causal, int64_t window_left, int64_t window_right, double softcap,
                bool return_softmax, const std::optional<at::Generator>& generator) {
+  const auto q = vector_ready(q_in);
+  const auto k = vector_ready(k_in);
+  const auto v = vector_ready(v_in);
   constexpr const char* fn = "flashkit::fwd";
   check_rank(fn, "q", q, 4, kFixedLayout);
   check_rank(fn, "k", k, 4, kFixedLayout);
@@ -186,12 +212,15 @@ FwdOutputs fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   return {out, softmax_lse, dropout.rng_state, dropout.s_dmask};
 }
 
-FwdOutputs varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+FwdOutputs varlen_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                       const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
                       const OptionalTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
                       const OptionalTensor& alibi_slopes, double dropout_p, double softmax_scale,
                       bool causal, int64_t window_left, int64_t window_right, double softcap,
                       bool return_softmax, const std::optional<at::Generator>& generator) {
+  const auto q = vector_ready(q_in);
+  const auto k = vector_ready(k_in);
+  const auto v = vector_ready(v_in);
   constexpr const char* fn = "flashkit::varlen_fwd";
   check_rank(fn, "q", q, 3, kPackedLayout);
   check_rank(fn, "cu_seqlens_q", cu_seqlens_q, 1, "[batch + 1]");
@@ -218,10 +247,16 @@ FwdOutputs varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& softmax_lse, const OptionalTensor& alibi_slopes,
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
+    const OptionalTensor& alibi_slopes,
     double dropout_p, const OptionalTensor& rng_state, double softmax_scale, bool causal,
     int64_t window_left, int64_t window_right, double softcap, bool deterministic) {
+  const auto dout = vector_ready(dout_in);
+  const auto q = vector_ready(q_in);
+  const auto k = vector_ready(k_in);
+  const auto v = vector_ready(v_in);
+  const auto out = vector_ready(out_in);
   constexpr const char* fn = "flashkit::bwd";
   const c10::DeviceGuard device_guard(q.device());
   at::Tensor dq = at::empty(q.sizes(), q.options());
@@ -238,12 +273,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
-    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-    const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
+    const at::Tensor& cu_seqlens_q,
     const at::Tensor& cu_seqlens_k, const OptionalTensor& seqused_k, int64_t max_seqlen_q,
     int64_t max_seqlen_k, const OptionalTensor& alibi_slopes, double dropout_p,
     const OptionalTensor& rng_state, double softmax_scale, bool causal, int64_t window_left,
     int64_t window_right, double softcap, bool deterministic) {
+  const auto dout = vector_ready(dout_in);
+  const auto q = vector_ready(q_in);
+  const auto k = vector_ready(k_in);
+  const auto v = vector_ready(v_in);
+  const auto out = vector_ready(out_in);
   constexpr const char* fn = "flashkit::varlen_bwd";
   const c10::DeviceGuard device_guard(q.device());
   at::Tensor dq = at::empty(q.sizes(), q.options());
@@ -267,13 +308,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
 // Decoding against a KV cache. cache_seqlen is the one length of every sequence when cache_seqlens
 // is absent (-1: the whole cache); flashkit validates everything, including that the append fits.
 std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
-    const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const OptionalTensor& k, const OptionalTensor& v, const OptionalTensor& rotary_cos,
+    const at::Tensor& q_in, const at::Tensor& k_cache, const at::Tensor& v_cache,
+    const OptionalTensor& k_in, const OptionalTensor& v_in, const OptionalTensor& rotary_cos,
     const OptionalTensor& rotary_sin, const OptionalTensor& cache_seqlens, int64_t cache_seqlen,
     const OptionalTensor& cache_batch_idx, const OptionalTensor& cache_leftpad,
     const OptionalTensor& block_table, const OptionalTensor& alibi_slopes, double softmax_scale,
     bool causal, int64_t window_left, int64_t window_right, double softcap,
     bool rotary_interleaved, int64_t num_splits) {
+  const auto q = vector_ready(q_in);
+  const auto k = vector_ready(k_in);
+  const auto v = vector_ready(v_in);
   constexpr const char* fn = "flashkit::fwd_kvcache";
   check_rank(fn, "q", q, 4, "[batch, seqlen_q, heads_q, head_dim]");
   const c10::DeviceGuard device_guard(q.device());

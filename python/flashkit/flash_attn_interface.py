@@ -92,22 +92,10 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _vector_aligned(x: torch.Tensor) -> torch.Tensor:
-    """x, or a fresh contiguous copy of it where the CUDA kernels could not read it in place: they
-    move 16-byte vectors, so the last dim must be contiguous and the data pointer and every other
-    stride on 16-byte boundaries. A view at an odd storage offset (or with a row stride that is not
-    a multiple of 8 elements) is a valid input of flash_attn's API, whose kernels fault on it; here
-    it runs on the copy (the C++ API refuses such views with a message instead)."""
-    aligned = x.stride(-1) == 1 and x.data_ptr() % 16 == 0 and all(
-        size <= 1 or stride * x.element_size() % 16 == 0
-        for size, stride in zip(x.shape[:-1], x.stride()[:-1]))
-    return x if aligned else x.clone(memory_format=torch.contiguous_format)
-
-
 def _pad_head_dim(x: torch.Tensor) -> torch.Tensor:
     remainder = x.shape[-1] % _HEAD_DIM_MULTIPLE
     if remainder == 0:
-        return _vector_aligned(x)
+        return _last_dim_contiguous(x)
     return F.pad(x, [0, _HEAD_DIM_MULTIPLE - remainder])
 
 
