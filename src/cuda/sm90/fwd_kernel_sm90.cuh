@@ -731,14 +731,15 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         if (consumer == kLastConsumer) turn.pass();  // consumer 0 takes the tile's first turn
         Cursor cursor = ring;  // the block whose scores are being computed
         Cursor previous;       // the block whose P V is pending
-        // The tile's first blocks that none of this consumer's rows sees (below a causal diagonal
-        // that cuts a tile taller than a key block: d64's 192 rows) get the idle rows' handshakes
-        // only (each block's K and V, its turn), so that the tensor cores and MUFU skip products
-        // and exponentials of scores that are all masked; the pipeline starts at the first block
-        // the consumer sees. It keeps at least one block, whose masking handles rows that see no
-        // key at all.
+        // The tile's first blocks that none of this consumer's rows sees (a causal diagonal cuts a
+        // tile taller than a key block: d64's 192 rows) get the idle rows' handshakes only (each
+        // block's K and V, its turn), so that the tensor cores and MUFU skip products and
+        // exponentials of scores that are all masked; the pipeline starts at the first block the
+        // consumer sees. It keeps at least one block, whose masking handles rows that see no key
+        // at all. (Tiles as tall as a key block are left as they were: under a causal mask with
+        // aligned lengths every consumer sees every block of its tile.)
         int n_block = tile.n_end - 1;
-        if constexpr (Traits::kSkipIdleRows) {
+        if constexpr (Traits::kSkipIdleRows && kBlockM > kBlockN) {
           const int last_row = m0 + min(row0 + 64, tile.rows_in_block) - 1;
           const int seen_end = (window.key_end(last_row) + kBlockN - 1) / kBlockN;
           for (int unseen = min(tile.n_end - seen_end, tile.n_end - 1 - tile.n_begin); unseen > 0; --unseen) {
