@@ -249,9 +249,9 @@ FwdOutputs varlen_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
-    const OptionalTensor& alibi_slopes,
-    double dropout_p, const OptionalTensor& rng_state, double softmax_scale, bool causal,
-    int64_t window_left, int64_t window_right, double softcap, bool deterministic) {
+    const OptionalTensor& alibi_slopes, double dropout_p, const OptionalTensor& rng_state,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+    bool deterministic) {
   const auto dout = vector_ready(dout_in);
   const auto q = vector_ready(q_in);
   const auto k = vector_ready(k_in);
@@ -275,11 +275,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
     const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
     const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
-    const at::Tensor& cu_seqlens_q,
-    const at::Tensor& cu_seqlens_k, const OptionalTensor& seqused_k, int64_t max_seqlen_q,
-    int64_t max_seqlen_k, const OptionalTensor& alibi_slopes, double dropout_p,
-    const OptionalTensor& rng_state, double softmax_scale, bool causal, int64_t window_left,
-    int64_t window_right, double softcap, bool deterministic) {
+    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    const OptionalTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
+    const OptionalTensor& alibi_slopes, double dropout_p, const OptionalTensor& rng_state,
+    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
+    bool deterministic) {
   const auto dout = vector_ready(dout_in);
   const auto q = vector_ready(q_in);
   const auto k = vector_ready(k_in);
