@@ -32,7 +32,7 @@
 //     (a consumer whose 64 rows all lie past the sequence's end, in d64 / d128 kernels: no products,
 //      no softmax; it waits for and releases each block's K and V and takes its turns, in the same
 //      order, so that the others' products have the tensor cores to themselves; likewise, before
-//      its first block, for the tile's leading blocks that none of its rows sees)
+//      its first block, for the tile's leading blocks that none of its rows sees, in d64 / d256)
 //     release Q (q_empty): with several tiles per CTA, the producer loads the next tile's Q under
 //                          this tile's last P V and epilogue, as it loads the next tile's K and V
 //                          into the stages this tile frees
@@ -732,17 +732,21 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         Cursor cursor = ring;  // the block whose scores are being computed
         Cursor previous;       // the block whose P V is pending
         // The tile's first blocks that none of this consumer's rows sees (a causal diagonal cuts a
-        // tile taller than a key block: d64's 192 rows) get the idle rows' handshakes only (each
-        // block's K and V, its turn), so that the tensor cores and MUFU skip products and
-        // exponentials of scores that are all masked; the pipeline starts at the first block the
-        // consumer sees. It keeps at least one block, whose masking handles rows that see no key
-        // at all. (Tiles as tall as a key block are left as they were: under a causal mask with
-        // aligned lengths every consumer sees every block of its tile.)
+        // tile taller than a key block: d64's 192 rows over 128 keys, d256's 128 over 80 or 64)
+        // get the idle rows' handshakes only (each block's K and V, its turn), so that the tensor
+        // cores and MUFU skip products and exponentials of scores that are all masked; the
+        // pipeline starts at the first block the consumer sees. It keeps at least one block, whose
+        // masking handles rows that see no key at all. (Tiles as tall as a key block are left as
+        // they were: under a causal mask with aligned lengths every consumer sees every block of
+        // its tile.) The count goes through a shuffle so that ptxas knows it to be warp-uniform:
+        // computed from the consumer's rows alone, it spilled 128-176 B in the d256 kernels.
         int n_block = tile.n_end - 1;
-        if constexpr (Traits::kSkipIdleRows && kBlockM > kBlockN) {
+        if constexpr (kBlockM > kBlockN) {
           const int last_row = m0 + min(row0 + 64, tile.rows_in_block) - 1;
           const int seen_end = (window.key_end(last_row) + kBlockN - 1) / kBlockN;
-          for (int unseen = min(tile.n_end - seen_end, tile.n_end - 1 - tile.n_begin); unseen > 0; --unseen) {
+          const int unseen_blocks =
+              __shfl_sync(0xffffffffu, min(tile.n_end - seen_end, tile.n_end - 1 - tile.n_begin), 0);
+          for (int unseen = unseen_blocks; unseen > 0; --unseen) {
             mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
             turn.wait();
             turn.pass();
