@@ -126,20 +126,31 @@ void fill_fwd_common(const char* fn, Common& p, const at::Tensor& q, const at::T
   p.dropout = dropout;
 }
 
-void fill_bwd_common(const char* fn, BwdCommon& p, const at::Tensor& dout, const at::Tensor& q,
-                     const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-                     const at::Tensor& softmax_lse, const at::Tensor& dq, const at::Tensor& dk,
-                     const at::Tensor& dv, const OptionalTensor& alibi_slopes, double dropout_p,
-                     const OptionalTensor& rng_state, double softmax_scale, bool causal,
-                     int64_t window_left, int64_t window_right, double softcap,
+// The backward's tensors: its read-only inputs as the kernels read them (vector_ready) and its
+// gradients, allocated like q, k and v on the current device (the caller's DeviceGuard).
+struct BwdTensors {
+  at::Tensor dout, q, k, v, out;
+  at::Tensor dq, dk, dv;
+
+  BwdTensors(const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
+             const at::Tensor& v_in, const at::Tensor& out_in)
+      : dout(vector_ready(dout_in)), q(vector_ready(q_in)), k(vector_ready(k_in)),
+        v(vector_ready(v_in)), out(vector_ready(out_in)), dq(at::empty(q.sizes(), q.options())),
+        dk(at::empty(k.sizes(), k.options())), dv(at::empty(v.sizes(), v.options())) {}
+};
+
+void fill_bwd_common(const char* fn, BwdCommon& p, const BwdTensors& t,
+                     const at::Tensor& softmax_lse, const OptionalTensor& alibi_slopes,
+                     double dropout_p, const OptionalTensor& rng_state, double softmax_scale,
+                     bool causal, int64_t window_left, int64_t window_right, double softcap,
                      bool deterministic) {
-  fill_fwd_common(fn, p, q, k, v, out, softmax_lse, alibi_slopes,
-                  dropout_spec(fn, dropout_p, rng_state, q), softmax_scale, causal, window_left,
+  fill_fwd_common(fn, p, t.q, t.k, t.v, t.out, softmax_lse, alibi_slopes,
+                  dropout_spec(fn, dropout_p, rng_state, t.q), softmax_scale, causal, window_left,
                   window_right, softcap);
-  p.dout = to_view(fn, "dout", dout);
-  p.dq = to_view(fn, "dq", dq);
-  p.dk = to_view(fn, "dk", dk);
-  p.dv = to_view(fn, "dv", dv);
+  p.dout = to_view(fn, "dout", t.dout);
+  p.dq = to_view(fn, "dq", t.dq);
+  p.dk = to_view(fn, "dk", t.dk);
+  p.dv = to_view(fn, "dv", t.dv);
   p.deterministic = deterministic;
 }
 
@@ -247,53 +258,35 @@ FwdOutputs varlen_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd(
-    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
-    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
-    const OptionalTensor& alibi_slopes, double dropout_p, const OptionalTensor& rng_state,
-    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-    bool deterministic) {
-  const auto dout = vector_ready(dout_in);
-  const auto q = vector_ready(q_in);
-  const auto k = vector_ready(k_in);
-  const auto v = vector_ready(v_in);
-  const auto out = vector_ready(out_in);
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, const OptionalTensor& alibi_slopes,
+    double dropout_p, const OptionalTensor& rng_state, double softmax_scale, bool causal,
+    int64_t window_left, int64_t window_right, double softcap, bool deterministic) {
   constexpr const char* fn = "flashkit::bwd";
   const c10::DeviceGuard device_guard(q.device());
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  const BwdTensors t(dout, q, k, v, out);
   MhaBwdParams p;
-  fill_bwd_common(fn, p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p,
-                  rng_state, softmax_scale, causal, window_left, window_right, softcap,
-                  deterministic);
+  fill_bwd_common(fn, p, t, softmax_lse, alibi_slopes, dropout_p, rng_state, softmax_scale, causal,
+                  window_left, window_right, softcap, deterministic);
   const size_t workspace_bytes = call_flashkit([&] { return mha_bwd_workspace_size(p); });
   const at::Tensor workspace = allocate_workspace(p, workspace_bytes, q);
   call_flashkit([&] { mha_bwd(p, current_stream(q.device())); });
-  return {dq, dk, dv};
+  return {t.dq, t.dk, t.dv};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
-    const at::Tensor& dout_in, const at::Tensor& q_in, const at::Tensor& k_in,
-    const at::Tensor& v_in, const at::Tensor& out_in, const at::Tensor& softmax_lse,
-    const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
-    const OptionalTensor& seqused_k, int64_t max_seqlen_q, int64_t max_seqlen_k,
-    const OptionalTensor& alibi_slopes, double dropout_p, const OptionalTensor& rng_state,
-    double softmax_scale, bool causal, int64_t window_left, int64_t window_right, double softcap,
-    bool deterministic) {
-  const auto dout = vector_ready(dout_in);
-  const auto q = vector_ready(q_in);
-  const auto k = vector_ready(k_in);
-  const auto v = vector_ready(v_in);
-  const auto out = vector_ready(out_in);
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& out, const at::Tensor& softmax_lse, const at::Tensor& cu_seqlens_q,
+    const at::Tensor& cu_seqlens_k, const OptionalTensor& seqused_k, int64_t max_seqlen_q,
+    int64_t max_seqlen_k, const OptionalTensor& alibi_slopes, double dropout_p,
+    const OptionalTensor& rng_state, double softmax_scale, bool causal, int64_t window_left,
+    int64_t window_right, double softcap, bool deterministic) {
   constexpr const char* fn = "flashkit::varlen_bwd";
   const c10::DeviceGuard device_guard(q.device());
-  at::Tensor dq = at::empty(q.sizes(), q.options());
-  at::Tensor dk = at::empty(k.sizes(), k.options());
-  at::Tensor dv = at::empty(v.sizes(), v.options());
+  const BwdTensors t(dout, q, k, v, out);
   MhaVarlenBwdParams p;
-  fill_bwd_common(fn, p, dout, q, k, v, out, softmax_lse, dq, dk, dv, alibi_slopes, dropout_p,
-                  rng_state, softmax_scale, causal, window_left, window_right, softcap,
-                  deterministic);
+  fill_bwd_common(fn, p, t, softmax_lse, alibi_slopes, dropout_p, rng_state, softmax_scale, causal,
+                  window_left, window_right, softcap, deterministic);
   p.cu_seqlens_q = to_view(fn, "cu_seqlens_q", cu_seqlens_q);
   p.cu_seqlens_k = to_view(fn, "cu_seqlens_k", cu_seqlens_k);
   p.seqused_k = to_optional_view(fn, "seqused_k", seqused_k);
@@ -302,7 +295,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd(
   const size_t workspace_bytes = call_flashkit([&] { return mha_varlen_bwd_workspace_size(p); });
   const at::Tensor workspace = allocate_workspace(p, workspace_bytes, q);
   call_flashkit([&] { mha_varlen_bwd(p, current_stream(q.device())); });
-  return {dq, dk, dv};
+  return {t.dq, t.dk, t.dv};
 }
 
 // Decoding against a KV cache. cache_seqlen is the one length of every sequence when cache_seqlens
