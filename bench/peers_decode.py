@@ -86,27 +86,14 @@ def run_peers(args):
                 k, v = (torch.full((batch, cache, hkv, d), KV_VALUE, dtype=torch.bfloat16,
                                    device="cuda") for _ in range(2))
                 kv.append((k.transpose(1, 2), v.transpose(1, 2)))
+
+            def sdpa_call():
+                return lambda i: F.scaled_dot_product_attention(q, kv[i][0], kv[i][1],
+                                                                enable_gqa=hkv != hq)
             for impl in [i for i in args.impls if i.startswith("sdpa")]:
-                rec = {"op": "decode", "impl": impl, "dtype": "bf16", "batch": batch, "heads_q": hq,
-                       "heads_kv": hkv, "seqlen_q": 1, "seqlen_k": cache, "head_dim": d,
-                       "causal": False, "window": [-1, -1], "layout": "contiguous",
-                       "ms": None, "tflops": None, "tbps": None}
-                try:
-                    with sdpa_kernel([backends[impl]]):
-                        def call(i):
-                            return F.scaled_dot_product_attention(q, kv[i][0], kv[i][1],
-                                                                  enable_gqa=hkv != hq)
-                        out = call(0)
-                        if not torch.isfinite(out).all():
-                            raise RuntimeError("non-finite output")
-                        ms = time_ms(torch, call, sets)
-                    rec["ms"] = ms
-                    rec["tbps"] = set_bytes / (ms * 1e-3) / 1e12
-                except Exception as e:  # a backend that cannot run the case: null with the reason
-                    lines = str(e).strip().splitlines()
-                    rec["note"] = lines[0][:200] if lines else type(e).__name__
-                print_record(rec)
-                records.append(rec)
+                with sdpa_kernel([backends[impl]]):
+                    records.append(measure(torch, impl, "contiguous", (batch, hq, hkv, cache, d),
+                                           sets, sdpa_call))
             del kv
             for impl in [i for i in args.impls if i.startswith("flashinfer")]:
                 records += run_flashinfer(torch, impl, q.transpose(1, 2)[:, 0], cache, hkv, sets)
@@ -120,63 +107,70 @@ def print_record(rec):
           f"{rec['seqlen_k']:7d}: {ms:8.4f} ms  {tbps:6.3f} TB/s {rec.get('note', '')}", flush=True)
 
 
+def measure(torch, impl, layout, shape, sets, make_call):
+    """One decode record of shape (batch, heads_q, heads_kv, cache, head_dim): make_call() returns
+    the call(i) to time over the cache sets, or raises where the implementation cannot run the case.
+    Its first output must be KV_VALUE everywhere (the weighted mean of equal values). Any failure
+    leaves the record's numbers null, with the reason."""
+    batch, hq, hkv, cache, d = shape
+    rec = {"op": "decode", "impl": impl, "dtype": "bf16", "batch": batch, "heads_q": hq,
+           "heads_kv": hkv, "seqlen_q": 1, "seqlen_k": cache, "head_dim": d, "causal": False,
+           "window": [-1, -1], "layout": layout, "ms": None, "tflops": None, "tbps": None}
+    try:
+        call = make_call()
+        out = call(0).float()
+        if not torch.allclose(out, torch.full_like(out, KV_VALUE), rtol=1e-2):
+            raise RuntimeError("wrong output: not the weighted mean of equal values")
+        rec["ms"] = time_ms(torch, call, sets)
+        rec["tbps"] = 2 * batch * cache * hkv * d * 2 / (rec["ms"] * 1e-3) / 1e12
+    except Exception as e:  # an implementation that cannot run the case: null with the reason
+        lines = str(e).strip().splitlines()
+        rec["note"] = lines[0][:200] if lines else type(e).__name__
+    print_record(rec)
+    return rec
+
+
 def run_flashinfer(torch, impl, q, cache, hkv, sets):
     """FlashInfer's batch decode of q [batch, heads, d] over each layout of FLASHINFER_LAYOUTS: one
     record per layout, null with the reason where FlashInfer is missing or fails."""
     batch, hq, d = q.shape
-    records = []
     try:
         import flashinfer
         workspace = torch.zeros(128 << 20, dtype=torch.uint8, device="cuda")
         missing = None
     except Exception as e:  # not installed, or its import fails on this machine
         missing = f"flashinfer is not importable: {type(e).__name__}: {str(e)[:150]}"
-    for layout, page in FLASHINFER_LAYOUTS.items():
-        rec = {"op": "decode", "impl": impl, "dtype": "bf16", "batch": batch, "heads_q": hq,
-               "heads_kv": hkv, "seqlen_q": 1, "seqlen_k": cache, "head_dim": d, "causal": False,
-               "window": [-1, -1], "layout": layout, "ms": None, "tflops": None, "tbps": None}
-        try:
-            if missing:
-                raise RuntimeError(missing)
-            tc = impl == "flashinfer_tc"
-            if page is None:
-                if batch != 1:
-                    raise RuntimeError("FlashInfer's contiguous decode (single_decode_with_kv_"
-                                       "cache) takes one sequence: see its paged columns")
-                kv = [tuple(torch.full((cache, hkv, d), KV_VALUE, dtype=torch.bfloat16,
-                                       device="cuda") for _ in range(2)) for _ in range(sets)]
+    tc = impl == "flashinfer_tc"
 
-                def call(i):
-                    return flashinfer.single_decode_with_kv_cache(q[0], *kv[i], "NHD",
-                                                                  use_tensor_cores=tc)[None]
-            else:
-                per_seq = -(-cache // page)
-                pages = batch * per_seq
-                dev = dict(dtype=torch.int32, device="cuda")
-                indptr = torch.arange(batch + 1, **dev) * per_seq
-                last = torch.full((batch,), cache - (per_seq - 1) * page, **dev)
-                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
-                                                                        use_tensor_cores=tc)
-                wrapper.plan(indptr, torch.randperm(pages, device="cuda").to(torch.int32), last,
-                             hq, hkv, d, page, q_data_type=torch.bfloat16,
-                             kv_data_type=torch.bfloat16)
-                kv = [tuple(torch.full((pages, page, hkv, d), KV_VALUE, dtype=torch.bfloat16,
-                                       device="cuda") for _ in range(2)) for _ in range(sets)]
+    def caches(*shape):
+        return [tuple(torch.full(shape, KV_VALUE, dtype=torch.bfloat16, device="cuda")
+                      for _ in range(2)) for _ in range(sets)]
 
-                def call(i):
-                    return wrapper.run(q, kv[i])
-            out = call(0)
-            if not torch.allclose(out.float(), torch.full_like(out.float(), KV_VALUE), rtol=1e-2):
-                raise RuntimeError("wrong output: the weighted mean of equal values")
-            rec["ms"] = time_ms(torch, call, sets)
-            rec["tbps"] = 2 * batch * cache * hkv * d * 2 / (rec["ms"] * 1e-3) / 1e12
-            del kv
-        except Exception as e:
-            lines = str(e).strip().splitlines()
-            rec["note"] = lines[0][:200] if lines else type(e).__name__
-        print_record(rec)
-        records.append(rec)
-    return records
+    def flashinfer_call(page):
+        if missing:
+            raise RuntimeError(missing)
+        if page is None:
+            if batch != 1:
+                raise RuntimeError("FlashInfer's contiguous decode (single_decode_with_kv_cache) "
+                                   "takes one sequence: see its paged columns")
+            kv = caches(cache, hkv, d)
+            return lambda i: flashinfer.single_decode_with_kv_cache(
+                q[0], *kv[i], "NHD", use_tensor_cores=tc)[None]
+        per_seq = -(-cache // page)
+        pages = batch * per_seq
+        dev = dict(dtype=torch.int32, device="cuda")
+        wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(workspace, "NHD",
+                                                                use_tensor_cores=tc)
+        wrapper.plan(torch.arange(batch + 1, **dev) * per_seq,
+                     torch.randperm(pages, device="cuda").to(torch.int32),
+                     torch.full((batch,), cache - (per_seq - 1) * page, **dev), hq, hkv, d, page,
+                     q_data_type=torch.bfloat16, kv_data_type=torch.bfloat16)
+        kv = caches(pages, page, hkv, d)
+        return lambda i: wrapper.run(q, kv[i])
+
+    return [measure(torch, impl, layout, (batch, hq, hkv, cache, d), sets,
+                    lambda page=page: flashinfer_call(page))
+            for layout, page in FLASHINFER_LAYOUTS.items()]
 
 
 def write_markdown(path, result):
