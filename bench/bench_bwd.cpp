@@ -38,6 +38,7 @@ MhaBwdParams make_bwd_params(const Case& c, const void* q, const void* k, const 
   p.dv = view(dv);
   p.softmax_lse = make_view(const_cast<float*>(lse), DType::kFloat32, {b, h, s}, device);
   p.mask.causal = c.causal;
+  p.mask.window_left = c.window;
   p.dropout = {c.dropout, 0x5eed, 0};  // the mask of the forward (make_params) that made out
   p.deterministic = c.deterministic;
   return p;

@@ -49,7 +49,7 @@ constexpr int kSpotRows = 4;  // query rows per block compared with the CPU refe
 const char* const kMethodNote =
     "tflops = 4*b*h*sq*sk*d / time (x2.5 for bwd, x3.5 for fwd_bwd), halved for causal (the "
     "FlashAttention convention, not the "
-    "exact count of unmasked pairs); time = median of CUDA-event-timed launches after warm-up "
+    "exact count of unmasked pairs; under --window the exact count); time = median of CUDA-event-timed launches after warm-up "
     "(>= 20 launches and >= 100 ms), inputs uniform in [-1, 1) rotated past 2x L2; outputs "
     "poisoned with NaN and checked, a few forward rows compared with the CPU reference; bwd "
     "times mha_bwd alone on the output and LSE of one forward (workspace from the size query)";
@@ -63,7 +63,7 @@ const char* const kCpuMethodNote =
 const char* const kUsage =
     "usage: flashkit_bench [--dtype bf16,fp16] [--hdim 64,128,256] [--seqlen 512,1k,2k,4k,8k,16k]\n"
     "                      [--causal both|yes|no] [--op fwd,bwd,fwd_bwd] [--quick] [--json PATH]\n"
-    "                      [--dropout P] [--energy]\n"
+    "                      [--dropout P] [--window L] [--energy]\n"
     "  Times flashkit::mha_fwd, mha_bwd (default and deterministic) and both with\n"
     "  batch = 16384 / seqlen and heads = 2048 / hdim.\n"
     "  --quick     bf16, hdim 64 and 128, seqlen 2k and 8k (explicit flags still override)\n"
@@ -71,6 +71,8 @@ const char* const kUsage =
     "  --dropout P every op with dropout.p = P (the backward regenerates the forward's mask;\n"
     "              results get \"dropout\": P and skip the forward's CPU spot check, whose\n"
     "              sub-problems would draw another mask)\n"
+    "  --window L  a causal sliding window: each query sees itself and the L keys before it\n"
+    "              (window_size (L, 0)); implies --causal yes; TFLOP/s count the visible pairs\n"
     "  --energy    also the energy per call and the mean power, from the GPU's energy counter\n"
     "              (NVML) over 1 s more of launches per case; results get \"joules\" and \"watts\"\n"
     "  Lists are comma-separated; seqlens take a k suffix (2k = 2048).\n"
@@ -88,6 +90,7 @@ struct Options {
   std::vector<bool> causal;
   std::string json_path;
   float dropout = 0.0f;
+  int window = -1;
   bool energy = false;
 };
 
@@ -146,7 +149,8 @@ std::vector<bool> parse_causal(const std::string& s) {
 Options parse_options(int argc, char** argv) {
   bool quick = false;
   bool energy = false;
-  std::string ops = "fwd,bwd,fwd_bwd", dtypes, hdims, seqlens, causal = "both", json, dropout;
+  std::string ops = "fwd,bwd,fwd_bwd", dtypes, hdims, seqlens, causal = "both", json, dropout,
+              window;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     std::string value;
@@ -174,6 +178,7 @@ Options parse_options(int argc, char** argv) {
                           : arg == "--json"   ? &json
                           : arg == "--op"     ? &ops
                           : arg == "--dropout" ? &dropout
+                          : arg == "--window" ? &window
                                               : nullptr;
     if (target == nullptr) throw std::invalid_argument("unknown option " + arg);
     if (eq == std::string::npos) {
@@ -192,6 +197,10 @@ Options parse_options(int argc, char** argv) {
   for (const auto& s : split_list(hdims)) opt.head_dims.push_back(parse_positive(s, false));
   for (const auto& s : split_list(seqlens)) opt.seqlens.push_back(parse_positive(s, true));
   opt.causal = parse_causal(causal);
+  if (!window.empty()) {
+    opt.window = window == "0" ? 0 : parse_positive(window, true);
+    opt.causal = {true};
+  }
   opt.json_path = json;
   opt.energy = energy;
   if (!dropout.empty()) {
@@ -222,7 +231,8 @@ Options parse_options(int argc, char** argv) {
             const int heads = std::max(1, kModelDim / d);
             for (bool deterministic : {false, true}) {
               if (deterministic && op == Op::kFwd) continue;
-              cases.push_back({op, dtype, batch, heads, s, d, causal, deterministic, opt.dropout});
+              cases.push_back(
+                  {op, dtype, batch, heads, s, d, causal, deterministic, opt.dropout, opt.window});
             }
           }
         }
@@ -323,7 +333,7 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
        << ", \"heads_kv\": " << c.heads << ", \"seqlen_q\": " << c.seqlen
        << ", \"seqlen_k\": " << c.seqlen << ", \"head_dim\": " << c.head_dim
        << ", \"causal\": " << (c.causal ? "true" : "false")
-       << ", \"window\": [-1, -1], \"ms\": " << format_number(r.ms, "%.6g")
+       << ", \"window\": [" << c.window << ", " << (c.window >= 0 ? 0 : -1) << "], \"ms\": " << format_number(r.ms, "%.6g")
        << ", \"tflops\": " << format_number(r.tflops, "%.4g") << ", \"tbps\": null";
     if (c.dropout > 0.0f) js << ", \"dropout\": " << format_number(c.dropout, "%.6g");
     if (!std::isnan(r.joules)) {
@@ -468,17 +478,21 @@ double spot_check(const Case& c, const Gpu& gpu, const void* q, const void* k, c
   const int rows = std::min(kSpotRows, c.seqlen);
   const int b = c.batch - 1;
   const flashkit::Device cpu{flashkit::DeviceKind::kCpu, 0};
-  const Case one_head{Op::kFwd, c.dtype, 1, 1, c.seqlen, c.head_dim, c.causal, false};
+  Case one_head{Op::kFwd, c.dtype, 1, 1, c.seqlen, c.head_dim, c.causal, false};
+  one_head.window = c.window;
   double err2 = 0, ref2 = 0;
   struct Block {
-    int row0, keys, head;
+    int row0, key0, keys, head;
   };
-  const Block blocks[] = {{0, c.causal ? rows : c.seqlen, 0},
-                          {c.seqlen - rows, c.seqlen, c.heads - 1}};
+  // Under a window the last rows see only the window's keys before them: their sub-problem starts
+  // there (its bottom-right alignment then puts every row's window where it is in the full one).
+  const int last_key0 = c.window >= 0 ? std::max(0, c.seqlen - rows - c.window) : 0;
+  const Block blocks[] = {{0, 0, c.causal ? rows : c.seqlen, 0},
+                          {c.seqlen - rows, last_key0, c.seqlen - last_key0, c.heads - 1}};
   for (const Block& blk : blocks) {
     auto hq = copy_rows(c, q, b, blk.row0, rows, blk.head);
-    auto hk = copy_rows(c, k, b, 0, blk.keys, blk.head);
-    auto hv = copy_rows(c, v, b, 0, blk.keys, blk.head);
+    auto hk = copy_rows(c, k, b, blk.key0, blk.keys, blk.head);
+    auto hv = copy_rows(c, v, b, blk.key0, blk.keys, blk.head);
     std::vector<uint16_t> ref(int64_t(rows) * c.head_dim);
     std::vector<float> lse(rows);
     flashkit::mha_fwd(make_params(one_head, rows, blk.keys, hq.data(), hk.data(), hv.data(),

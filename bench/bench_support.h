@@ -60,12 +60,17 @@ struct Case {
   bool causal;
   bool deterministic;  // the backward's deterministic mode (bwd, fwd_bwd)
   float dropout = 0.0f;  // dropout.p (see --dropout)
+  int window = -1;       // >= 0: a causal sliding window, each query sees itself and `window` keys before it
 
   int64_t tensor_elems() const { return int64_t(batch) * seqlen * heads * head_dim; }
-  double flops() const {
-    return 4.0 * batch * heads * double(seqlen) * seqlen * head_dim * (causal ? 0.5 : 1.0) *
-           op_flop_factor(op);
+  // The (query, key) pairs counted: all of them, half for causal (FlashAttention's convention), and
+  // under a sliding window the exact count of visible pairs.
+  double pairs() const {
+    const double s = seqlen;
+    if (window >= 0 && window < seqlen) return s * (window + 1) - 0.5 * window * (window + 1.0);
+    return s * s * (causal ? 0.5 : 1.0);
   }
+  double flops() const { return 4.0 * batch * heads * pairs() * head_dim * op_flop_factor(op); }
 };
 
 struct Result {
@@ -128,6 +133,7 @@ inline flashkit::MhaFwdParams make_params(const Case& c, int rows_q, int rows_k,
   p.out = flashkit::make_view(out, c.dtype, {b, rows_q, h, d}, device);
   p.softmax_lse = flashkit::make_view(lse, DType::kFloat32, {b, h, rows_q}, device);
   p.mask.causal = c.causal;
+  p.mask.window_left = c.window;
   p.dropout = {c.dropout, 0x5eed, 0};
   return p;
 }

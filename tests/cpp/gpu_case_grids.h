@@ -89,6 +89,26 @@ inline std::vector<FwdCase> long_grid() {
     c.window_right = 37;
     add(c, "local");
   }
+  // Sliding windows narrower than a tile's rows: lower rows of a tile pass the window's left edge
+  // a key block or more before its top rows do (the sm90 forward's consumers skip such blocks).
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 64, 4, 1, 1, 1999, 1999);
+    c.causal = true;
+    c.window_left = 128;
+    add(c, "causalWindow128");
+  }
+  {
+    FwdCase c = varlen_case(DType::kFloat16, 256, 2, 1, {1500, 333, 1201}, {1500, 800, 1201});
+    c.causal = true;
+    c.window_left = 200;
+    add(c, "causalWindow200");
+  }
+  {
+    FwdCase c = fixed_case(DType::kBFloat16, 64, 2, 2, 1, 1000, 1700);
+    c.window_left = 300;
+    c.window_right = 40;
+    add(c, "window300x40");
+  }
   {
     FwdCase c = fixed_case(DType::kFloat16, 96, 2, 1, 1, 1025, 4224);
     c.alibi = AlibiKind::kPerHead;
