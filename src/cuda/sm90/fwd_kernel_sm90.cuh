@@ -740,8 +740,10 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         // runs on the blocks [n_stop, n_block] between, at least one, whose masking handles rows
         // that see no key at all. (Tiles as tall as a key block are left as they were: under a
         // causal mask with aligned lengths every consumer sees every block of its tile.) The
-        // counts go through a shuffle so that ptxas knows them to be warp-uniform: computed from
-        // the consumer's rows alone, they spilled 128-176 B in the d256 kernels.
+        // leading count goes through a shuffle, so that ptxas knows it to be warp-uniform
+        // (computed from the consumer's rows alone, it spilled 128-176 B in the d256 kernels), and
+        // the stop block through a warp max, whose REDUX leaves it in a uniform register beside
+        // the tile's own bounds (through a shuffle the d256 kernels spilled 124-176 B in the loop).
         int n_block = tile.n_end - 1;
         int n_stop = tile.n_begin;
         if constexpr (kBlockM > kBlockN) {
@@ -750,8 +752,10 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           const int seen_begin = window.key_begin(first_row) / kBlockN;
           const int seen_end = (window.key_end(last_row) + kBlockN - 1) / kBlockN;
           const int spare_blocks = tile.n_end - 1 - tile.n_begin;  // all but one
-          const int unseen_blocks = __shfl_sync(0xffffffffu, min(tile.n_end - seen_end, spare_blocks), 0);
-          n_stop = __reduce_max_sync(0xffffffffu, tile.n_begin + min(seen_begin - tile.n_begin, spare_blocks - unseen_blocks));
+          const int unseen_blocks =
+              __shfl_sync(0xffffffffu, min(tile.n_end - seen_end, spare_blocks), 0);
+          const int trailing = min(seen_begin - tile.n_begin, spare_blocks - unseen_blocks);
+          n_stop = __reduce_max_sync(0xffffffffu, tile.n_begin + trailing);
           for (int unseen = unseen_blocks; unseen > 0; --unseen) {
             mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
             turn.wait();
