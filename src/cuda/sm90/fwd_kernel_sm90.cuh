@@ -733,29 +733,37 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         Cursor previous;       // the block whose P V is pending
         // The blocks of the tile that none of this consumer's rows sees get the idle rows'
         // handshakes only (each block's K and V, its turn), so that the tensor cores and MUFU skip
-        // products and exponentials of scores that are all masked: the leading ones (walked first,
-        // right of a causal diagonal that cuts a tile taller than a key block: d64's 192 rows over
-        // 128 keys, d256's 128 over 80 or 64) before the pipeline, the trailing ones (left of a
-        // sliding window's edge, which a lower consumer's rows pass sooner) after it. The pipeline
-        // runs on the blocks [n_stop, n_block] between, at least one, whose masking handles rows
-        // that see no key at all. (Tiles as tall as a key block are left as they were: under a
-        // causal mask with aligned lengths every consumer sees every block of its tile.) The
-        // leading count goes through a shuffle, so that ptxas knows it to be warp-uniform
+        // products and exponentials of scores that are all masked; the pipeline runs on the
+        // blocks [n_stop, n_block] between, at least one, whose masking handles rows that see no
+        // key at all.
+        // - Leading blocks (walked first, before the pipeline): right of a causal diagonal that
+        //   cuts a tile taller than a key block (d64's 192 rows over 128 keys, d256's 128 over 80
+        //   or 64). Tiles as tall as a key block are left as they were: under a causal mask with
+        //   aligned lengths every consumer sees every block of its tile.
+        // - Trailing blocks (after the pipeline): left of a sliding window's edge, where a
+        //   consumer's rows start a whole key block or more below the tile's first row (d64's
+        //   third consumer always, its second half the time). d256's second consumer could skip
+        //   one block in most windowed tiles and was measured no faster (H200, window 128: 0.97-
+        //   1.00x; such a tile is bound by the K and V loads, which the producer makes anyway),
+        //   so tiles without a whole block of rows below a consumer's are left as they were.
+        // The leading count goes through a shuffle, so that ptxas knows it to be warp-uniform
         // (computed from the consumer's rows alone, it spilled 128-176 B in the d256 kernels), and
         // the stop block through a warp max, whose REDUX leaves it in a uniform register beside
         // the tile's own bounds (through a shuffle the d256 kernels spilled 124-176 B in the loop).
+        constexpr bool kSkipTrailing = kBlockM - 64 >= kBlockN;
         int n_block = tile.n_end - 1;
         int n_stop = tile.n_begin;
         if constexpr (kBlockM > kBlockN) {
-          const int first_row = m0 + row0;
           const int last_row = m0 + min(row0 + 64, tile.rows_in_block) - 1;
-          const int seen_begin = window.key_begin(first_row) / kBlockN;
           const int seen_end = (window.key_end(last_row) + kBlockN - 1) / kBlockN;
           const int spare_blocks = tile.n_end - 1 - tile.n_begin;  // all but one
           const int unseen_blocks =
               __shfl_sync(0xffffffffu, min(tile.n_end - seen_end, spare_blocks), 0);
-          const int trailing = min(seen_begin - tile.n_begin, spare_blocks - unseen_blocks);
-          n_stop = __reduce_max_sync(0xffffffffu, tile.n_begin + trailing);
+          if constexpr (kSkipTrailing) {
+            const int seen_begin = window.key_begin(m0 + row0) / kBlockN;
+            const int trailing = min(seen_begin - tile.n_begin, spare_blocks - unseen_blocks);
+            n_stop = __reduce_max_sync(0xffffffffu, tile.n_begin + trailing);
+          }
           for (int unseen = unseen_blocks; unseen > 0; --unseen) {
             mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
             turn.wait();
