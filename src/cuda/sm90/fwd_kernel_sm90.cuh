@@ -214,7 +214,8 @@ struct TileOrder {
   }
 };
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDropout_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDropout_,
+          bool kSkipTrailingBlocks_ = false>
 struct FwdKernelTraits {
   using Element = Element_;
   static constexpr bool kDropout = kDropout_;  // the instance that applies dropout (p > 0)
@@ -246,6 +247,11 @@ struct FwdKernelTraits {
   // Not at d256: there the walk that replaces them made ptxas spill in the main loop (p = 0: 44 B
   // instead of 20; dropout: 104 B instead of 0).
   static constexpr bool kSkipIdleRows = kHeadDim <= 128;
+  // Whether a consumer skips the trailing key blocks none of its rows sees, left of a sliding
+  // window's edge (consumer_warpgroup; run_fwd picks the instance that does for problems with a
+  // left window edge, fwd_sliding_window_instance says where).
+  static constexpr bool kSkipTrailingBlocks = kSkipTrailingBlocks_;
+  static_assert(!kSkipTrailingBlocks || kBlockM > kBlockN, "the skip walks the tile's blocks per consumer");
   // setmaxnreg moves registers within the CTA's allocation at launch (the 64K file split evenly
   // and rounded down to 8: 168 per thread at 384 threads, 128 at 512). A consumer's claim blocks
   // until the producer's release has put enough in the pool, so the claims must not exceed the
@@ -740,17 +746,14 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         //   cuts a tile taller than a key block (d64's 192 rows over 128 keys, d256's 128 over 80
         //   or 64). Tiles as tall as a key block are left as they were: under a causal mask with
         //   aligned lengths every consumer sees every block of its tile.
-        // - Trailing blocks (after the pipeline): left of a sliding window's edge, where a
-        //   consumer's rows start a whole key block or more below the tile's first row (d64's
-        //   third consumer always, its second half the time). d256's second consumer could skip
-        //   one block in most windowed tiles and was measured no faster (H200, window 128: 0.97-
-        //   1.00x; such a tile is bound by the K and V loads, which the producer makes anyway),
-        //   so tiles without a whole block of rows below a consumer's are left as they were.
+        // - Trailing blocks (after the pipeline): left of a sliding window's edge, which a lower
+        //   consumer's rows pass sooner (Traits::kSkipTrailingBlocks: its own instance, because
+        //   the handshakes after the pipeline cost the loop 5 instructions per block, ~1% of
+        //   cycles, also where there is nothing to skip).
         // The leading count goes through a shuffle, so that ptxas knows it to be warp-uniform
         // (computed from the consumer's rows alone, it spilled 128-176 B in the d256 kernels), and
         // the stop block through a warp max, whose REDUX leaves it in a uniform register beside
         // the tile's own bounds (through a shuffle the d256 kernels spilled 124-176 B in the loop).
-        constexpr bool kSkipTrailing = kBlockM - 64 >= kBlockN;
         int n_block = tile.n_end - 1;
         int n_stop = tile.n_begin;
         if constexpr (kBlockM > kBlockN) {
@@ -759,7 +762,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           const int spare_blocks = tile.n_end - 1 - tile.n_begin;  // all but one
           const int unseen_blocks =
               __shfl_sync(0xffffffffu, min(tile.n_end - seen_end, spare_blocks), 0);
-          if constexpr (kSkipTrailing) {
+          if constexpr (Traits::kSkipTrailingBlocks) {
             const int seen_begin = window.key_begin(m0 + row0) / kBlockN;
             const int trailing = min(seen_begin - tile.n_begin, spare_blocks - unseen_blocks);
             n_stop = __reduce_max_sync(0xffffffffu, tile.n_begin + trailing);
