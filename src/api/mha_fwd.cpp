@@ -135,11 +135,15 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
       std::fprintf(stderr,
                    "flashkit: %s: cuda:%d sm90 forward (wgmma + TMA), %s head dim %d (family %d), "
                    "tile %dx%d, %d stages, %d consumer warpgroups, batch %d heads %d/%d seqlen "
-                   "%d/%d%s\n",
+                   "%d/%d%s%s\n",
                    fn, device, build_dtype_name(problem.dtype), problem.head_dim, family90, tile.block_m,
                    tile.block_n, tile.stages, tile.block_m / 64, problem.batch, problem.heads_q,
                    problem.heads_kv, problem.seqlen_q, problem.seqlen_k,
-                   problem.is_varlen() ? " (varlen maxima)" : "");
+                   problem.is_varlen() ? " (varlen maxima)" : "",
+                   problem.window_left >= 0 && problem.dropout_p == 0.0f &&
+                           sm90::fwd_sliding_window_instance(family90)
+                       ? ", the sliding-window instance (skips blocks left of the window per consumer)"
+                       : "");
     } else {
       const sm80::FwdTileConfig tile = sm80::fwd_tile_config(family);
       const std::string why_not_sm90 =

@@ -214,7 +214,8 @@ struct TileOrder {
   }
 };
 
-template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDropout_>
+template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDropout_,
+          bool kSkipTrailingBlocks_ = false>
 struct FwdKernelTraits {
   using Element = Element_;
   static constexpr bool kDropout = kDropout_;  // the instance that applies dropout (p > 0)
@@ -246,6 +247,11 @@ struct FwdKernelTraits {
   // Not at d256: there the walk that replaces them made ptxas spill in the main loop (p = 0: 44 B
   // instead of 20; dropout: 104 B instead of 0).
   static constexpr bool kSkipIdleRows = kHeadDim <= 128;
+  // Whether a consumer skips the trailing key blocks none of its rows sees, left of a sliding
+  // window's edge (consumer_warpgroup; run_fwd picks the instance that does for problems with a
+  // left window edge, fwd_sliding_window_instance says where).
+  static constexpr bool kSkipTrailingBlocks = kSkipTrailingBlocks_;
+  static_assert(!kSkipTrailingBlocks || kBlockM > kBlockN, "the skip walks the tile's blocks per consumer");
   // setmaxnreg moves registers within the CTA's allocation at launch (the 64K file split evenly
   // and rounded down to 8: 168 per thread at 384 threads, 128 at 512). A consumer's claim blocks
   // until the producer's release has put enough in the pool, so the claims must not exceed the
@@ -731,21 +737,36 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         if (consumer == kLastConsumer) turn.pass();  // consumer 0 takes the tile's first turn
         Cursor cursor = ring;  // the block whose scores are being computed
         Cursor previous;       // the block whose P V is pending
-        // The tile's first blocks that none of this consumer's rows sees (a causal diagonal cuts a
-        // tile taller than a key block: d64's 192 rows over 128 keys, d256's 128 over 80 or 64)
-        // get the idle rows' handshakes only (each block's K and V, its turn), so that the tensor
-        // cores and MUFU skip products and exponentials of scores that are all masked; the
-        // pipeline starts at the first block the consumer sees. It keeps at least one block, whose
-        // masking handles rows that see no key at all. (Tiles as tall as a key block are left as
-        // they were: under a causal mask with aligned lengths every consumer sees every block of
-        // its tile.) The count goes through a shuffle so that ptxas knows it to be warp-uniform:
-        // computed from the consumer's rows alone, it spilled 128-176 B in the d256 kernels.
+        // The blocks of the tile that none of this consumer's rows sees get the idle rows'
+        // handshakes only (each block's K and V, its turn), so that the tensor cores and MUFU skip
+        // products and exponentials of scores that are all masked; the pipeline runs on the
+        // blocks [n_stop, n_block] between, at least one, whose masking handles rows that see no
+        // key at all.
+        // - Leading blocks (walked first, before the pipeline): right of a causal diagonal that
+        //   cuts a tile taller than a key block (d64's 192 rows over 128 keys, d256's 128 over 80
+        //   or 64). Tiles as tall as a key block are left as they were: under a causal mask with
+        //   aligned lengths every consumer sees every block of its tile.
+        // - Trailing blocks (after the pipeline): left of a sliding window's edge, which a lower
+        //   consumer's rows pass sooner (Traits::kSkipTrailingBlocks: its own instance, because
+        //   the handshakes after the pipeline cost the loop 5 instructions per block, ~1% of
+        //   cycles, also where there is nothing to skip).
+        // The leading count goes through a shuffle, so that ptxas knows it to be warp-uniform
+        // (computed from the consumer's rows alone, it spilled 128-176 B in the d256 kernels), and
+        // the stop block through a warp max, whose REDUX leaves it in a uniform register beside
+        // the tile's own bounds (through a shuffle the d256 kernels spilled 124-176 B in the loop).
         int n_block = tile.n_end - 1;
+        int n_stop = tile.n_begin;
         if constexpr (kBlockM > kBlockN) {
           const int last_row = m0 + min(row0 + 64, tile.rows_in_block) - 1;
           const int seen_end = (window.key_end(last_row) + kBlockN - 1) / kBlockN;
+          const int spare_blocks = tile.n_end - 1 - tile.n_begin;  // all but one
           const int unseen_blocks =
-              __shfl_sync(0xffffffffu, min(tile.n_end - seen_end, tile.n_end - 1 - tile.n_begin), 0);
+              __shfl_sync(0xffffffffu, min(tile.n_end - seen_end, spare_blocks), 0);
+          if constexpr (Traits::kSkipTrailingBlocks) {
+            const int seen_begin = window.key_begin(m0 + row0) / kBlockN;
+            const int trailing = min(seen_begin - tile.n_begin, spare_blocks - unseen_blocks);
+            n_stop = __reduce_max_sync(0xffffffffu, tile.n_begin + trailing);
+          }
           for (int unseen = unseen_blocks; unseen > 0; --unseen) {
             mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
             turn.wait();
@@ -775,7 +796,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           // at the end of the one before.
           Cursor next = cursor;
           next.advance();
-          if (n_block > tile.n_begin) mbarrier_wait(smem_u32(&bars.k_full[next.stage]), next.phase);
+          if (n_block > n_stop) mbarrier_wait(smem_u32(&bars.k_full[next.stage]), next.phase);
           mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
         }
 #ifdef FLASHKIT_SM90_FWD_TRACE
@@ -801,7 +822,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           cursor.advance();
           Cursor next = cursor;
           next.advance();
-          const bool more = n_block > tile.n_begin;
+          const bool more = n_block > n_stop;
           if constexpr (!Traits::kShortChain) {
             mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
             mbarrier_wait(smem_u32(&bars.v_full[previous.stage]), previous.phase);
@@ -845,16 +866,16 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         bool last_p_in_second = false;
         if constexpr (Traits::kPBuffers == 2) {
           for (;;) {
-            if (--n_block < tile.n_begin) break;
+            if (--n_block < n_stop) break;
             iteration(p_frag[0], p_frag[1]);
-            if (--n_block < tile.n_begin) {
+            if (--n_block < n_stop) {
               last_p_in_second = true;
               break;
             }
             iteration(p_frag[1], p_frag[0]);
           }
         } else {
-          for (--n_block; n_block >= tile.n_begin; --n_block) iteration(p_frag[0], p_frag[0]);
+          for (--n_block; n_block >= n_stop; --n_block) iteration(p_frag[0], p_frag[0]);
         }
         FLASHKIT_FWD_LOOP_STORE();
         release(bars.q_empty);  // every S of the tile has completed
@@ -869,13 +890,23 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         } else {
           issue_pv<Traits>(&acc_o[0][0][0], p_frag[0], v_tile(cursor));
         }
-        // Every consumer but the last passes this last turn on; the last one passes it to consumer
-        // 0 at the next tile's start.
-        if (consumer != kLastConsumer) turn.pass();
+        const int trailing_blocks = n_stop - tile.n_begin;
+        // Every consumer but the last passes the tile's last turn on; the last one passes it to
+        // consumer 0 at the next tile's start.
+        if (consumer != kLastConsumer || trailing_blocks > 0) turn.pass();
         wgmma_wait<0>();
         wgmma_fence_registers<kHeadDim / 2>(&acc_o[0][0][0]);
         release(bars.v_empty[cursor.stage]);
         cursor.advance();
+        for (int trailing = trailing_blocks; trailing > 0; --trailing) {
+          mbarrier_wait(smem_u32(&bars.k_full[cursor.stage]), cursor.phase);
+          turn.wait();
+          if (trailing > 1 || consumer != kLastConsumer) turn.pass();
+          release(bars.k_empty[cursor.stage]);
+          mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
+          release(bars.v_empty[cursor.stage]);
+          cursor.advance();
+        }
         ring = cursor;
         FLASHKIT_FWD_TRACE(4, clock64());
       }

@@ -167,6 +167,10 @@ void run_fwd(const FwdProblem& problem, void* stream_ptr) {
       FwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.stages, false>;
   using DropoutTraits = FwdKernelTraits<Element, kHeadDimFamily, kDropoutTile.block_m,
                                         kDropoutTile.block_n, kDropoutTile.stages, true>;
+  // Problems with a left window edge (the same type as Traits where it would not pay).
+  using WindowTraits =
+      FwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.stages, false,
+                      fwd_sliding_window_instance(kHeadDimFamily)>;
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
 
   // Dropout has its own instance (the p = 0 ones stay untouched by its code), pipelined only: the
@@ -177,6 +181,8 @@ void run_fwd(const FwdProblem& problem, void* stream_ptr) {
     launch_fwd<DropoutTraits, true>(problem, stream);
   } else if (serial) {
     launch_fwd<Traits, false>(problem, stream);
+  } else if (problem.window_left >= 0) {
+    launch_fwd<WindowTraits, true>(problem, stream);
   } else {
     launch_fwd<Traits, true>(problem, stream);
   }

@@ -44,4 +44,14 @@ constexpr FwdTileConfig fwd_tile_config(int head_dim_family, bool dropout = fals
   }
 }
 
+// Whether a head-dim family's p = 0 kernel has an instance for problems with a left window edge
+// in which a consumer skips the trailing key blocks that none of its rows sees (fwd_kernel_sm90.cuh,
+// consumer_warpgroup). The d64 tile, 192 x 128: its third consumer's rows start a whole key block
+// below the first's, so each tile that a window's edge crosses sheds a block or two of products
+// (H200, bf16 and fp16, causal with window 128: 1.12-1.15x; 1024: 1.02-1.04x). Not d256 (128 x 80,
+// at most one block for the second consumer; window 128: 0.97-1.00x, and its dropout tile 128 x 64
+// 0.96-0.99x): those tiles move 2.6x the bytes per product and wait on their K and V loads, which
+// the producer makes for every block anyway. d128's 128 x 128 has no such block.
+constexpr bool fwd_sliding_window_instance(int head_dim_family) { return head_dim_family == 64; }
+
 }  // namespace flashkit::sm90
