@@ -41,11 +41,12 @@ bool one_cta_per_sm(int64_t ctas, int num_splits, int sm_count) {
 
 int decode_ctas_per_sm(const SplitShape& shape, bool paged, int64_t shared_sm_cta_bytes,
                        int64_t smem_per_sm) {
-  if (!paged || shared_sm_cta_bytes <= 0 || 2 * shared_sm_cta_bytes > smem_per_sm) return 1;
-  SplitShape one_per_sm = shape;
-  one_per_sm.ctas_per_sm = 1;
-  const int splits = choose_num_splits(one_per_sm);
-  return ceil_div(shape.key_blocks, splits) >= kSharedSmMinKeyBlocks ? 2 : 1;
+  if (shared_sm_cta_bytes <= 0 || 2 * shared_sm_cta_bytes > smem_per_sm) return 1;
+  SplitShape split = shape;
+  split.ctas_per_sm = paged ? 1 : 2;
+  const int splits = choose_num_splits(split);
+  if (paged) return ceil_div(shape.key_blocks, splits) >= kSharedSmMinKeyBlocks ? 2 : 1;
+  return splits > 1 && ceil_div(shape.key_blocks, splits) >= kSharedSmMinKeyBlocksContiguous ? 2 : 1;
 }
 
 }  // namespace flashkit::api

@@ -9,11 +9,15 @@
 // cross-warp merge).
 //
 // The model counts `ctas_per_sm` CTAs per SM as a full SM (decode_ctas_per_sm below):
-//   * contiguous caches: one. A launch of at most one CTA per SM runs the whole-SM pipeline
-//     (one_cta_per_sm below; 160 KiB of K/V in flight per SM at D 128), and a second co-resident
-//     CTA adds fixed costs without adding bandwidth. H200 (bench/NOTES.md, decode), batch 1, GQA
-//     32/8: 16 splits (128 whole-SM CTAs) beat 32 (256 shared-SM CTAs) by 5%, 5%, 1% at cache
-//     8k, 32k, 128k; batch 8: 2 splits and 4 within 1.5%.
+//   * contiguous caches: one, but for very long splits. A launch of at most one CTA per SM runs
+//     the whole-SM pipeline (one_cta_per_sm below; 160 KiB of K/V in flight per SM at D 128), and
+//     a second co-resident CTA adds fixed costs without adding bandwidth: H200 (bench/NOTES.md,
+//     decode), batch 1, GQA 32/8: 16 splits (128 whole-SM CTAs) beat 32 (256 shared-SM CTAs) by
+//     5%, 5%, 1% at cache 8k, 32k, 128k. Where each of two CTAs per SM still streams at least
+//     kSharedSmMinKeyBlocksContiguous key blocks, the two interleaved streams read 0.2-1.4% faster
+//     (H200 session 12 sweep, batch 2 to 16 at 8k-128k: batch 8 at 32k and 128k, 4 splits over
+//     2; batch 4 at 128k, 8 over 4; batch 16 at 128k, 2 over 1); over 32-64 blocks they tied or
+//     lost up to 1.8% (batch 16 at 8k, batch 1 at 32k and 128k).
 //   * paged caches: two, where the shared-SM pipeline fits two CTAs in an SM (D <= 128) and the
 //     splits of one CTA per SM would not be short (kSharedSmMinKeyBlocks). The page lookups make a
 //     block's copy loop ~20% longer than one CTA's four warps issue at memory speed; two CTAs
@@ -57,13 +61,16 @@ int choose_num_splits(const SplitShape& shape);
 bool one_cta_per_sm(int64_t ctas, int num_splits, int sm_count);
 
 // Paged caches count two CTAs per SM only when one CTA per SM would give each CTA at least this
-// many key blocks (see above).
+// many key blocks; contiguous ones only when two CTAs per SM would (see above).
 constexpr int64_t kSharedSmMinKeyBlocks = 8;
+constexpr int64_t kSharedSmMinKeyBlocksContiguous = 128;
 
 // The CTAs per SM the split model counts for `shape` (its ctas_per_sm is not read; see above): 2
-// for a paged cache when two shared-SM CTAs of `shared_sm_cta_bytes` (the pipeline's shared memory
-// plus the runtime's reserve per CTA) fit `smem_per_sm` and the split count of one CTA per SM
-// leaves each CTA at least kSharedSmMinKeyBlocks key blocks, else 1.
+// when two shared-SM CTAs of `shared_sm_cta_bytes` (the pipeline's shared memory plus the
+// runtime's reserve per CTA) fit `smem_per_sm` and, for a paged cache, the split count of one CTA
+// per SM leaves each CTA at least kSharedSmMinKeyBlocks key blocks, or, for a contiguous one, the
+// split count of two CTAs per SM splits and leaves each at least kSharedSmMinKeyBlocksContiguous;
+// else 1.
 int decode_ctas_per_sm(const SplitShape& shape, bool paged, int64_t shared_sm_cta_bytes,
                        int64_t smem_per_sm);
 

@@ -588,7 +588,6 @@ TEST(SplitHeuristic, PagedCachesCountTwoCtasPerSmOverLongSplits) {
   constexpr int64_t kSmemPerSm = 228 * 1024;
   constexpr int64_t kSharedSmCta = 101 * 1024;
   EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), true, kSharedSmCta, kSmemPerSm), 2);
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), false, kSharedSmCta, kSmemPerSm), 1);
   EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), true, 137 * 1024, kSmemPerSm), 1);
   EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), true, 0, kSmemPerSm), 1);
   EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 128), true, kSharedSmCta, kSmemPerSm), 2);
@@ -605,6 +604,35 @@ TEST(SplitHeuristic, PagedCachesCountTwoCtasPerSmOverLongSplits) {
   api::SplitShape s = h100_shape(264, 2048);  // two full CTAs per SM: not split
   s.ctas_per_sm = 2;
   EXPECT_EQ(api::choose_num_splits(s), 1);
+}
+
+// Contiguous caches count two CTAs per SM only where two per SM would still give each CTA at least
+// 128 key blocks (8k keys), as the H200 sweep of session 12 (bench/NOTES.md) found faster: batch 8
+// at 32k and 128k (4 splits), batch 4 and 16 at 128k (8 and 2), batch 2 at 128k (16). Batch 1
+// (33 splits: 16-63 blocks each), batch 8 at 8k, batch 16 at 8k (64 blocks each) and an unsplit
+// launch keep one CTA per SM, and with it the whole-SM pipeline.
+TEST(SplitHeuristic, ContiguousCachesCountTwoCtasPerSmOnlyOverVeryLongSplits) {
+  constexpr int64_t kSmemPerSm = 228 * 1024;
+  constexpr int64_t kSharedSmCta = 101 * 1024;
+  auto ctas_per_sm = [&](int64_t ctas, int64_t blocks) {
+    return api::decode_ctas_per_sm(h100_shape(ctas, blocks), false, kSharedSmCta, kSmemPerSm);
+  };
+  for (int64_t blocks : {128, 512, 2048}) EXPECT_EQ(ctas_per_sm(8, blocks), 1) << blocks;  // batch 1
+  EXPECT_EQ(ctas_per_sm(64, 128), 1);    // batch 8, 8k
+  EXPECT_EQ(ctas_per_sm(64, 512), 2);    // batch 8, 32k
+  EXPECT_EQ(ctas_per_sm(64, 2048), 2);   // batch 8, 128k
+  EXPECT_EQ(ctas_per_sm(32, 512), 1);    // batch 4, 32k: 8 splits of 64 blocks
+  EXPECT_EQ(ctas_per_sm(32, 2048), 2);   // batch 4, 128k
+  EXPECT_EQ(ctas_per_sm(128, 128), 1);   // batch 16, 8k
+  EXPECT_EQ(ctas_per_sm(128, 2048), 2);  // batch 16, 128k
+  EXPECT_EQ(ctas_per_sm(512, 2048), 1);  // batch 64: not split
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(64, 2048), false, 137 * 1024, kSmemPerSm), 1);
+  api::SplitShape s = h100_shape(64, 2048);
+  s.ctas_per_sm = ctas_per_sm(64, 2048);
+  EXPECT_EQ(api::choose_num_splits(s), 4);
+  s = h100_shape(128, 2048);
+  s.ctas_per_sm = ctas_per_sm(128, 2048);
+  EXPECT_EQ(api::choose_num_splits(s), 2);
 }
 
 TEST(SplitHeuristic, RespectsMaxSplits) {
