@@ -753,7 +753,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         // The leading count goes through a shuffle, so that ptxas knows it to be warp-uniform
         // (computed from the consumer's rows alone, it spilled 128-176 B in the d256 kernels), and
         // the stop block through a warp max, whose REDUX leaves it in a uniform register beside
-        // the tile's own bounds (through a shuffle the d256 kernels spilled 124-176 B in the loop).
+        // the tile's own bounds (through a shuffle, the d256 kernels spilled 124-176 B in the loop
+        // when they took the trailing skip).
         int n_block = tile.n_end - 1;
         int n_stop = tile.n_begin;
         if constexpr (kBlockM > kBlockN) {
