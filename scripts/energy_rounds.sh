@@ -7,6 +7,9 @@
 #
 #   ENERGY_ROUNDS=2 ENERGY_ARGS="--dtype bf16 --hdim 64,128 --seqlen 2k,8k --causal both" \
 #     ENERGY_IMPLS=sdpa_cudnn,sdpa_flash ENERGY_OP=fwd bash scripts/energy_rounds.sh $OUT
+# ENERGY_MEASURE=0 leaves --energy out (speed only, about a third of the time per cell): rounds of a
+# whole grid, whose per-cell medians of flashkit / peer and their geometric mean say how much of
+# one run's ratio is the run's draw (cuDNN's figures move by 5-14% between runs).
 # Needs a built flashkit_bench in $ENERGY_BUILD (default build-hopper: scripts/gpu_check.sh with
 # FLASHKIT_SKIP_TESTS=1 FLASHKIT_SKIP_BENCH=1 builds it). Writes to OUT_DIR: energy.md (every
 # round's tables from bench/report.py, then the medians over rounds), smi.csv, rounds.tgz (the
@@ -22,12 +25,14 @@ work=$(mktemp -d)
 nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,power.limit,temperature.gpu,clocks_event_reasons.sw_power_cap \
   --format=csv,noheader -lms 200 >"$OUT/smi.csv" 2>&1 &
 smi=$!
+energy=(--energy)
+[ "${ENERGY_MEASURE:-1}" = 0 ] && energy=()
 run_flashkit() {
-  "$BENCH" --op "$op" "${grid[@]}" --energy --json "$work/flashkit-$1.json" >"$work/flashkit-$1.log" 2>&1
+  "$BENCH" --op "$op" "${grid[@]}" "${energy[@]}" --json "$work/flashkit-$1.json" >"$work/flashkit-$1.log" 2>&1
 }
 run_peers() {
   python3 bench/peers.py --ops "$op" "${grid[@]}" --impls "${ENERGY_IMPLS:-sdpa_cudnn,sdpa_flash}" \
-    --energy --json "$work/peers-$1.json" >"$work/peers-$1.log" 2>&1
+    "${energy[@]}" --json "$work/peers-$1.json" >"$work/peers-$1.log" 2>&1
 }
 for round in $(seq 1 "${ENERGY_ROUNDS:-2}"); do
   date +"%H:%M:%S round $round" | tee -a "$work/marks.txt"
@@ -40,26 +45,50 @@ kill "$smi"
 {
   for md in "$work"/*-round*.md; do cat "$md"; echo; done
   python3 - "$work" <<'PY'
-import collections, glob, json, statistics, sys
-cells = collections.defaultdict(lambda: collections.defaultdict(lambda: ([], [])))
+import collections, glob, json, math, re, statistics, sys
+# cells[key][impl][round] = (TFLOP/s, watts or None)
+cells = collections.defaultdict(lambda: collections.defaultdict(dict))
 for path in glob.glob(f"{sys.argv[1]}/*-round*.json"):
+    rnd = int(re.search(r"round(\d+)", path).group(1))
     for r in json.load(open(path))["records"]:
-        if r.get("tflops") and r.get("watts"):
+        if r.get("tflops"):
             key = (r["dtype"], r["head_dim"], "causal" if r["causal"] else "full", r["seqlen_q"])
-            speed, energy = cells[key][r["impl"]]
-            speed.append(r["tflops"])
-            energy.append(r["tflops"] / r["watts"])
+            cells[key][r["impl"]][rnd] = (r["tflops"], r.get("watts"))
 impls = sorted({i for c in cells.values() for i in c}, key=lambda i: (i != "flashkit", i))
-print("## Medians over the rounds: TFLOP/s | TFLOP per joule | watts\n")
-print("| cell | " + " | ".join(impls) + " |")
-print("|" + " --- |" * (len(impls) + 1))
+peers = [i for i in impls if i != "flashkit"]
+with_energy = all(w for c in cells.values() for runs in c.values() for _, w in runs.values())
+what = "TFLOP/s | TFLOP per joule | watts" if with_energy else "TFLOP/s"
+print(f"## Medians over the rounds: {what}; flashkit / peer: the median of the rounds' ratios\n")
+print("| cell | " + " | ".join(impls + [f"flashkit / {p}" for p in peers]) + " |")
+print("|" + " --- |" * (len(impls) + len(peers) + 1))
+ratios = collections.defaultdict(list)
 for key in sorted(cells):
     row = []
     for impl in impls:
-        s, e = cells[key].get(impl, ([], []))
-        row.append(f"{statistics.median(s):.0f} / {statistics.median(e):.3f} / "
-                   f"{statistics.median(s) / statistics.median(e):.0f} W" if s else "—")
+        runs = list(cells[key].get(impl, {}).values())
+        if not runs:
+            row.append("—")
+            continue
+        speed = statistics.median(s for s, _ in runs)
+        if with_energy:
+            per_joule = statistics.median(s / w for s, w in runs)
+            row.append(f"{speed:.0f} / {per_joule:.3f} / {speed / per_joule:.0f} W")
+        else:
+            row.append(f"{speed:.0f}")
+    for peer in peers:
+        mine, theirs = cells[key].get("flashkit", {}), cells[key].get(peer, {})
+        both = [mine[r][0] / theirs[r][0] for r in mine if r in theirs]
+        if both:
+            ratios[peer].append(statistics.median(both))
+            row.append(f"{statistics.median(both):.3f} ({min(both):.2f}-{max(both):.2f})")
+        else:
+            row.append("—")
     print(f"| {' '.join(map(str, key))} | " + " | ".join(row) + " |")
+for peer, values in ratios.items():
+    geo = math.exp(sum(map(math.log, values)) / len(values))
+    low = sum(v < 0.97 for v in values)
+    print(f"\nflashkit / {peer}: geometric mean of the cells' medians {geo:.3f} over {len(values)} cells, "
+          f"{low} below 0.97, lowest {min(values):.3f}")
 PY
 } >"$OUT/energy.md"
 tar -C "$work" -czf "$OUT/rounds.tgz" .
