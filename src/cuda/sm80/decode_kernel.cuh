@@ -300,20 +300,6 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
   };
 
-  // The split's block-table entries go to L2 first, so that the loop's lookups (one block ahead of
-  // their copies) find them there: a 128-byte line holds the pages of 8 blocks at 16-token pages,
-  // and its first lookup otherwise waits on HBM for longer than a whole-SM block takes (~1 us).
-  if (paged && split_blocks > 0) {
-    const int last_key = min((split_begin + split_blocks) * kBlockN, seq.len_k) - 1;
-    const int first_page = (seq.leftpad + split_begin * kBlockN) / p.page_block_size;
-    const int last_page = (seq.leftpad + max(last_key, split_begin * kBlockN)) / p.page_block_size;
-    const uintptr_t first_line = reinterpret_cast<uintptr_t>(block_table_row + first_page) / 128;
-    const uintptr_t last_line = reinterpret_cast<uintptr_t>(block_table_row + last_page) / 128;
-    for (uintptr_t line = first_line + tid; line <= last_line; line += Traits::kThreads) {
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line * 128));
-    }
-  }
-
   // The prologue's page lookups all go out before its first copy: one block-table latency, not
   // one per stage.
   {
@@ -326,6 +312,20 @@ __global__ void __launch_bounds__(Traits::kThreads)
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < split_blocks) load_kv(split_begin + s, prologue_rows[s], s);
       cp_async_commit();
+    }
+  }
+  // The rest of the split's block-table entries go to L2 now, so that the loop's lookups (one block
+  // ahead of their copies) find them there: a 128-byte line holds the pages of 8 blocks at 16-token
+  // pages, and its first lookup would otherwise wait on HBM for longer than a whole-SM block takes
+  // (~1 us). Pages of a power-of-two size only (a shift, no division, in the prologue).
+  if (paged && p.page_block_shift >= 0 && split_blocks > kStages - 1) {
+    const int last_key = min((split_begin + split_blocks) * kBlockN, seq.len_k) - 1;
+    const int first_page = (seq.leftpad + (split_begin + kStages - 1) * kBlockN) >> p.page_block_shift;
+    const int last_page = (seq.leftpad + last_key) >> p.page_block_shift;
+    const uintptr_t first_line = reinterpret_cast<uintptr_t>(block_table_row + first_page) / 128;
+    const uintptr_t last_line = reinterpret_cast<uintptr_t>(block_table_row + last_page) / 128;
+    for (uintptr_t line = first_line + tid; line <= last_line; line += Traits::kThreads) {
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line * 128));
     }
   }
   PageRows next_rows;  // of block kStages - 1 + it at the top of iteration it
