@@ -132,7 +132,7 @@ api::SplitShape split_shape(const KvcacheProblem& problem, const DeviceLimits& l
   shape.max_splits = api::kMaxKvcacheSplits;
   const int family = sm80::decode_head_dim_family(problem.head_dim);
   shape.ctas_per_sm = api::decode_ctas_per_sm(
-      shape, problem.is_paged(),
+      shape, problem.is_paged() ? problem.page_block_size : 0,
       sm80::decode_smem_bytes(family, false) + limits.reserved_smem_per_block, limits.smem_per_sm);
   return shape;
 }

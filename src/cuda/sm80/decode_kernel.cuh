@@ -11,10 +11,12 @@
 //   * Warps split keys, not rows: each K/V block of 64 keys is cut into four 16-key slices, one
 //     per warp, with its own online softmax; the four partial results merge through shared memory
 //     at the end (weighted by exp(lse_warp - lse_total), like the splits).
-//   * Paged or contiguous: a paged cache's page is looked up per key (a block-table load and a
-//     shift or division by page_block_size), so any page size works; the lookups of a block are
-//     issued one block before its copies (find_pages), so that their latency is not on the loop's
-//     path. A contiguous cache needs no lookup: each thread walks its rows with a running pointer.
+//   * Paged or contiguous (an instance each): a paged cache's page is looked up per key (a
+//     block-table load and a shift or division by page_block_size), so any page size works; the
+//     lookups of a block are issued one block before its copies (find_pages), so that their
+//     latency is not on the loop's path, and the split's block-table lines are prefetched into L2
+//     after the prologue. A contiguous cache needs no lookup: each thread walks its rows with a
+//     running pointer.
 //   * Pipeline depth: decode_stages(family, kWholeSm), see decode_sm80.h.
 //
 //   prologue   wait for the kernel before (PDL); page lookups, then cp.async K/V of the first
@@ -47,11 +49,15 @@
 
 namespace flashkit::sm80 {
 
-template <typename Element_, int kHeadDim_, bool kWholeSm_>
+template <typename Element_, int kHeadDim_, bool kWholeSm_, bool kPaged_>
 struct DecodeTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kWholeSm = kWholeSm_;
+  // A paged cache (block_table) or a contiguous one: instances of their own, because the paged
+  // path's lookups and block-table prefetch cost the contiguous loop ~1-5% in one kernel (H200,
+  // bench/NOTES.md, session 12).
+  static constexpr bool kPaged = kPaged_;
   static constexpr int kRows = kDecodeRows;
   static constexpr int kBlockN = kDecodeBlockN;
   static constexpr int kWarps = kDecodeWarps;
@@ -197,7 +203,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     int page[kLoadPasses];
     int row[kLoadPasses];
   };
-  const bool paged = p.block_table != nullptr;
+  constexpr bool paged = Traits::kPaged;
   // Page and row strides that fit 32 bits (any realistic cache: a page of at most 2^31 elements)
   // make a chunk's address two wide multiply-adds per cache (base + page x page stride + row x row
   // stride, in bytes) instead of four 64-bit products. With one CTA per SM the copy loop's

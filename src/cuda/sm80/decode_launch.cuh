@@ -9,6 +9,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <type_traits>
 
 #include "cuda/common/programmatic_launch.cuh"
 #include "cuda/cuda_check.h"
@@ -75,12 +76,22 @@ void run_decode(const KvcacheProblem& problem, const DecodeLaunchPlan& plan, voi
                 "launch (" + std::to_string(grid_x) + " CTAs along x)");
   }
   const dim3 grid(static_cast<unsigned>(grid_x), problem.heads_kv, problem.batch);
-  if (plan.whole_sm) {
-    launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, true>>(problem, grid, plan.programmatic,
-                                                                      stream);
+  // Four instances: the whole-SM or the shared-SM pipeline (plan.whole_sm), for a paged or a
+  // contiguous cache.
+  auto launch = [&](auto whole_sm, auto paged) {
+    using Traits = DecodeTraits<Element, kHeadDimFamily, decltype(whole_sm)::value, decltype(paged)::value>;
+    launch_decode_kernel<Traits>(problem, grid, plan.programmatic, stream);
+  };
+  using Yes = std::true_type;
+  using No = std::false_type;
+  if (plan.whole_sm && problem.is_paged()) {
+    launch(Yes{}, Yes{});
+  } else if (plan.whole_sm) {
+    launch(Yes{}, No{});
+  } else if (problem.is_paged()) {
+    launch(No{}, Yes{});
   } else {
-    launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, false>>(problem, grid, plan.programmatic,
-                                                                       stream);
+    launch(No{}, No{});
   }
 
   if (problem.num_splits > 1) {
