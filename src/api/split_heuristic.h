@@ -66,10 +66,11 @@ constexpr int64_t kSharedSmMinKeyBlocks = 8;
 constexpr int64_t kSharedSmMinKeyBlocksContiguous = 128;
 
 // Pages of at least this many keys count as a contiguous cache: with the split's block-table lines
-// prefetched into L2, one CTA per SM streams them as fast as a contiguous cache (H200, batch 1,
-// 256-token pages: 16 whole-SM splits 1.88 / 3.33 / 4.24 TB/s at 8k / 32k / 128k against 32
-// shared-SM ones' 1.78 / 3.24 / 4.13; contiguous 1.79 / 3.29-3.35 / 4.10-4.17), while 16-token
-// pages still read 1-7% slower so (1.78 / 3.04 / 3.82 against 1.75 / 3.15 / 4.13).
+// prefetched into L2, one CTA per SM (on the shared-SM pipeline, decode_launch_plan) streams them
+// as fast as a contiguous cache (H200, batch 1, 256-token pages: 16 splits 1.88 / 3.33 / 4.24 TB/s
+// at 8k / 32k / 128k against 32 splits' 1.78 / 3.24 / 4.13; contiguous 1.79 / 3.29-3.35 /
+// 4.10-4.17), while 16-token pages still read 1-7% slower so (1.78 / 3.04 / 3.82 against 1.75 /
+// 3.15 / 4.13).
 constexpr int kContiguousPageKeys = 256;
 
 // The CTAs per SM the split model counts for `shape` (its ctas_per_sm is not read; see above), for

@@ -56,8 +56,9 @@ struct DecodeTraits {
   static constexpr bool kWholeSm = kWholeSm_;
   // A paged cache (block_table) or a contiguous one: instances of their own, because the paged
   // path's lookups and block-table prefetch cost the contiguous loop ~1-5% in one kernel (H200,
-  // bench/NOTES.md, session 12).
+  // bench/NOTES.md, session 12). Paged caches run the shared-SM pipeline only.
   static constexpr bool kPaged = kPaged_;
+  static_assert(!(kPaged && kWholeSm), "paged caches run the shared-SM pipeline (decode_launch_plan)");
   static constexpr int kRows = kDecodeRows;
   static constexpr int kBlockN = kDecodeBlockN;
   static constexpr int kWarps = kDecodeWarps;

@@ -9,7 +9,6 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
-#include <type_traits>
 
 #include "cuda/common/programmatic_launch.cuh"
 #include "cuda/cuda_check.h"
@@ -76,22 +75,17 @@ void run_decode(const KvcacheProblem& problem, const DecodeLaunchPlan& plan, voi
                 "launch (" + std::to_string(grid_x) + " CTAs along x)");
   }
   const dim3 grid(static_cast<unsigned>(grid_x), problem.heads_kv, problem.batch);
-  // Four instances: the whole-SM or the shared-SM pipeline (plan.whole_sm), for a paged or a
-  // contiguous cache.
-  auto launch = [&](auto whole_sm, auto paged) {
-    using Traits = DecodeTraits<Element, kHeadDimFamily, decltype(whole_sm)::value, decltype(paged)::value>;
-    launch_decode_kernel<Traits>(problem, grid, plan.programmatic, stream);
-  };
-  using Yes = std::true_type;
-  using No = std::false_type;
-  if (plan.whole_sm && problem.is_paged()) {
-    launch(Yes{}, Yes{});
+  // Three instances: a contiguous cache on the whole-SM or the shared-SM pipeline
+  // (plan.whole_sm), a paged one on the shared-SM pipeline (decode_launch_plan says why).
+  if (problem.is_paged()) {
+    launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, false, true>>(problem, grid,
+                                                                            plan.programmatic, stream);
   } else if (plan.whole_sm) {
-    launch(Yes{}, No{});
-  } else if (problem.is_paged()) {
-    launch(No{}, Yes{});
+    launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, true, false>>(problem, grid,
+                                                                            plan.programmatic, stream);
   } else {
-    launch(No{}, No{});
+    launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, false, false>>(problem, grid,
+                                                                             plan.programmatic, stream);
   }
 
   if (problem.num_splits > 1) {
