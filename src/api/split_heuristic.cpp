@@ -39,9 +39,10 @@ bool one_cta_per_sm(int64_t ctas, int num_splits, int sm_count) {
   return ctas > 0 && num_splits > 0 && ctas * num_splits <= sm_count;
 }
 
-int decode_ctas_per_sm(const SplitShape& shape, bool paged, int64_t shared_sm_cta_bytes,
+int decode_ctas_per_sm(const SplitShape& shape, int page_keys, int64_t shared_sm_cta_bytes,
                        int64_t smem_per_sm) {
   if (shared_sm_cta_bytes <= 0 || 2 * shared_sm_cta_bytes > smem_per_sm) return 1;
+  const bool paged = page_keys > 0 && page_keys < kContiguousPageKeys;
   SplitShape split = shape;
   split.ctas_per_sm = paged ? 1 : 2;
   const int splits = choose_num_splits(split);

@@ -65,13 +65,22 @@ bool one_cta_per_sm(int64_t ctas, int num_splits, int sm_count);
 constexpr int64_t kSharedSmMinKeyBlocks = 8;
 constexpr int64_t kSharedSmMinKeyBlocksContiguous = 128;
 
-// The CTAs per SM the split model counts for `shape` (its ctas_per_sm is not read; see above): 2
-// when two shared-SM CTAs of `shared_sm_cta_bytes` (the pipeline's shared memory plus the
-// runtime's reserve per CTA) fit `smem_per_sm` and, for a paged cache, the split count of one CTA
-// per SM leaves each CTA at least kSharedSmMinKeyBlocks key blocks, or, for a contiguous one, the
-// split count of two CTAs per SM splits and leaves each at least kSharedSmMinKeyBlocksContiguous;
-// else 1.
-int decode_ctas_per_sm(const SplitShape& shape, bool paged, int64_t shared_sm_cta_bytes,
+// Pages of at least this many keys count as a contiguous cache: with the split's block-table lines
+// prefetched into L2, one CTA per SM (on the shared-SM pipeline, decode_launch_plan) streams them
+// as fast as a contiguous cache (H200, batch 1, 256-token pages: 16 splits 1.88 / 3.33 / 4.24 TB/s
+// at 8k / 32k / 128k against 32 splits' 1.78 / 3.24 / 4.13; contiguous 1.79 / 3.29-3.35 /
+// 4.10-4.17), while 16-token pages still read 1-7% slower so (1.78 / 3.04 / 3.82 against 1.75 /
+// 3.15 / 4.13).
+constexpr int kContiguousPageKeys = 256;
+
+// The CTAs per SM the split model counts for `shape` (its ctas_per_sm is not read; see above), for
+// a cache of `page_keys`-key pages (0: contiguous): 2 when two shared-SM CTAs of
+// `shared_sm_cta_bytes` (the pipeline's shared memory plus the runtime's reserve per CTA) fit
+// `smem_per_sm` and, for pages of fewer than kContiguousPageKeys keys, the split count of one CTA
+// per SM leaves each CTA at least kSharedSmMinKeyBlocks key blocks, or, for a contiguous cache and
+// larger pages, the split count of two CTAs per SM splits and leaves each at least
+// kSharedSmMinKeyBlocksContiguous; else 1.
+int decode_ctas_per_sm(const SplitShape& shape, int page_keys, int64_t shared_sm_cta_bytes,
                        int64_t smem_per_sm);
 
 }  // namespace flashkit::api

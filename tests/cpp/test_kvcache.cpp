@@ -587,17 +587,17 @@ TEST(SplitHeuristic, OneCtaPerSmWhenTheLaunchFitsTheSms) {
 TEST(SplitHeuristic, PagedCachesCountTwoCtasPerSmOverLongSplits) {
   constexpr int64_t kSmemPerSm = 228 * 1024;
   constexpr int64_t kSharedSmCta = 101 * 1024;
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), true, kSharedSmCta, kSmemPerSm), 2);
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), true, 137 * 1024, kSmemPerSm), 1);
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), true, 0, kSmemPerSm), 1);
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 128), true, kSharedSmCta, kSmemPerSm), 2);
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 64), true, kSharedSmCta, kSmemPerSm), 1);
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), 16, kSharedSmCta, kSmemPerSm), 2);
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), 16, 137 * 1024, kSmemPerSm), 1);
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), 16, 0, kSmemPerSm), 1);
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 128), 16, kSharedSmCta, kSmemPerSm), 2);
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 64), 16, kSharedSmCta, kSmemPerSm), 1);
   for (int64_t blocks : {128, 512, 2048}) {  // cache 8k, 32k, 128k
     api::SplitShape s = h100_shape(8, blocks);  // batch 1
-    s.ctas_per_sm = api::decode_ctas_per_sm(s, true, kSharedSmCta, kSmemPerSm);
+    s.ctas_per_sm = api::decode_ctas_per_sm(s, 16, kSharedSmCta, kSmemPerSm);
     EXPECT_EQ(api::choose_num_splits(s), blocks == 2048 ? 33 : 32) << blocks;
     s = h100_shape(64, blocks);  // batch 8
-    s.ctas_per_sm = api::decode_ctas_per_sm(s, true, kSharedSmCta, kSmemPerSm);
+    s.ctas_per_sm = api::decode_ctas_per_sm(s, 16, kSharedSmCta, kSmemPerSm);
     EXPECT_EQ(s.ctas_per_sm, 2) << blocks;
     EXPECT_EQ(api::choose_num_splits(s), 4) << blocks;
   }
@@ -615,7 +615,7 @@ TEST(SplitHeuristic, ContiguousCachesCountTwoCtasPerSmOnlyOverVeryLongSplits) {
   constexpr int64_t kSmemPerSm = 228 * 1024;
   constexpr int64_t kSharedSmCta = 101 * 1024;
   auto ctas_per_sm = [&](int64_t ctas, int64_t blocks) {
-    return api::decode_ctas_per_sm(h100_shape(ctas, blocks), false, kSharedSmCta, kSmemPerSm);
+    return api::decode_ctas_per_sm(h100_shape(ctas, blocks), 0, kSharedSmCta, kSmemPerSm);
   };
   for (int64_t blocks : {128, 512, 2048}) EXPECT_EQ(ctas_per_sm(8, blocks), 1) << blocks;  // batch 1
   EXPECT_EQ(ctas_per_sm(64, 128), 1);    // batch 8, 8k
@@ -626,13 +626,27 @@ TEST(SplitHeuristic, ContiguousCachesCountTwoCtasPerSmOnlyOverVeryLongSplits) {
   EXPECT_EQ(ctas_per_sm(128, 128), 1);   // batch 16, 8k
   EXPECT_EQ(ctas_per_sm(128, 2048), 2);  // batch 16, 128k
   EXPECT_EQ(ctas_per_sm(512, 2048), 1);  // batch 64: not split
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(64, 2048), false, 137 * 1024, kSmemPerSm), 1);
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(64, 2048), 0, 137 * 1024, kSmemPerSm), 1);
   api::SplitShape s = h100_shape(64, 2048);
   s.ctas_per_sm = ctas_per_sm(64, 2048);
   EXPECT_EQ(api::choose_num_splits(s), 4);
   s = h100_shape(128, 2048);
   s.ctas_per_sm = ctas_per_sm(128, 2048);
   EXPECT_EQ(api::choose_num_splits(s), 2);
+}
+
+// Pages of 256 keys or more follow the contiguous rule (with the block-table prefetch one CTA per
+// SM streams them as fast as a contiguous cache, H200 session 12); smaller ones the paged rule.
+TEST(SplitHeuristic, LargePagesCountLikeAContiguousCache) {
+  constexpr int64_t kSmemPerSm = 228 * 1024;
+  constexpr int64_t kSharedSmCta = 101 * 1024;
+  for (int64_t blocks : {128, 512, 2048}) {  // batch 1 at 8k, 32k, 128k
+    EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, blocks), 256, kSharedSmCta, kSmemPerSm), 1) << blocks;
+    EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, blocks), 1024, kSharedSmCta, kSmemPerSm), 1) << blocks;
+    EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, blocks), 128, kSharedSmCta, kSmemPerSm), 2) << blocks;
+    EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, blocks), 1, kSharedSmCta, kSmemPerSm), 2) << blocks;
+  }
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(64, 2048), 256, kSharedSmCta, kSmemPerSm), 2);  // as contiguous
 }
 
 TEST(SplitHeuristic, RespectsMaxSplits) {

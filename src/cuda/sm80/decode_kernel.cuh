@@ -11,10 +11,12 @@
 //   * Warps split keys, not rows: each K/V block of 64 keys is cut into four 16-key slices, one
 //     per warp, with its own online softmax; the four partial results merge through shared memory
 //     at the end (weighted by exp(lse_warp - lse_total), like the splits).
-//   * Paged or contiguous: a paged cache's page is looked up per key (a block-table load and a
-//     shift or division by page_block_size), so any page size works; the lookups of a block are
-//     issued one block before its copies (find_pages), so that their latency is not on the loop's
-//     path. A contiguous cache needs no lookup: each thread walks its rows with a running pointer.
+//   * Paged or contiguous (an instance each): a paged cache's page is looked up per key (a
+//     block-table load and a shift or division by page_block_size), so any page size works; the
+//     lookups of a block are issued one block before its copies (find_pages), so that their
+//     latency is not on the loop's path, and the split's block-table lines are prefetched into L2
+//     after the prologue. A contiguous cache needs no lookup: each thread walks its rows with a
+//     running pointer.
 //   * Pipeline depth: decode_stages(family, kWholeSm), see decode_sm80.h.
 //
 //   prologue   wait for the kernel before (PDL); page lookups, then cp.async K/V of the first
@@ -47,11 +49,16 @@
 
 namespace flashkit::sm80 {
 
-template <typename Element_, int kHeadDim_, bool kWholeSm_>
+template <typename Element_, int kHeadDim_, bool kWholeSm_, bool kPaged_>
 struct DecodeTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr bool kWholeSm = kWholeSm_;
+  // A paged cache (block_table) or a contiguous one: instances of their own, because the paged
+  // path's lookups and block-table prefetch cost the contiguous loop ~1-5% in one kernel (H200,
+  // bench/NOTES.md, session 12). Paged caches run the shared-SM pipeline only.
+  static constexpr bool kPaged = kPaged_;
+  static_assert(!(kPaged && kWholeSm), "paged caches run the shared-SM pipeline (decode_launch_plan)");
   static constexpr int kRows = kDecodeRows;
   static constexpr int kBlockN = kDecodeBlockN;
   static constexpr int kWarps = kDecodeWarps;
@@ -197,7 +204,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     int page[kLoadPasses];
     int row[kLoadPasses];
   };
-  const bool paged = p.block_table != nullptr;
+  constexpr bool paged = Traits::kPaged;
   // Page and row strides that fit 32 bits (any realistic cache: a page of at most 2^31 elements)
   // make a chunk's address two wide multiply-adds per cache (base + page x page stride + row x row
   // stride, in bytes) instead of four 64-bit products. With one CTA per SM the copy loop's
@@ -228,15 +235,31 @@ __global__ void __launch_bounds__(Traits::kThreads)
       v_cache + seq.cache_row * p.v_cache_batch_stride + first_index * p.v_cache_row_stride;
 
   const int* block_table_row = paged ? p.block_table + b * p.block_table_batch_stride : nullptr;
+  // A page of a power-of-two size (page_block_shift >= 0) splits a cache index with a shift and a
+  // mask, any other with a division; the choice is made once per block, not per pass (per pass,
+  // it cost a branch and a reload of the page size: ~4 of the ~11 instructions of a lookup, in a
+  // copy loop whose instruction count bounds the bandwidth).
   auto find_pages = [&](int n_block, PageRows& rows) {
     if (!paged) return;
+    const int first_key = n_block * kBlockN + first_row;
+    auto look_up = [&](int i, int page, int row) {
+      rows.row[i] = row;
+      rows.page[i] = first_key + i * Traits::kRowsPerPass < seq.len_k ? block_table_row[page] : 0;
+    };
+    if (p.page_block_shift >= 0) {
+      const int row_mask = p.page_block_size - 1;
 #pragma unroll
-    for (int i = 0; i < kLoadPasses; ++i) {
-      const int key = n_block * kBlockN + first_row + i * Traits::kRowsPerPass;
-      const int index = seq.leftpad + key;
-      const int page = p.page_block_shift >= 0 ? index >> p.page_block_shift : index / p.page_block_size;
-      rows.row[i] = index - page * p.page_block_size;
-      rows.page[i] = key < seq.len_k ? block_table_row[page] : 0;
+      for (int i = 0; i < kLoadPasses; ++i) {
+        const int index = seq.leftpad + first_key + i * Traits::kRowsPerPass;
+        look_up(i, index >> p.page_block_shift, index & row_mask);
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < kLoadPasses; ++i) {
+        const int index = seq.leftpad + first_key + i * Traits::kRowsPerPass;
+        const int page = index / p.page_block_size;
+        look_up(i, page, index - page * p.page_block_size);
+      }
     }
   };
   // Contiguous rows kRowsPerPass apart: a running pointer per cache, one 64-bit add per pass.
@@ -296,6 +319,20 @@ __global__ void __launch_bounds__(Traits::kThreads)
     for (int s = 0; s < kStages - 1; ++s) {
       if (s < split_blocks) load_kv(split_begin + s, prologue_rows[s], s);
       cp_async_commit();
+    }
+  }
+  // The rest of the split's block-table entries go to L2 now, so that the loop's lookups (one block
+  // ahead of their copies) find them there: a 128-byte line holds the pages of 8 blocks at 16-token
+  // pages, and its first lookup would otherwise wait on HBM for longer than a whole-SM block takes
+  // (~1 us). Pages of a power-of-two size only (a shift, no division, in the prologue).
+  if (paged && p.page_block_shift >= 0 && split_blocks > kStages - 1) {
+    const int last_key = min((split_begin + split_blocks) * kBlockN, seq.len_k) - 1;
+    const int first_page = (seq.leftpad + (split_begin + kStages - 1) * kBlockN) >> p.page_block_shift;
+    const int last_page = (seq.leftpad + last_key) >> p.page_block_shift;
+    const uintptr_t first_line = reinterpret_cast<uintptr_t>(block_table_row + first_page) / 128;
+    const uintptr_t last_line = reinterpret_cast<uintptr_t>(block_table_row + last_page) / 128;
+    for (uintptr_t line = first_line + tid; line <= last_line; line += Traits::kThreads) {
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line * 128));
     }
   }
   PageRows next_rows;  // of block kStages - 1 + it at the top of iteration it

@@ -75,12 +75,17 @@ void run_decode(const KvcacheProblem& problem, const DecodeLaunchPlan& plan, voi
                 "launch (" + std::to_string(grid_x) + " CTAs along x)");
   }
   const dim3 grid(static_cast<unsigned>(grid_x), problem.heads_kv, problem.batch);
-  if (plan.whole_sm) {
-    launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, true>>(problem, grid, plan.programmatic,
-                                                                      stream);
+  // Three instances: a contiguous cache on the whole-SM or the shared-SM pipeline
+  // (plan.whole_sm), a paged one on the shared-SM pipeline (decode_launch_plan says why).
+  if (problem.is_paged()) {
+    launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, false, true>>(problem, grid,
+                                                                            plan.programmatic, stream);
+  } else if (plan.whole_sm) {
+    launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, true, false>>(problem, grid,
+                                                                            plan.programmatic, stream);
   } else {
-    launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, false>>(problem, grid, plan.programmatic,
-                                                                       stream);
+    launch_decode_kernel<DecodeTraits<Element, kHeadDimFamily, false, false>>(problem, grid,
+                                                                             plan.programmatic, stream);
   }
 
   if (problem.num_splits > 1) {
