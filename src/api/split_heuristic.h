@@ -18,15 +18,16 @@
 //     (H200 session 12 sweep, batch 2 to 16 at 8k-128k: batch 8 at 32k and 128k, 4 splits over
 //     2; batch 4 at 128k, 8 over 4; batch 16 at 128k, 2 over 1); over 32-64 blocks they tied or
 //     lost up to 1.8% (batch 16 at 8k, batch 1 at 32k and 128k).
-//   * paged caches: two, where the shared-SM pipeline fits two CTAs in an SM (D <= 128) and the
-//     splits of one CTA per SM would not be short (kSharedSmMinKeyBlocks). The page lookups make a
-//     block's copy loop ~20% longer than one CTA's four warps issue at memory speed; two CTAs
-//     interleave two loops, which pays over a split of some length, while the second CTA's fixed
-//     cost (prologue, merge, twice the partials) dominates a very short one. H200, paged16: batch 8
-//     (64 key blocks per CTA at 2 splits) 4 splits beat 2 by 14%; batch 1 (16 splits: 8, 32, 128
-//     blocks per CTA at 8k, 32k, 128k) 32 splits beat 16 by 7% and 5% at 8k and 32k (session 4's
-//     sweep, bench/results/h200-2026-11-23-decode-sweep4.md) and by 5% at 128k (session 3, whose
-//     sweep, before the combine loaded its inputs together, had 32 slower at 8k).
+//   * paged caches of pages under kContiguousPageKeys keys: two, where the shared-SM pipeline fits
+//     two CTAs in an SM (D <= 128) and the splits of one CTA per SM would not be short
+//     (kSharedSmMinKeyBlocks). (Paged caches always run the shared-SM pipeline: decode_launch_plan.)
+//     Two CTAs interleave two copy loops, which pays over a split of some length, while the second
+//     CTA's fixed cost (prologue, merge, twice the partials) dominates a short one. H200, 16-token
+//     pages: batch 8 (64 key blocks per CTA at 2 splits) 4 splits beat 2 by 14%; batch 1 (16
+//     splits: 8, 32, 128 blocks per CTA at 8k, 32k, 128k) 32 splits beat 16 by 2% and 7% at 32k
+//     and 128k, and 16 beat 32 by 4% at 8k (session 12's sweep of the paged instance; session 4's,
+//     bench/results/h200-2026-11-23-decode-sweep4.md, whose 16 splits ran the whole-SM pipeline,
+//     had 32 ahead at 8k too).
 //
 // So with `slots` = SMs x ctas_per_sm, s splits run ceil(ctas * s / slots) waves, each as long as
 // one split's key blocks plus the fixed cost per CTA (counted in key blocks):
@@ -62,7 +63,7 @@ bool one_cta_per_sm(int64_t ctas, int num_splits, int sm_count);
 
 // Paged caches count two CTAs per SM only when one CTA per SM would give each CTA at least this
 // many key blocks; contiguous ones only when two CTAs per SM would (see above).
-constexpr int64_t kSharedSmMinKeyBlocks = 8;
+constexpr int64_t kSharedSmMinKeyBlocks = 16;
 constexpr int64_t kSharedSmMinKeyBlocksContiguous = 128;
 
 // Pages of at least this many keys count as a contiguous cache: with the split's block-table lines

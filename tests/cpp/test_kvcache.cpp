@@ -580,22 +580,22 @@ TEST(SplitHeuristic, OneCtaPerSmWhenTheLaunchFitsTheSms) {
 }
 
 // Paged caches count two shared-SM CTAs per SM where two fit (d128: 100 KiB + 1 KiB each in an
-// SM's 228 KiB; not d256's 136 KiB) and one CTA per SM would leave each CTA at least 8 key blocks,
-// and then split into the split counts the H200 sweeps of bench/NOTES.md found fastest for
-// 16-token pages: 32 at batch 1 with 8k and 32k keys (33 at 128k: 264 CTAs, the same one wave with
-// shorter splits), 4 at batch 8; a 4k cache (4 blocks per CTA at one per SM) keeps one.
+// SM's 228 KiB; not d256's 136 KiB) and one CTA per SM would leave each CTA at least 16 key
+// blocks, and then split into the split counts the H200 sweeps of bench/NOTES.md found fastest for
+// 16-token pages: 32 at batch 1 with 32k keys (33 at 128k: 264 CTAs, the same one wave with shorter
+// splits), 16 at 8k (8 blocks per CTA at one per SM), 4 at batch 8.
 TEST(SplitHeuristic, PagedCachesCountTwoCtasPerSmOverLongSplits) {
   constexpr int64_t kSmemPerSm = 228 * 1024;
   constexpr int64_t kSharedSmCta = 101 * 1024;
   EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), 16, kSharedSmCta, kSmemPerSm), 2);
   EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), 16, 137 * 1024, kSmemPerSm), 1);
   EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), 16, 0, kSmemPerSm), 1);
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 128), 16, kSharedSmCta, kSmemPerSm), 2);
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 64), 16, kSharedSmCta, kSmemPerSm), 1);
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 256), 16, kSharedSmCta, kSmemPerSm), 2);
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 128), 16, kSharedSmCta, kSmemPerSm), 1);
   for (int64_t blocks : {128, 512, 2048}) {  // cache 8k, 32k, 128k
     api::SplitShape s = h100_shape(8, blocks);  // batch 1
     s.ctas_per_sm = api::decode_ctas_per_sm(s, 16, kSharedSmCta, kSmemPerSm);
-    EXPECT_EQ(api::choose_num_splits(s), blocks == 2048 ? 33 : 32) << blocks;
+    EXPECT_EQ(api::choose_num_splits(s), blocks == 2048 ? 33 : blocks == 512 ? 32 : 16) << blocks;
     s = h100_shape(64, blocks);  // batch 8
     s.ctas_per_sm = api::decode_ctas_per_sm(s, 16, kSharedSmCta, kSmemPerSm);
     EXPECT_EQ(s.ctas_per_sm, 2) << blocks;
@@ -640,13 +640,18 @@ TEST(SplitHeuristic, ContiguousCachesCountTwoCtasPerSmOnlyOverVeryLongSplits) {
 TEST(SplitHeuristic, LargePagesCountLikeAContiguousCache) {
   constexpr int64_t kSmemPerSm = 228 * 1024;
   constexpr int64_t kSharedSmCta = 101 * 1024;
+  auto ctas_per_sm = [&](int64_t ctas, int64_t blocks, int page_keys) {
+    return api::decode_ctas_per_sm(h100_shape(ctas, blocks), page_keys, kSharedSmCta, kSmemPerSm);
+  };
   for (int64_t blocks : {128, 512, 2048}) {  // batch 1 at 8k, 32k, 128k
-    EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, blocks), 256, kSharedSmCta, kSmemPerSm), 1) << blocks;
-    EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, blocks), 1024, kSharedSmCta, kSmemPerSm), 1) << blocks;
-    EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, blocks), 128, kSharedSmCta, kSmemPerSm), 2) << blocks;
-    EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, blocks), 1, kSharedSmCta, kSmemPerSm), 2) << blocks;
+    EXPECT_EQ(ctas_per_sm(8, blocks, 256), 1) << blocks;
+    EXPECT_EQ(ctas_per_sm(8, blocks, 1024), 1) << blocks;
+    // The paged rule: two per SM, but for 8 blocks per CTA at one per SM.
+    const int small_pages = blocks == 128 ? 1 : 2;
+    EXPECT_EQ(ctas_per_sm(8, blocks, 128), small_pages) << blocks;
+    EXPECT_EQ(ctas_per_sm(8, blocks, 1), small_pages) << blocks;
   }
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(64, 2048), 256, kSharedSmCta, kSmemPerSm), 2);  // as contiguous
+  EXPECT_EQ(ctas_per_sm(64, 2048, 256), 2);  // as contiguous: batch 8 at 128k
 }
 
 TEST(SplitHeuristic, RespectsMaxSplits) {
