@@ -323,8 +323,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   }
   // The rest of the split's block-table entries go to L2 now, so that the loop's lookups (one block
   // ahead of their copies) find them there: a 128-byte line holds the pages of 8 blocks at 16-token
-  // pages, and its first lookup would otherwise wait on HBM for longer than a whole-SM block takes
-  // (~1 us). Pages of a power-of-two size only (a shift, no division, in the prologue).
+  // pages, and its first lookup would otherwise wait on HBM (~1 us, about a block's time at one CTA
+  // per SM). Pages of a power-of-two size only (a shift, no division, in the prologue).
   if (paged && p.page_block_shift >= 0 && split_blocks > kStages - 1) {
     const int last_key = min((split_begin + split_blocks) * kBlockN, seq.len_k) - 1;
     const int first_page = (seq.leftpad + (split_begin + kStages - 1) * kBlockN) >> p.page_block_shift;
