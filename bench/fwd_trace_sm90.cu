@@ -1,8 +1,9 @@
 // bench/fwd_trace_sm90.cu
 // \brief flashkit_fwd_trace_sm90: where the sm90 forward's time goes around its tiles. Builds the
-// bf16 d128 kernels (p = 0 and the dropout instance) with FLASHKIT_SM90_FWD_TRACE (each consumer's
-// first thread records clock64 at six points of every tile), runs one problem of the standard
-// grid's shape (16k tokens, 16 heads) and prints, per consumer, the mean cycles of each phase and the
+// bf16 d128 kernels (p = 0 and the dropout instance) and the bf16 d256 p = 0 kernel with
+// FLASHKIT_SM90_FWD_TRACE (each consumer's first thread records clock64 at six points of every
+// tile), runs one problem of the standard grid's shape (16k tokens, 2048 / head dim heads) and
+// prints, per consumer, the mean cycles of each phase and the
 // time between two tiles of one CTA (same SM, in start order), the main loop's per-block period, the
 // per-tile cost in key blocks, the mean cycles of each phase of a main-loop iteration (slots 10-16 of
 // the instrument: fwd_kernel_sm90.cuh), the key blocks per SM and the idle time at the end.
@@ -13,7 +14,7 @@
 // power cap (bench/NOTES.md, "Session 10").
 //
 //   flashkit_fwd_trace_sm90 [seqlen (2048)] [causal (0)] [dropout p (0): > 0 traces the dropout instance]
-//                           [inputs: small (default) | random]
+//                           [inputs: small (default) | random] [head dim: 128 (default) | 256, p = 0 only]
 #define FLASHKIT_SM90_FWD_TRACE 1
 #include <cuda_runtime.h>
 
@@ -40,11 +41,10 @@ void check(cudaError_t code, const char* what) {
 
 }  // namespace
 
-template <bool kDropout>
+template <int kHeadDim, bool kDropout>
 int trace(int seqlen, bool causal, float dropout_p, bool random_inputs) {
   using namespace flashkit;
-  constexpr int kHeadDim = 128;
-  const int batch = 16384 / seqlen, heads = 16;
+  const int batch = 16384 / seqlen, heads = 2048 / kHeadDim;
   constexpr sm90::FwdTileConfig kTile = sm90::fwd_tile_config(kHeadDim, kDropout);
   using Traits = sm90::FwdKernelTraits<__nv_bfloat16, kHeadDim, kTile.block_m, kTile.block_n, kTile.stages, kDropout>;
   constexpr int kConsumers = Traits::kConsumerWarpgroups;
@@ -91,8 +91,9 @@ int trace(int seqlen, bool causal, float dropout_p, bool random_inputs) {
   auto record = [&](int tile, int c) { return &t[(static_cast<size_t>(tile) * kConsumers + c) * sm90::kTraceSlots]; };
   // Tiles of one CTA, in walk order: grouped by SM and ordered by start (one CTA per SM at a time).
   const int blocks_full = seqlen / Traits::kBlockN;
-  std::printf("bf16 d128 seqlen %d batch %d heads %d causal %d dropout %g, %s inputs: %d tiles, %d key blocks per full tile\n",
-              seqlen, batch, heads, causal, dropout_p, random_inputs ? "random" : "small", tiles, blocks_full);
+  std::printf("bf16 d%d seqlen %d batch %d heads %d causal %d dropout %g, %s inputs: %d tiles, %d key blocks per full tile\n",
+              kHeadDim, seqlen, batch, heads, causal, dropout_p, random_inputs ? "random" : "small", tiles,
+              blocks_full);
   const char* names[] = {"q wait", "first S", "main loop", "last P V", "epilogue", "to next tile"};
   for (int c = 0; c < kConsumers; ++c) {
     std::map<long long, std::vector<std::pair<long long, int>>> by_sm;  // sm -> (start, tile)
@@ -204,6 +205,13 @@ int main(int argc, char** argv) {
   const bool causal = argc > 2 && std::atoi(argv[2]) != 0;
   const float dropout_p = argc > 3 ? static_cast<float>(std::atof(argv[3])) : 0.0f;
   const bool random_inputs = argc > 4 && std::string(argv[4]) == "random";
-  return dropout_p > 0.0f ? trace<true>(seqlen, causal, dropout_p, random_inputs)
-                          : trace<false>(seqlen, causal, 0.0f, random_inputs);
+  const int head_dim = argc > 5 ? std::atoi(argv[5]) : 128;
+  if (head_dim == 256 && dropout_p == 0.0f) return trace<256, false>(seqlen, causal, 0.0f, random_inputs);
+  if (head_dim != 128) {
+    std::fprintf(stderr, "flashkit_fwd_trace_sm90: head dim %d%s is not traced (128, or 256 at p = 0)\n",
+                 head_dim, dropout_p > 0.0f ? " with dropout" : "");
+    return 2;
+  }
+  return dropout_p > 0.0f ? trace<128, true>(seqlen, causal, dropout_p, random_inputs)
+                          : trace<128, false>(seqlen, causal, 0.0f, random_inputs);
 }
