@@ -18,6 +18,7 @@ import argparse
 import collections
 import datetime
 import json
+import math
 import pathlib
 import re
 import sys
@@ -142,6 +143,7 @@ def op_table(op, rows, labels, base_label, energy=False):
         better = "spends less energy per FLOP" if energy else "faster"
         title += f"; ratio = {base_label} / peer (> 1: {base_label} {better})"
     lines = [title, "", "| " + " | ".join(head) + " |", "|" + " --- |" * len(head)]
+    ratios = collections.defaultdict(list)
     for key in sorted(rows, key=lambda k: tuple((v is None, v) for v in k)):
         cells = rows[key]
         value = {lab: read(cells[lab]) if lab in cells else None for lab in present}
@@ -150,8 +152,19 @@ def op_table(op, rows, labels, base_label, energy=False):
                 else format_value(value[lab]) for lab in present]
         for p in peers:
             ok = value[base_label] is not None and value[p]
+            if ok and value[base_label] > 0:
+                ratios[p].append(value[base_label] / value[p])
             row.append(f"{value[base_label] / value[p]:.2f}x" if ok else "—")
         lines.append("| " + " | ".join(row) + " |")
+    # Over the cells both measured: the geometric mean of the ratios, their range and the cells
+    # below 0.97 (issue 8's per-cell floor), so that a grid's headline is read, not recomputed.
+    if ratios:
+        lines.append("")
+    for p, values in ratios.items():
+        geo = math.exp(sum(math.log(v) for v in values) / len(values))
+        low = sum(v < 0.97 for v in values)
+        lines.append(f"- {base_label} / {p}: geometric mean {geo:.3f} over {len(values)} cells "
+                     f"({min(values):.3f} to {max(values):.3f}), {low} below 0.97")
     return lines
 
 

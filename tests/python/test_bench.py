@@ -144,3 +144,28 @@ def test_report_energy_table(tmp_path):
     assert "| 600.0 | 550.0 | 1.09x |" in table.split("## fwd: TFLOP per joule")[0]
     assert "TFLOP per joule" not in report(results("flashkit", 600.0, None),
                                            results("sdpa_cudnn", 550.0, None))
+
+
+def test_report_summarises_each_peer(tmp_path):
+    """bench/report.py: under each table, per peer, the geometric mean of flashkit / peer over the
+    cells both measured, their range and the count below 0.97."""
+    import subprocess
+    import sys
+
+    def record(impl, seqlen, tflops):
+        return dict(op="fwd", dtype="bf16", head_dim=128, causal=False, window=[-1, -1], seqlen_q=seqlen,
+                    seqlen_k=seqlen, batch=1, heads_q=16, heads_kv=16, impl=impl, tflops=tflops, ms=1.0)
+
+    ours = [record("flashkit", s, t) for s, t in ((2048, 480.0), (4096, 600.0), (8192, 700.0))]
+    theirs = [record("sdpa_cudnn", s, t) for s, t in ((2048, 500.0), (4096, 600.0), (8192, None))]
+    paths = []
+    for n, recs in enumerate((ours, theirs)):
+        paths.append(tmp_path / f"in{n}.json")
+        paths[-1].write_text(json.dumps({"gpu": "CPU stand-in", "date": "2026-11-24T00:00:00Z",
+                                         "records": recs}))
+    out = subprocess.run([sys.executable, "bench/report.py", "--out-dir", str(tmp_path), "--what", "s",
+                          *map(str, paths)], check=True, capture_output=True, text=True).stdout.split()
+    table = pathlib.Path(out[1]).read_text()
+    # 480 / 500 = 0.96 and 600 / 600 = 1; the 8k cell has no peer number and is left out.
+    assert ("- flashkit / sdpa_cudnn: geometric mean 0.980 over 2 cells (0.960 to 1.000), 1 below 0.97"
+            in table), table
