@@ -49,8 +49,8 @@ constexpr int kSpotRows = 4;  // query rows per block compared with the CPU refe
 const char* const kMethodNote =
     "tflops = 4*b*h*sq*sk*d / time (x2.5 for bwd, x3.5 for fwd_bwd), halved for causal (the "
     "FlashAttention convention, not the "
-    "exact count of unmasked pairs; under --window the exact count); time = median of CUDA-event-timed launches after warm-up "
-    "(>= 20 launches and >= 100 ms), inputs uniform in [-1, 1) rotated past 2x L2; outputs "
+    "exact count of unmasked pairs; under --window the exact count); time = median of "
+    "CUDA-event-timed launches after warm-up (>= 20 launches and >= 100 ms), inputs uniform in [-1, 1) rotated past 2x L2; outputs "
     "poisoned with NaN and checked, a few forward rows compared with the CPU reference; bwd "
     "times mha_bwd alone on the output and LSE of one forward (workspace from the size query)";
 
@@ -333,7 +333,8 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
        << ", \"heads_kv\": " << c.heads << ", \"seqlen_q\": " << c.seqlen
        << ", \"seqlen_k\": " << c.seqlen << ", \"head_dim\": " << c.head_dim
        << ", \"causal\": " << (c.causal ? "true" : "false")
-       << ", \"window\": [" << c.window << ", " << (c.window >= 0 ? 0 : -1) << "], \"ms\": " << format_number(r.ms, "%.6g")
+       << ", \"window\": [" << c.window << ", " << (c.window >= 0 ? 0 : -1)
+       << "], \"ms\": " << format_number(r.ms, "%.6g")
        << ", \"tflops\": " << format_number(r.tflops, "%.4g") << ", \"tbps\": null";
     if (c.dropout > 0.0f) js << ", \"dropout\": " << format_number(c.dropout, "%.6g");
     if (!std::isnan(r.joules)) {
