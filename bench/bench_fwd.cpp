@@ -48,11 +48,11 @@ constexpr int kSpotRows = 4;  // query rows per block compared with the CPU refe
 
 const char* const kMethodNote =
     "tflops = 4*b*h*sq*sk*d / time (x2.5 for bwd, x3.5 for fwd_bwd), halved for causal (the "
-    "FlashAttention convention, not the "
-    "exact count of unmasked pairs; under --window the exact count); time = median of "
-    "CUDA-event-timed launches after warm-up (>= 20 launches and >= 100 ms), inputs uniform in [-1, 1) rotated past 2x L2; outputs "
-    "poisoned with NaN and checked, a few forward rows compared with the CPU reference; bwd "
-    "times mha_bwd alone on the output and LSE of one forward (workspace from the size query)";
+    "FlashAttention convention, not the exact count of unmasked pairs; under --window the exact "
+    "count); time = median of CUDA-event-timed launches after warm-up (>= 20 launches and >= 100 "
+    "ms), inputs uniform in [-1, 1) rotated past 2x L2; outputs poisoned with NaN and checked, a "
+    "few forward rows compared with the CPU reference; bwd times mha_bwd alone on the output and "
+    "LSE of one forward (workspace from the size query)";
 
 const char* const kCpuMethodNote =
     "CPU reference backend on a small problem, not GPU numbers: tflops = 4*b*h*sq*sk*d / time "
