@@ -140,8 +140,7 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
                    tile.block_n, tile.stages, tile.block_m / 64, problem.batch, problem.heads_q,
                    problem.heads_kv, problem.seqlen_q, problem.seqlen_k,
                    problem.is_varlen() ? " (varlen maxima)" : "",
-                   problem.window_left >= 0 && problem.dropout_p == 0.0f &&
-                           sm90::fwd_sliding_window_instance(family90)
+                   sm90::fwd_takes_sliding_window_instance(family90, problem.window_left, problem.dropout_p)
                        ? ", the sliding-window instance (skips blocks left of the window per consumer)"
                        : "");
     } else {

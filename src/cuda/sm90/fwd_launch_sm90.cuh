@@ -167,7 +167,7 @@ void run_fwd(const FwdProblem& problem, void* stream_ptr) {
       FwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.stages, false>;
   using DropoutTraits = FwdKernelTraits<Element, kHeadDimFamily, kDropoutTile.block_m,
                                         kDropoutTile.block_n, kDropoutTile.stages, true>;
-  // Problems with a left window edge (the same type as Traits where it would not pay).
+  // Problems with a left window edge (fwd_takes_sliding_window_instance).
   using WindowTraits =
       FwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.stages, false,
                       fwd_sliding_window_instance(kHeadDimFamily)>;
@@ -181,7 +181,7 @@ void run_fwd(const FwdProblem& problem, void* stream_ptr) {
     launch_fwd<DropoutTraits, true>(problem, stream);
   } else if (serial) {
     launch_fwd<Traits, false>(problem, stream);
-  } else if (problem.window_left >= 0) {
+  } else if (fwd_takes_sliding_window_instance(kHeadDimFamily, problem.window_left, problem.dropout_p)) {
     launch_fwd<WindowTraits, true>(problem, stream);
   } else {
     launch_fwd<Traits, true>(problem, stream);

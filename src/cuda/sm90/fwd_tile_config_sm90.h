@@ -54,4 +54,10 @@ constexpr FwdTileConfig fwd_tile_config(int head_dim_family, bool dropout = fals
 // the producer makes for every block anyway. d128's 128 x 128 has no such block.
 constexpr bool fwd_sliding_window_instance(int head_dim_family) { return head_dim_family == 64; }
 
+// Whether run_fwd launches a problem on that instance: p = 0, a left window edge (window_left >= 0
+// after validation), a family that has one.
+constexpr bool fwd_takes_sliding_window_instance(int head_dim_family, int window_left, float dropout_p) {
+  return dropout_p == 0.0f && window_left >= 0 && fwd_sliding_window_instance(head_dim_family);
+}
+
 }  // namespace flashkit::sm90
