@@ -121,6 +121,16 @@ def flop_per_joule(r):
     return r["tflops"] / r["watts"]
 
 
+def ratio_summary(base, peer, ratios, of="the ratios"):
+    """One line on base / peer over cells: the geometric mean of `ratios` (positive), their range
+    and the cells below 0.97 (issue 8's per-cell floor), so that a grid's headline is read, not
+    recomputed."""
+    geo = math.exp(sum(math.log(v) for v in ratios) / len(ratios))
+    low = sum(v < 0.97 for v in ratios)
+    return (f"- {base} / {peer}: geometric mean of {of} {geo:.3f} over {len(ratios)} cells "
+            f"({min(ratios):.3f} to {max(ratios):.3f}), {low} below 0.97")
+
+
 def op_table(op, rows, labels, base_label, energy=False):
     """Markdown lines for one op: rows maps shape key -> {label: record}. With energy, the table of
     TFLOP per joule (from --energy's mean power) instead of the speed."""
@@ -156,15 +166,9 @@ def op_table(op, rows, labels, base_label, energy=False):
                 ratios[p].append(value[base_label] / value[p])
             row.append(f"{value[base_label] / value[p]:.2f}x" if ok else "—")
         lines.append("| " + " | ".join(row) + " |")
-    # Over the cells both measured: the geometric mean of the ratios, their range and the cells
-    # below 0.97 (issue 8's per-cell floor), so that a grid's headline is read, not recomputed.
     if ratios:
         lines.append("")
-    for p, values in ratios.items():
-        geo = math.exp(sum(math.log(v) for v in values) / len(values))
-        low = sum(v < 0.97 for v in values)
-        lines.append(f"- {base_label} / {p}: geometric mean {geo:.3f} over {len(values)} cells "
-                     f"({min(values):.3f} to {max(values):.3f}), {low} below 0.97")
+    lines += [ratio_summary(base_label, p, values) for p, values in ratios.items()]
     return lines
 
 

@@ -45,7 +45,9 @@ kill "$smi"
 {
   for md in "$work"/*-round*.md; do cat "$md"; echo; done
   python3 - "$work" <<'PY'
-import collections, glob, json, math, re, statistics, sys
+import collections, glob, json, re, statistics, sys
+sys.path.insert(0, "bench")
+from report import ratio_summary
 # cells[key][impl][round] = (TFLOP/s, watts or None)
 cells = collections.defaultdict(lambda: collections.defaultdict(dict))
 for path in glob.glob(f"{sys.argv[1]}/*-round*.json"):
@@ -84,11 +86,9 @@ for key in sorted(cells):
         else:
             row.append("—")
     print(f"| {' '.join(map(str, key))} | " + " | ".join(row) + " |")
+print()
 for peer, values in ratios.items():
-    geo = math.exp(sum(map(math.log, values)) / len(values))
-    low = sum(v < 0.97 for v in values)
-    print(f"\nflashkit / {peer}: geometric mean of the cells' medians {geo:.3f} over {len(values)} cells, "
-          f"{low} below 0.97, lowest {min(values):.3f}")
+    print(ratio_summary("flashkit", peer, values, of="the cells' medians"))
 PY
 } >"$OUT/energy.md"
 tar -C "$work" -czf "$OUT/rounds.tgz" .
