@@ -5,7 +5,9 @@
 // The grid: bf16, seqlen_q 1, GQA 32/8 (--heads-kv 1 for MQA), head dim 128; batch 1 ... 256 x
 // cache length 1k ... 128k (cells above --max-tokens cached tokens in all are skipped: they need
 // more memory than the GPU has); caches contiguous, paged with 16-token and with 256-token pages
-// (randperm block tables); --splits times given split counts instead of the heuristic's (0).
+// (randperm block tables; --page-shuffle N shuffles within runs of N pages instead, 1 keeps them in
+// order, to tell address-translation or DRAM locality costs from the kernel's own); --splits times
+// given split counts instead of the heuristic's (0).
 // Every sequence holds the full cache length; no append (a decode step
 // proper appends one token: --append adds it, with rotary off).
 //
@@ -71,6 +73,7 @@ struct Options {
   int heads_kv = 8;
   std::vector<int64_t> splits = {0};  // num_splits values to time (0: the heuristic)
   int64_t max_tokens = int64_t{2} << 20;
+  int64_t page_shuffle = 0;  // shuffle the block table within runs of this many pages (0: all)
   bool append = false;
   std::string json;
 };
@@ -120,7 +123,10 @@ Record run_cell(const Options& opt, int64_t batch, int64_t cache, int64_t page, 
     if (page > 0) {
       std::vector<int> table(batch * pages_per_seq);
       std::iota(table.begin(), table.end(), 0);
-      std::shuffle(table.begin(), table.end(), rng);
+      const size_t run = opt.page_shuffle > 0 ? static_cast<size_t>(opt.page_shuffle) : table.size();
+      for (size_t first = 0; first < table.size(); first += run) {
+        std::shuffle(table.begin() + first, table.begin() + std::min(table.size(), first + run), rng);
+      }
       CUDA_OK(cudaMalloc(&s.block_table, table.size() * sizeof(int)));
       CUDA_OK(cudaMemcpy(s.block_table, table.data(), table.size() * sizeof(int), cudaMemcpyHostToDevice));
     }
@@ -240,12 +246,14 @@ int main(int argc, char** argv) {
     else if (arg == "--splits") opt.splits = parse_list(value), ++i;
     else if (arg == "--heads-kv") opt.heads_kv = std::stoi(value), ++i;
     else if (arg == "--max-tokens") opt.max_tokens = parse_list(value)[0], ++i;
+    else if (arg == "--page-shuffle") opt.page_shuffle = std::stoll(value), ++i;
     else if (arg == "--append") opt.append = true;
     else if (arg == "--json") opt.json = value, ++i;
     else {
       std::fprintf(stderr,
                    "usage: flashkit_bench_decode [--batch 1,8,64,256] [--cache 1k,8k,32k,128k] "
-                   "[--pages 0,16,256] [--splits 0] [--heads-kv 8] [--max-tokens 2048k] [--append] [--json PATH]\n");
+                   "[--pages 0,16,256] [--splits 0] [--heads-kv 8] [--max-tokens 2048k] "
+                   "[--page-shuffle 0] [--append] [--json PATH]\n");
       return 2;
     }
   }
@@ -270,7 +278,10 @@ int main(int argc, char** argv) {
           Record r = run_cell(opt, batch, cache, page, static_cast<int>(splits), l2_bytes);
           std::printf("  %-11s batch %4lld cache %7lld: %8.4f ms  %6.3f TB/s  splits %3d  "
                       "(back to back %8.4f ms, host %7.4f ms per call) %s\n",
-                      page > 0 ? ("paged" + std::to_string(page)).c_str() : "contiguous",
+                      page > 0 ? ("paged" + std::to_string(page) +
+                                  (opt.page_shuffle > 0 ? "/" + std::to_string(opt.page_shuffle) : ""))
+                                     .c_str()
+                               : "contiguous",
                       static_cast<long long>(batch), static_cast<long long>(cache), r.ms, r.tbps,
                       r.splits, r.back_to_back_ms, r.host_ms, r.note.c_str());
           std::fflush(stdout);
@@ -299,6 +310,7 @@ int main(int argc, char** argv) {
          << (r.page > 0 ? "paged" + std::to_string(r.page) : std::string("contiguous"))
          << "\", \"splits\": " << r.splits << ", \"ms\": " << number_or_null(r.ms)
          << ", \"tflops\": null, \"tbps\": " << number_or_null(r.tbps);
+      if (r.page > 0 && opt.page_shuffle > 0) js << ", \"page_shuffle\": " << opt.page_shuffle;
       if (!r.note.empty()) js << ", \"note\": \"" << r.note << "\"";
       js << "}";
     }
