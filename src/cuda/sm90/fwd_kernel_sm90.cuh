@@ -42,9 +42,10 @@
 //               (stmatrix) and one thread hands the tile to a TMA store, which clips rows past the
 //               sequence and columns past head_dim; the warpgroup goes on to its next tile while the
 //               copy engine writes (a varlen tile reaching past its sequence is copied out of the
-//               staging tile by the warpgroup instead: store_output_staged). Otherwise (d256) the
-//               lanes store their pairs from registers (4 bytes per lane, rows inside the
-//               sequence, columns inside head_dim).
+//               staging tile by the warpgroup instead: store_output_staged). Otherwise (d256) each
+//               quad transposes its rows' column pairs by shuffles and stores 16 bytes per lane
+//               from registers (store_output_row_half; rows inside the sequence, columns inside
+//               head_dim).
 //   [turn] passes round the consumers (named barriers kScheduler0/1/2; ping-pong with two): a
 //   warpgroup issues its matrix products only after the one before it has issued its own, so one
 //   warpgroup's softmax runs while the others' products occupy the tensor cores.
@@ -594,6 +595,46 @@ __device__ __forceinline__ void store_output_staged(const FwdParams& params, con
   }
 }
 
+// The register epilogue (families without room for a staging tile: d256): one row half of a
+// warp's normalized O, 16 bytes per store. The quad's four lanes hold two columns each of every
+// 8-column chunk of their row; for each group of four chunks a 4 x 4 transpose in two xor-shuffle
+// rounds gives lane t all of chunk 4j + t, so that one store writes 64 contiguous bytes of each of
+// the warp's 8 rows, where 4-byte stores wrote 16: a quarter of the store instructions and of their
+// L1 wavefronts (the 4-byte stores took ~9,000 cycles per tile at d256, while the tensor cores
+// idled; bench/NOTES.md, session 13). The shuffles run on every lane; the stores only where the row
+// lies inside the sequence (`row_inside`) and the chunk inside head_dim.
+template <typename Element, int kDTiles>
+__device__ __forceinline__ void store_output_row_half(const float (&acc_o)[kDTiles][4], int half, Element* out_row,
+                                                      bool row_inside, int head_chunks, int t) {
+  static_assert(kDTiles % 4 == 0, "chunks go out in groups of four");
+#pragma unroll
+  for (int j = 0; j < kDTiles / 4; ++j) {
+    uint32_t x[4];  // x[k]: this lane's two columns of chunk 4j + k; after the rounds, chunk 4j + t
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x[k] = sm80::pack2<Element>(acc_o[4 * j + k][2 * half], acc_o[4 * j + k][2 * half + 1]);
+#pragma unroll
+    for (int m = 1; m <= 2; m *= 2) {
+      // Each pair (k, k + m): the lane whose bit m is clear keeps x[k] and trades its x[k + m] for
+      // the partner's x[k]; the other keeps x[k + m] and trades its x[k].
+      const bool upper = (t & m) != 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        if (k & m) continue;
+        const uint32_t received = __shfl_xor_sync(0xffffffffu, upper ? x[k] : x[k + m], m);
+        if (upper) {
+          x[k] = received;
+        } else {
+          x[k + m] = received;
+        }
+      }
+    }
+    const int chunk = 4 * j + t;
+    if (row_inside && chunk < head_chunks) {
+      *reinterpret_cast<uint4*>(out_row + 8 * chunk) = make_uint4(x[0], x[1], x[2], x[3]);
+    }
+  }
+}
+
 // kPipelined: the schedule of the header (one block of software pipelining + turns). Otherwise
 // each block runs S, softmax, O += P V back to back (the first version; kept to measure the
 // schedule against, selected by FLASHKIT_SM90_SCHEDULE=serial).
@@ -913,8 +954,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       }
     }
 
-    // Epilogue: normalize; O staged for a TMA store, or this lane's pairs of columns of its two rows
-    // stored from registers (the header says when); the LSE of each row from registers.
+    // Epilogue: normalize; O staged for a TMA store, or stored from registers in 16-byte chunks of
+    // its rows (the header says when); the LSE of each row from registers.
     float lse[2];
     softmax.finalize(acc_o, log2_scale, lse, Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
     if constexpr (Traits::kStageOutput) {
@@ -930,20 +971,13 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = warp_row0 + g + half * 8;
-      if (row < tile.rows_in_block) {
-        if constexpr (!Traits::kStageOutput) {
-          Element* out_row = out + (q_row0 + row) * p.out_row_stride + 2 * t;
-#pragma unroll
-          for (int dt = 0; dt < kDTiles; ++dt) {
-            if (dt < head_chunks) {
-              *reinterpret_cast<uint32_t*>(out_row + 8 * dt) =
-                  sm80::pack2<Element>(acc_o[0][dt][2 * half], acc_o[0][dt][2 * half + 1]);
-            }
-          }
-        }
-        if (t == 0) {
-          p.lse[tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride + m0 + row] = lse[half];
-        }
+      const bool row_inside = row < tile.rows_in_block;
+      if constexpr (!Traits::kStageOutput) {
+        store_output_row_half<Element, kDTiles>(acc_o[0], half, out + (q_row0 + row) * p.out_row_stride, row_inside,
+                                                head_chunks, t);
+      }
+      if (row_inside && t == 0) {
+        p.lse[tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride + m0 + row] = lse[half];
       }
     }
     FLASHKIT_FWD_TRACE(5, clock64());
