@@ -370,7 +370,20 @@ enum class FwdBarrier : uint32_t {
   kScheduler1,                       // consumer 1 may issue its matrix products
   kScheduler2,                       // consumer 2 (of three) may issue its matrix products
   kOutput0,  // consumer c's staging tile (kOutput0 + c, its 128 threads): free, then written
+  // Every consumer thread has read the published tile (Barriers::tile, located): the consumers
+  // arrive when they release Q, the producer warp syncs before publishing the next tile. The q_empty
+  // mbarrier already orders the two (its wait has acquire semantics); the named barrier says so in
+  // a way compute-sanitizer's racecheck follows, which does not model mbarrier phases for plain
+  // shared-memory accesses. It costs a consumer one arrive per tile and never stalls the producer,
+  // whose q_empty wait completes only after every consumer's arrival.
+  kTileRead = kOutput0 + 3,
 };
+
+// The threads of the kTileRead barrier: the producer warp and every consumer thread.
+template <typename Traits>
+constexpr uint32_t tile_read_threads() {
+  return 32 + Traits::kConsumerWarpgroups * kWarpgroupThreads;
+}
 
 // The tiles a CTA walks: tile blockIdx.x first, then either every gridDim.x-th after it (the static
 // round robin) or, with a counter (the dynamic scheduler), the next one that no CTA has taken:
@@ -434,6 +447,7 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
     if (tile.rows_in_block <= 0) continue;  // varlen: past the sequence; the consumers skip it too
     const int batch = varlen ? 0 : tile.batch;
     mbarrier_wait(smem_u32(&bars.q_empty), (q_loads & 1u) ^ 1u);
+    if (q_loads > 0) named_barrier_sync(FwdBarrier::kTileRead, tile_read_threads<Traits>());
     ++q_loads;
     if (lane == 0) {
       *reinterpret_cast<volatile int*>(&bars.tile) = linear;
@@ -491,6 +505,7 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
   }
   // The walk's end, published like a tile.
   mbarrier_wait(smem_u32(&bars.q_empty), (q_loads & 1u) ^ 1u);
+  if (q_loads > 0) named_barrier_sync(FwdBarrier::kTileRead, tile_read_threads<Traits>());
   if (lane == 0) {
     *reinterpret_cast<volatile int*>(&bars.tile) = num_tiles;
     mbarrier_arrive(smem_u32(&bars.q_full));
@@ -669,6 +684,12 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     __syncwarp();
     if (lane == 0) mbarrier_arrive(smem_u32(&empty));
   };
+  // Q and the published tile: every thread has read the tile long before (kTileRead's arrival
+  // here rather than at the tile's start keeps the main loop's SASS as it was).
+  auto release_q = [&] {
+    named_barrier_arrive(FwdBarrier::kTileRead, tile_read_threads<Traits>());
+    release(bars.q_empty);
+  };
   const ConsumerTurn<Traits::kConsumerWarpgroups> turn(consumer);
   constexpr int kLastConsumer = Traits::kConsumerWarpgroups - 1;
   // Read once: with a device rng_state the dropout key is in global memory.
@@ -728,7 +749,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     // the turns, Q), so that the other consumers' products have the tensor cores to themselves.
     // Its output rows are never stored and its LSE rows never written.
     const bool rows_here = !kPipelined || !Traits::kSkipIdleRows || row0 < tile.rows_in_block;
-    if (!tile.has_keys()) release(bars.q_empty);  // the producer may publish the next tile
+    if (!tile.has_keys()) release_q();  // the producer may publish the next tile
     if (Traits::kSkipIdleRows && tile.has_keys() && !rows_here) {
       if (consumer == kLastConsumer) turn.pass();
       Cursor cursor = ring;
@@ -746,7 +767,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         release(bars.k_empty[cursor.stage]);
         release(bars.v_empty[previous.stage]);
       }
-      release(bars.q_empty);
+      release_q();
       mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
       turn.wait();
       if (consumer != kLastConsumer) turn.pass();
@@ -778,7 +799,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           release(bars.v_empty[ring.stage]);
           ring.advance();
         }
-        release(bars.q_empty);
+        release_q();
       } else {
         if (consumer == kLastConsumer) turn.pass();  // consumer 0 takes the tile's first turn
         Cursor cursor = ring;  // the block whose scores are being computed
@@ -925,7 +946,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
           for (--n_block; n_block >= n_stop; --n_block) iteration(p_frag[0], p_frag[0]);
         }
         FLASHKIT_FWD_LOOP_STORE();
-        release(bars.q_empty);  // every S of the tile has completed
+        release_q();  // every S of the tile has completed
         FLASHKIT_FWD_TRACE(3, clock64());
 
         if constexpr (!Traits::kShortChain) mbarrier_wait(smem_u32(&bars.v_full[cursor.stage]), cursor.phase);
