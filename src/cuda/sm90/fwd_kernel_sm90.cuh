@@ -8,7 +8,8 @@
 // per SM either way (take_next_tile, fwd_launch_sm90.cuh). Its warpgroups:
 //
 //   producer  (warpgroup 0, 40, 32 or 24 registers; its first warp works, one lane issues the copies)
-//     per tile: wait q_empty; publish the tile; TMA Q (kBlockM x D)  -> q_full
+//     per tile: wait q_empty; sync kTileRead (the consumers have read the previous tile);
+//               publish the tile, located (FwdTile); TMA Q (kBlockM x D)  -> q_full
 //               (a tile with no visible key is published without Q; num_tiles ends the walk)
 //     for each visible key block n, last to first, through a ring of kStages stages:
 //       wait k_empty[s]; TMA K[n] -> k_full[s]
@@ -19,7 +20,7 @@
 //   consumers (warpgroups 1 .. kConsumerWarpgroups, 232 or 240 registers for two, 160 for three;
 //   64 query rows each), software-pipelined by one block so that each block's softmax overlaps the
 //   tensor cores:
-//     per tile: wait q_full; read the tile (the end of the walk: exit)
+//     per tile: wait q_full; copy the located tile (the end of the walk: exit)
 //     first block:  S = Q K^T (wgmma SS); release K; softmax S -> P (registers)
 //     each next block n, previous block p:
 //       [turn]  issue S_n = Q K_n^T (SS) and O += P_p V_p (RS: P from registers)   [pass turn]
@@ -33,9 +34,9 @@
 //      no softmax; it waits for and releases each block's K and V and takes its turns, in the same
 //      order, so that the others' products have the tensor cores to themselves; likewise, before
 //      its first block, for the tile's leading blocks that none of its rows sees, in d64 / d256)
-//     release Q (q_empty): with several tiles per CTA, the producer loads the next tile's Q under
-//                          this tile's last P V and epilogue, as it loads the next tile's K and V
-//                          into the stages this tile frees
+//     release Q (arrive on kTileRead, then on q_empty): with several tiles per CTA, the producer
+//                          loads the next tile's Q under this tile's last P V and epilogue, as it
+//                          loads the next tile's K and V into the stages this tile frees
 //     last:   [turn] O += P V [pass turn]; release V
 //     epilogue: O / rowsum -> 16-bit; LSE per row. Where shared memory has room for O (every
 //               family but 256), each consumer writes its 64 rows into its own staging tile
