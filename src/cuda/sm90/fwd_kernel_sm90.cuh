@@ -407,7 +407,6 @@ __device__ __forceinline__ int take_next_tile(unsigned* counter, int linear, int
   return static_cast<int>(gridDim.x) + static_cast<int>(__shfl_sync(0xffffffffu, taken, 0));
 }
 
-
 // Copies rows [row, row + box rows) of the (head, batch) slice of a tensor, all column blocks, into
 // the tile at `dst`, completing on `bar`.
 template <typename Tile>
