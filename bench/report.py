@@ -10,8 +10,8 @@ header) and every record tagged with "run" (its input's index), and the same nam
 header lines (GPU, driver, CUDA, PyTorch, date, commit) and per op a table with, per shape, each
 implementation's TFLOP/s (TB/s for bandwidth-bound ops) and the ratio of the base implementation
 (default flashkit, of the first input that has it) to each other one; where records carry --energy's
-mean power, a second table per op of TFLOP per joule, with the same ratios; then the notes of the
-cells left empty. An implementation found in several inputs gets one column per input, tagged with its
+energy and mean power, a second table per op of TFLOP per joule and a third of the speed sustained
+over the energy window, with the same ratios; then the notes of the cells left empty. An implementation found in several inputs gets one column per input, tagged with its
 commit (or file name). Prints the two paths. Standard library only.
 """
 import argparse
@@ -115,10 +115,20 @@ def format_value(v):
 
 
 def flop_per_joule(r):
-    """TFLOP per joule (TFLOP/s over watts) of a record measured with --energy, else None."""
-    if r.get("tflops") is None or not r.get("watts"):
+    """TFLOP per joule of a record measured with --energy: its FLOP per call (TFLOP/s x ms) over
+    its joules per call, else None. (Not TFLOP/s over watts: the speed comes from the timed calls,
+    the power from the energy window's, and the two differ where the timed calls ran before the
+    power limiter settled.)"""
+    if r.get("tflops") is None or not r.get("joules") or not r.get("ms"):
         return None
-    return r["tflops"] / r["watts"]
+    return r["tflops"] * r["ms"] * 1e-3 / r["joules"]
+
+
+def sustained_tflops(r):
+    """TFLOP/s over --energy's window (1 s of calls back to back after the timed ones): TFLOP per
+    joule x the window's mean power, the speed once the power limiter has settled; else None."""
+    per_joule = flop_per_joule(r)
+    return per_joule * r["watts"] if per_joule is not None and r.get("watts") else None
 
 
 def ratio_summary(base, peer, ratios, of="the ratios"):
@@ -131,16 +141,21 @@ def ratio_summary(base, peer, ratios, of="the ratios"):
             f"({min(ratios):.3f} to {max(ratios):.3f}), {low} below 0.97")
 
 
-def op_table(op, rows, labels, base_label, energy=False):
-    """Markdown lines for one op: rows maps shape key -> {label: record}. With energy, the table of
-    TFLOP per joule (from --energy's mean power) instead of the speed."""
+def op_table(op, rows, labels, base_label, kind="speed"):
+    """Markdown lines for one op: rows maps shape key -> {label: record}. kind "speed": the timed
+    calls' TFLOP/s (or TB/s); "energy": TFLOP per joule; "sustained": TFLOP/s over the energy
+    window (both from --energy's records)."""
     records = [r for cells in rows.values() for r in cells.values()]
     metric = "tflops" if any(r.get("tflops") is not None for r in records) \
         or not any(r.get("tbps") is not None for r in records) else "tbps"
     unit = "TFLOP/s" if metric == "tflops" else "TB/s"
     read = lambda r: r.get(metric)
+    energy = kind == "energy"
     if energy:
-        unit, read = "TFLOP per joule (TFLOP/s over the mean power)", flop_per_joule
+        unit, read = "TFLOP per joule (FLOP per call over joules per call)", flop_per_joule
+    elif kind == "sustained":
+        unit, read = ("TFLOP/s sustained (over --energy's 1 s window: TFLOP per joule x mean power)",
+                      sustained_tflops)
     present = [lab for lab in labels if any(lab in cells for cells in rows.values())]
     peers = [lab for lab in present if lab != base_label] if base_label in present else []
     show_window = any(list(k[SHAPE_KEYS.index("window")]) not in ([], [-1, -1]) for k in rows)
@@ -240,7 +255,8 @@ def main():
     for op, rows in sorted(rows_by_op.items()):
         md += op_table(op, rows, ordered, base_label) + [""]
         if any(flop_per_joule(r) is not None for cells in rows.values() for r in cells.values()):
-            md += op_table(op, rows, ordered, base_label, energy=True) + [""]
+            md += op_table(op, rows, ordered, base_label, kind="energy") + [""]
+            md += op_table(op, rows, ordered, base_label, kind="sustained") + [""]
     md += notes_lines(rows_by_op)
     md_path.write_text("\n".join(md))
     print(json_path)

@@ -7,6 +7,9 @@
 #
 #   ENERGY_ROUNDS=2 ENERGY_ARGS="--dtype bf16 --hdim 64,128 --seqlen 2k,8k --causal both" \
 #     ENERGY_IMPLS=sdpa_cudnn,sdpa_flash ENERGY_OP=fwd bash scripts/energy_rounds.sh $OUT
+# With energy, each cell also gets the speed sustained over the 1 s energy window (TFLOP per joule x
+# mean power) and its ratio: the timed calls (>= 100 ms after a 25 ms warm-up) can run before the
+# power limiter settles, so their ratio carries that transient (bench/NOTES.md, session 13).
 # ENERGY_MEASURE=0 leaves --energy out (speed only, about a third of the time per cell): rounds of a
 # whole grid, whose per-cell medians of flashkit / peer and their geometric mean say how much of
 # one run's ratio is the run's draw (cuDNN's figures move by 5-14% between runs).
@@ -47,22 +50,26 @@ kill "$smi"
   python3 - "$work" <<'PY'
 import collections, glob, json, re, statistics, sys
 sys.path.insert(0, "bench")
-from report import ratio_summary
-# cells[key][impl][round] = (TFLOP/s, watts or None)
+from report import flop_per_joule, ratio_summary, sustained_tflops
+# cells[key][impl][round] = the record
 cells = collections.defaultdict(lambda: collections.defaultdict(dict))
 for path in glob.glob(f"{sys.argv[1]}/*-round*.json"):
     rnd = int(re.search(r"round(\d+)", path).group(1))
     for r in json.load(open(path))["records"]:
         if r.get("tflops"):
             key = (r["dtype"], r["head_dim"], "causal" if r["causal"] else "full", r["seqlen_q"])
-            cells[key][r["impl"]][rnd] = (r["tflops"], r.get("watts"))
+            cells[key][r["impl"]][rnd] = r
 impls = sorted({i for c in cells.values() for i in c}, key=lambda i: (i != "flashkit", i))
 peers = [i for i in impls if i != "flashkit"]
-with_energy = all(w for c in cells.values() for runs in c.values() for _, w in runs.values())
-what = "TFLOP/s | TFLOP per joule | watts" if with_energy else "TFLOP/s"
+with_energy = all(flop_per_joule(r) for c in cells.values() for runs in c.values() for r in runs.values())
+# With energy, each cell also gets the speed sustained over the 1 s energy window (TFLOP per joule x
+# mean power), and the ratios are given for it too.
+what = ("TFLOP/s | TFLOP per joule | watts | sustained TFLOP/s" if with_energy else "TFLOP/s")
 print(f"## Medians over the rounds: {what}; flashkit / peer: the median of the rounds' ratios\n")
-print("| cell | " + " | ".join(impls + [f"flashkit / {p}" for p in peers]) + " |")
-print("|" + " --- |" * (len(impls) + len(peers) + 1))
+measures = [("", lambda r: r["tflops"])] + ([(" sustained", sustained_tflops)] if with_energy else [])
+ratio_heads = [f"flashkit / {p}{name}" for name, _ in measures for p in peers]
+print("| cell | " + " | ".join(impls + ratio_heads) + " |")
+print("|" + " --- |" * (len(impls) + len(ratio_heads) + 1))
 ratios = collections.defaultdict(list)
 for key in sorted(cells):
     row = []
@@ -71,20 +78,23 @@ for key in sorted(cells):
         if not runs:
             row.append("—")
             continue
-        speed = statistics.median(s for s, _ in runs)
+        speed = statistics.median(r["tflops"] for r in runs)
         if with_energy:
-            per_joule = statistics.median(s / w for s, w in runs)
-            row.append(f"{speed:.0f} / {per_joule:.3f} / {speed / per_joule:.0f} W")
+            per_joule = statistics.median(flop_per_joule(r) for r in runs)
+            watts = statistics.median(r["watts"] for r in runs)
+            sustained = statistics.median(sustained_tflops(r) for r in runs)
+            row.append(f"{speed:.0f} / {per_joule:.3f} / {watts:.0f} W / {sustained:.0f}")
         else:
             row.append(f"{speed:.0f}")
-    for peer in peers:
-        mine, theirs = cells[key].get("flashkit", {}), cells[key].get(peer, {})
-        both = [mine[r][0] / theirs[r][0] for r in mine if r in theirs]
-        if both:
-            ratios[peer].append(statistics.median(both))
-            row.append(f"{statistics.median(both):.3f} ({min(both):.2f}-{max(both):.2f})")
-        else:
-            row.append("—")
+    for name, read in measures:
+        for peer in peers:
+            mine, theirs = cells[key].get("flashkit", {}), cells[key].get(peer, {})
+            both = [read(mine[r]) / read(theirs[r]) for r in mine if r in theirs]
+            if both:
+                ratios[peer + name].append(statistics.median(both))
+                row.append(f"{statistics.median(both):.3f} ({min(both):.2f}-{max(both):.2f})")
+            else:
+                row.append("—")
     print(f"| {' '.join(map(str, key))} | " + " | ".join(row) + " |")
 print()
 for peer, values in ratios.items():

@@ -115,17 +115,20 @@ def test_peers_energy_gives_joules_and_watts(tmp_path):
 
 
 def test_report_energy_table(tmp_path):
-    """bench/report.py: records with --energy's mean power get a second table of TFLOP per joule,
-    flashkit's divided by the peer's; records without it leave that table alone."""
+    """bench/report.py: records with --energy's energy and mean power get a table of TFLOP per joule
+    (FLOP per call over joules per call) and one of the speed sustained over the energy window
+    (TFLOP per joule x watts), flashkit's divided by the peer's; records without them leave those
+    tables alone."""
     import subprocess
     import sys
 
-    def results(impl, tflops, watts):
+    def results(impl, tflops, watts, joules=None):
         shape = dict(op="fwd", dtype="bf16", head_dim=128, causal=False, window=[-1, -1],
                      seqlen_q=8192, seqlen_k=8192, batch=2, heads_q=16, heads_kv=16)
         record = dict(shape, impl=impl, tflops=tflops, ms=1.0)
         if watts is not None:
-            record.update(watts=watts, joules=watts * 1e-3)
+            # By default the window's calls last as long as the timed ones (1 ms at `watts`).
+            record.update(watts=watts, joules=watts * 1e-3 if joules is None else joules)
         return {"gpu": "CPU stand-in", "date": "2026-11-24T00:00:00Z", "records": [record]}
 
     def report(*inputs):
@@ -142,8 +145,15 @@ def test_report_energy_table(tmp_path):
     energy = table.split("## fwd: TFLOP per joule")[1]
     assert "| 1.000 | 1.100 | 0.91x |" in energy, energy  # 600/600 beside 550/500
     assert "| 600.0 | 550.0 | 1.09x |" in table.split("## fwd: TFLOP per joule")[0]
+    sustained = table.split("## fwd: TFLOP/s sustained")[1]
+    assert "| 600.0 | 550.0 | 1.09x |" in sustained, sustained
     assert "TFLOP per joule" not in report(results("flashkit", 600.0, None),
                                            results("sdpa_cudnn", 550.0, None))
+    # The window slower than the timed calls (0.75 J per call at 600 W: 1.25 ms per call): 0.6 TFLOP
+    # per call over 0.75 J is 0.8 TFLOP/J, sustained 480 TFLOP/s, whatever the timed 600 said.
+    slowed = report(results("flashkit", 600.0, 600.0, joules=0.75), results("sdpa_cudnn", 550.0, 500.0))
+    assert "| 0.800 | 1.100 | 0.73x |" in slowed.split("## fwd: TFLOP per joule")[1], slowed
+    assert "| 480.0 | 550.0 | 0.87x |" in slowed.split("## fwd: TFLOP/s sustained")[1], slowed
 
 
 def test_report_summarises_each_peer(tmp_path):
