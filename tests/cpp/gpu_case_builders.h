@@ -63,6 +63,14 @@ inline void draw_window(FwdCase& c, Rng& rng) {
   c.window_right = right_unbounded ? -1 : rng.uniform_int(0, std::max(1, sk / 2));
 }
 
+// `c` with a fixed sliding window: each row sees keys [diagonal - left, diagonal + right] (-1: that
+// side unbounded).
+inline FwdCase windowed(FwdCase c, int left, int right) {
+  c.window_left = left;
+  c.window_right = right;
+  return c;
+}
+
 inline void apply_mask(FwdCase& c, MaskKind m, Rng& rng) {
   switch (m) {
     case MaskKind::kNone: break;

@@ -83,12 +83,7 @@ inline std::vector<FwdCase> long_grid() {
     add(c, "causal");
   }
   add(fixed_case(DType::kFloat16, 64, 2, 2, 1, 4224, 4224), "none");
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 64, 2, 1, 1, 4224, 4224);
-    c.window_left = 1000;
-    c.window_right = 37;
-    add(c, "local");
-  }
+  add(windowed(fixed_case(DType::kBFloat16, 64, 2, 1, 1, 4224, 4224), 1000, 37), "local");
   // Sliding windows narrower than a tile's rows: lower rows of a tile pass the window's left edge
   // a key block or more before its top rows do (the sm90 forward's consumers skip such blocks).
   {
@@ -103,12 +98,7 @@ inline std::vector<FwdCase> long_grid() {
     c.window_left = 200;
     add(c, "causalWindow200");
   }
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 64, 2, 2, 1, 1000, 1700);
-    c.window_left = 300;
-    c.window_right = 40;
-    add(c, "window300x40");
-  }
+  add(windowed(fixed_case(DType::kBFloat16, 64, 2, 2, 1, 1000, 1700), 300, 40), "window300x40");
   {
     FwdCase c = fixed_case(DType::kFloat16, 96, 2, 1, 1, 1025, 4224);
     c.alibi = AlibiKind::kPerHead;
@@ -217,30 +207,13 @@ inline std::vector<FwdCase> empty_row_grid() {
     c.causal = true;
     add(c, "causalSqGtSk");
   }
-  {
-    FwdCase c = fixed_case(DType::kFloat16, 128, 6, 6, 2, 113, 17);  // rows 0..95 see nothing
-    c.window_left = 0;
-    c.window_right = 0;
-    add(c, "window0x0SqGtSk");
-  }
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 64, 6, 2, 2, 17, 239);  // keys 0..221 seen by none
-    c.window_left = 0;
-    c.window_right = 0;
-    add(c, "window0x0SqLtSk");
-  }
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 96, 8, 2, 1, 300, 40);
-    c.window_left = 5;
-    c.window_right = 2;
-    add(c, "window5x2");
-  }
-  {
-    FwdCase c = fixed_case(DType::kFloat16, 64, 4, 2, 2, 113, 113);  // one key per row: out = v
-    c.window_left = 0;
-    c.window_right = 0;
-    add(c, "diagonalOnly");
-  }
+  // rows 0..95 see nothing
+  add(windowed(fixed_case(DType::kFloat16, 128, 6, 6, 2, 113, 17), 0, 0), "window0x0SqGtSk");
+  // keys 0..221 seen by none
+  add(windowed(fixed_case(DType::kBFloat16, 64, 6, 2, 2, 17, 239), 0, 0), "window0x0SqLtSk");
+  add(windowed(fixed_case(DType::kBFloat16, 96, 8, 2, 1, 300, 40), 5, 2), "window5x2");
+  // one key per row: out = v
+  add(windowed(fixed_case(DType::kFloat16, 64, 4, 2, 2, 113, 113), 0, 0), "diagonalOnly");
   {
     FwdCase c = fixed_case(DType::kBFloat16, 128, 6, 2, 2, 239, 113);
     c.causal = true;
@@ -254,12 +227,7 @@ inline std::vector<FwdCase> empty_row_grid() {
     c.q_scale = 16.0f;
     add(c, "causalSoftcapOneKey");
   }
-  {
-    FwdCase c = fixed_case(DType::kBFloat16, 40, 6, 2, 1, 17, 1023);
-    c.window_left = 3;
-    c.window_right = 0;
-    add(c, "narrowWindow");
-  }
+  add(windowed(fixed_case(DType::kBFloat16, 40, 6, 2, 1, 17, 1023), 3, 0), "narrowWindow");
   {
     FwdCase c = varlen_case(DType::kBFloat16, 64, 6, 2, {50, 17, 8}, {10, 17, 64});
     c.used_k = {3, 0, 64};
