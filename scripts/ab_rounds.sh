@@ -12,7 +12,8 @@
 # AB_NCU="op:dtype:hdim:seqlen:causal ..." (e.g. "fwd:bf16:128:8k:yes") then profiles three launches
 # of each cell and tree with Nsight Compute at the base clock (its default clock control), so that
 # the comparison of cycles is free of the power cap's clock (bench/NOTES.md, "Session 10"):
-# sm__cycles_elapsed.max, gpu__time_duration.sum and smsp__inst_executed.sum per launch, in ncu.md.
+# sm__cycles_elapsed.max, gpu__time_duration.sum and smsp__inst_executed.sum per launch, in ncu.md;
+# AB_NCU_ARGS adds flashkit_bench arguments to those launches (e.g. "--dropout 0.1").
 set -u
 FINAL=$(mkdir -p "$1" && cd "$1" && pwd)
 cd "$(dirname "$0")/.." || exit 2
@@ -46,7 +47,7 @@ if [ -n "${AB_NCU:-}" ]; then
         timeout 120 "$NCU" -k 'regex:(fwd|bwd)_kernel' --launch-skip 5 --launch-count 3 \
           --metrics sm__cycles_elapsed.max,gpu__time_duration.sum,smsp__inst_executed.sum \
           "/tmp/ab-$tree/bench/flashkit_bench" --op "$op" --dtype "$dtype" --hdim "$hdim" \
-          --seqlen "$seqlen" --causal "$causal" >"$log" 2>&1
+          --seqlen "$seqlen" --causal "$causal" ${AB_NCU_ARGS:-} >"$log" 2>&1
         pick() { grep "$1" "$log" | awk '{print $(NF - 1) " " $NF}' | paste -sd' '; }
         echo "| $cell | $tree | $(pick sm__cycles_elapsed.max) | $(pick gpu__time_duration.sum) | $(pick smsp__inst_executed.sum) |"
       done
