@@ -301,7 +301,7 @@ struct FwdKernelTraits {
   // Whether a consumer whose rows all lie past the sequence skips its products (consumer_warpgroup).
   // Not at d256: there the walk that replaces them made ptxas spill in the main loop (p = 0: 44 B
   // instead of 20; dropout: 104 B instead of 0).
-  static constexpr bool kSkipIdleRows = kHeadDim <= 128;
+  static constexpr bool kSkipIdleRows = kHeadDim <= 128 && !kDropout;
   // Whether a consumer skips the trailing key blocks none of its rows sees, left of a sliding
   // window's edge (consumer_warpgroup; run_fwd picks the instance that does for problems with a
   // left window edge, fwd_sliding_window_instance says where).
