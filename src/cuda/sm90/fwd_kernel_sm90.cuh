@@ -30,11 +30,11 @@
 //       depend on the pending P V; otherwise after the wait for O)
 //       wait for the next K and V if the test failed; wait O; rescale O if a row maximum moved;
 //       release V_p
-//     (a consumer whose 64 rows all lie past the sequence's end, in d64 / d128 kernels but d128's
-//      dropout one: no products,
-//      no softmax; it waits for and releases each block's K and V and takes its turns, in the same
-//      order, so that the others' products have the tensor cores to themselves; likewise, before
-//      its first block, for the tile's leading blocks that none of its rows sees, in d64 / d256)
+//     (a consumer whose 64 rows all lie past the sequence's end, in the d64 / d128 kernels but
+//      d128's dropout one: no products, no softmax; it waits for and releases each block's K and
+//      V and takes its turns, in the same order, so that the others' products have the tensor
+//      cores to themselves; likewise, before its first block, for the tile's leading blocks that
+//      none of its rows sees, in d64 / d256)
 //     release Q (arrive on kTileRead, then on q_empty): with several tiles per CTA, the producer
 //                          loads the next tile's Q under this tile's last P V and epilogue, as it
 //                          loads the next tile's K and V into the stages this tile frees
@@ -301,11 +301,11 @@ struct FwdKernelTraits {
   static constexpr int kPBuffers = kShortChain ? 2 : 1;
   // Whether a consumer whose rows all lie past the sequence skips its products (consumer_warpgroup).
   // Not at d256: there the walk that replaces them made ptxas spill in the main loop (p = 0: 44 B
-  // instead of 20; dropout: 104 B instead of 0). Not in d128's dropout kernel: the warpgroup index
-  // that the skip takes through a shuffle (fwd_kernel) moves the first Philox round's multiplies
-  // from the uniform datapath (UIMAD.WIDE) to the FMA pipe that the draw saturates: 8 more
-  // IMAD.WIDE per key block, 13% more cycles at p = 0.1 (H200, bench/NOTES.md, session 14; d64's
-  // dropout kernel measured 4-7% faster with the skip).
+  // instead of 20; dropout: 104 B instead of 0). Not in d128's dropout kernel: with the warpgroup
+  // index that the skip takes through a shuffle (fwd_kernel), ptxas moves the first Philox rounds'
+  // 8 multiplies per key block off the uniform datapath (UIMAD.WIDE -> IMAD.WIDE) and reshapes the
+  // loop, for 13% more cycles at p = 0.1 (H200, bench/NOTES.md, session 14; d64's dropout kernel
+  // measured 1-7% faster with the skip).
   static constexpr bool kSkipIdleRows = kHeadDim <= 128 && !(kDropout && kHeadDim == 128);
   // Whether a consumer skips the trailing key blocks none of its rows sees, left of a sliding
   // window's edge (consumer_warpgroup; run_fwd picks the instance that does for problems with a
