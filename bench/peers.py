@@ -8,6 +8,8 @@ flags and defaults as flashkit_bench: batch = 16384 / seqlen, heads = 2048 / hdi
   sdpa_cudnn      ... under SDPBackend.CUDNN_ATTENTION
   sdpa_efficient  ... under SDPBackend.EFFICIENT_ATTENTION
   flex            flex_attention compiled with torch.compile (static shapes; a causal block mask)
+  fa3             FlashAttention-3's flash_attn_func (its `flash_attn_interface` module, built from
+                  the public source: scripts/build_fa3.sh), only when asked for with --impls
 on [b, h, s, d] views made by transposing [b, s, h, d] tensors, so memory is laid out as flashkit's.
 The method mirrors flashkit_bench: inputs uniform in [-1, 1), rotated among enough sets to exceed
 twice the L2; warm-up in batches until 25 ms (at least two batches, so that compilation stays out of
@@ -41,6 +43,8 @@ MIN_TIMED_MS = 100.0
 MIN_REPS, MAX_REPS = 20, 2000
 ENERGY_MS = 1000.0  # --energy: calls back to back for this long between two energy readings
 IMPLS = ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
+# Peers that run only when named (not installed by this project's files).
+OPTIONAL_IMPLS = ["fa3"]
 OPS = ["fwd", "bwd", "fwd_bwd"]
 # FLOPs of each op in units of the forward's 4*b*h*sq*sk*d (the FlashAttention convention: the
 # backward's five matrix products against the forward's two).
@@ -71,7 +75,7 @@ def parse_args():
                    help="bf16, hdim 64 and 128, seqlen 2k and 8k (explicit flags still override)")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     p.add_argument("--impls", default=",".join(IMPLS),
-                   help="comma-separated subset of " + ",".join(IMPLS))
+                   help="comma-separated subset of " + ",".join(IMPLS + OPTIONAL_IMPLS))
     p.add_argument("--json", help="write the results (docs/DESIGN.md format) to this path")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout_p of the SDPA backends (flex has none); records get \"dropout\"")
@@ -98,8 +102,8 @@ def parse_args():
         p.error(f"op '{bad}' is not one of {', '.join(OPS)}")
     for bad in [d for d in args.dtypes if d not in ("bf16", "fp16")]:
         p.error(f"dtype '{bad}' is not bf16 or fp16")
-    for bad in [i for i in args.impl_list if i not in IMPLS]:
-        p.error(f"impl '{bad}' is not one of {', '.join(IMPLS)}")
+    for bad in [i for i in args.impl_list if i not in IMPLS + OPTIONAL_IMPLS]:
+        p.error(f"impl '{bad}' is not one of {', '.join(IMPLS + OPTIONAL_IMPLS)}")
     return args
 
 
@@ -275,6 +279,22 @@ def impl_runner(torch, impl, flex_dynamic=False):
     whole grid instead of one per shape)."""
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if impl == "fa3":
+        import flash_attn_interface  # FlashAttention-3's own module name
+
+        def run_fa3(c, sets, bench):
+            if c["dropout"] > 0:
+                raise NotImplementedError("FlashAttention-3 has no dropout")
+
+            def attend(q, k, v):  # [b, h, s, d] views of [b, s, h, d] memory, as FA3 takes them
+                out = flash_attn_interface.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2),
+                                                           v.transpose(1, 2), causal=c["causal"])
+                out = out[0] if isinstance(out, tuple) else out
+                return out.transpose(1, 2)
+            call, _ = timed_op(torch, attend, c, sets)
+            return bench.time_ms(call, len(sets))
+        return run_fa3
 
     if impl != "flex":
         backend = {"sdpa_flash": SDPBackend.FLASH_ATTENTION,
