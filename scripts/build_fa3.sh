@@ -3,9 +3,16 @@
 # so that bench/peers.py --impls fa3 can time it beside flashkit in the same run (docs/GPU.md: the
 # figures that count are the ones measured beside the peers in one run).
 #
-# FA_DIR is a copy of github.com/Dao-AILab/flash-attention with hopper/ and csrc/cutlass/include
-# (the submodule's commit); the GPU machine has no network, so the tree travels as an ignored
-# folder named in the device call's carry (e.g. .peers/fa3). Only what the forward benchmark needs
+# FA_DIR is a copy of github.com/Dao-AILab/flash-attention with README.md, hopper/ and
+# csrc/cutlass/include (the submodule's commit); the GPU machine has no network, so the tree
+# travels as an ignored folder named in the device call's carry (e.g. .peers/fa3, ~31 MB), and
+# the build and the benchmark run in the same call (the machine keeps no carried folder between
+# calls). Made from git mirrors of the two repositories (session 14: flash-attention 0251105a,
+# cutlass 7127592):
+#   git -C FLASH_ATTENTION_GIT archive HEAD hopper README.md | tar -x -C .peers/fa3
+#   git -C CUTLASS_GIT archive $(git -C FLASH_ATTENTION_GIT rev-parse HEAD:csrc/cutlass) include |
+#     tar -x -C .peers/fa3/csrc/cutlass
+# The build takes ~100 s on the GPU machine's 16 cores. Only what the forward benchmark needs
 # is compiled: sm90, bf16 and fp16, head dims 64 / 128 / 256, causal and not; no backward,
 # split-KV, paged KV, append-KV, sliding window, softcap, GQA packing, fp8, varlen or clusters
 # (seven translation units instead of a few hundred). Afterwards:
