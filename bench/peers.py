@@ -287,7 +287,7 @@ def impl_runner(torch, impl, flex_dynamic=False):
             if c["dropout"] > 0:
                 raise NotImplementedError("FlashAttention-3 has no dropout")
 
-            def attend(q, k, v):  # [b, h, s, d] views of [b, s, h, d] memory, as FA3 takes them
+            def attend(q, k, v):  # [b, h, s, d] views of [b, s, h, d] memory: FA3 takes the latter
                 out = flash_attn_interface.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2),
                                                            v.transpose(1, 2), causal=c["causal"])
                 out = out[0] if isinstance(out, tuple) else out
