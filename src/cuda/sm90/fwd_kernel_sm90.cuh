@@ -306,7 +306,7 @@ struct FwdKernelTraits {
   // 8 multiplies per key block off the uniform datapath (UIMAD.WIDE -> IMAD.WIDE) and reshapes the
   // loop, for 13% more cycles at p = 0.1 (H200, bench/NOTES.md, session 14; d64's dropout kernel
   // measured 1-7% faster with the skip).
-  static constexpr bool kSkipIdleRows = kHeadDim <= 128 && !(kDropout && kHeadDim == 128);
+  static constexpr bool kSkipIdleRows = kHeadDim == 64 || (kHeadDim == 128 && !kDropout);
   // Whether a consumer skips the trailing key blocks none of its rows sees, left of a sliding
   // window's edge (consumer_warpgroup; run_fwd picks the instance that does for problems with a
   // left window edge, fwd_sliding_window_instance says where).
