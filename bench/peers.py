@@ -45,6 +45,7 @@ ENERGY_MS = 1000.0  # --energy: calls back to back for this long between two ene
 IMPLS = ["sdpa_flash", "sdpa_cudnn", "sdpa_efficient", "flex"]
 # Peers that run only when named (not installed by this project's files).
 OPTIONAL_IMPLS = ["fa3"]
+ALL_IMPLS = IMPLS + OPTIONAL_IMPLS
 OPS = ["fwd", "bwd", "fwd_bwd"]
 # FLOPs of each op in units of the forward's 4*b*h*sq*sk*d (the FlashAttention convention: the
 # backward's five matrix products against the forward's two).
@@ -75,7 +76,7 @@ def parse_args():
                    help="bf16, hdim 64 and 128, seqlen 2k and 8k (explicit flags still override)")
     p.add_argument("--ops", default=",".join(OPS), help="comma-separated subset of " + ",".join(OPS))
     p.add_argument("--impls", default=",".join(IMPLS),
-                   help="comma-separated subset of " + ",".join(IMPLS + OPTIONAL_IMPLS))
+                   help="comma-separated subset of " + ",".join(ALL_IMPLS))
     p.add_argument("--json", help="write the results (docs/DESIGN.md format) to this path")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout_p of the SDPA backends (flex has none); records get \"dropout\"")
@@ -102,8 +103,8 @@ def parse_args():
         p.error(f"op '{bad}' is not one of {', '.join(OPS)}")
     for bad in [d for d in args.dtypes if d not in ("bf16", "fp16")]:
         p.error(f"dtype '{bad}' is not bf16 or fp16")
-    for bad in [i for i in args.impl_list if i not in IMPLS + OPTIONAL_IMPLS]:
-        p.error(f"impl '{bad}' is not one of {', '.join(IMPLS + OPTIONAL_IMPLS)}")
+    for bad in [i for i in args.impl_list if i not in ALL_IMPLS]:
+        p.error(f"impl '{bad}' is not one of {', '.join(ALL_IMPLS)}")
     return args
 
 
