@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # scripts/ncu_fwd.sh BUILD_DIR OUT_DIR [CELL ...]: Nsight Compute profiles of flashkit's forward kernel
-# and of SDPA cuDNN's on the same cells, one launch each, so that the two can be read side by side
-# (tensor-pipe and MUFU utilisation, issue slots, stall reasons: GPU.md's "explain" step).
+# and of the peers' on the same cells, one launch each, so that they can be read side by side
+# (tensor-pipe and MUFU utilisation, issue slots, instructions, stall reasons: GPU.md's "explain"
+# step). The peers are bench/peers.py implementations, $NCU_PEERS (default "sdpa_cudnn"; "fa3" needs
+# FlashAttention-3 built and on PYTHONPATH: scripts/build_fa3.sh).
 #
 # A CELL is "dtype:hdim:seqlen:causal" of the benchmark grid (16k tokens, model dim 2048), e.g.
 # bf16:256:2k:no; the default cells are the weakest of bench/results/h200-2026-11-23-final-bwd-fwd.md
-# beside a strong one. BUILD_DIR holds bench/flashkit_bench (any build with the bench); the cuDNN side
-# runs bench/peers.py with PyTorch. Writes OUT_DIR/ncu-<impl>-<cell>.txt (ncu's details page).
+# beside a strong one. BUILD_DIR holds bench/flashkit_bench (any build with the bench); the peers run
+# in bench/peers.py with PyTorch. Writes OUT_DIR/ncu-<impl>-<cell>.txt (ncu's details page).
 set -uo pipefail
 
 if [ $# -lt 2 ]; then
@@ -43,11 +45,21 @@ for cell in "${CELLS[@]}"; do
   "$NCU" --kernel-name regex:fwd_kernel "${PROFILE[@]}" \
     "$BUILD_DIR/bench/flashkit_bench" "${grid[@]}" --op fwd >"$OUT/ncu-flashkit-$name.txt" 2>&1 ||
     status=1
-  "$NCU" --kernel-name "regex:cudnn|sdpa|fmha" "${PROFILE[@]}" \
-    python3 bench/peers.py "${grid[@]}" --impls sdpa_cudnn --ops fwd --json "$OUT/.peers.tmp" \
-    >"$OUT/ncu-cudnn-$name.txt" 2>&1 || status=1
-  rm -f "$OUT/.peers.tmp"
-  grep -h -E "Duration|Compute \(SM\) Throughput|gmma_cycles_active|pipe_xu|Issue Slots Busy|No Eligible" \
-    "$OUT/ncu-flashkit-$name.txt" "$OUT/ncu-cudnn-$name.txt" | sed 's/^/   /'
+  reports=("$OUT/ncu-flashkit-$name.txt")
+  for peer in ${NCU_PEERS:-sdpa_cudnn}; do
+    # The peer's forward kernel, by its demangled name (FA3's is cutlass::device_kernel<...
+    # FlashAttnFwdSm90 ...>).
+    case $peer in
+      fa3) kernel=(--kernel-name-base demangled --kernel-name regex:FlashAttnFwdSm90) ;;
+      *) kernel=(--kernel-name "regex:cudnn|sdpa|fmha") ;;
+    esac
+    "$NCU" "${kernel[@]}" "${PROFILE[@]}" \
+      python3 bench/peers.py "${grid[@]}" --impls "$peer" --ops fwd --json "$OUT/.peers.tmp" \
+      >"$OUT/ncu-$peer-$name.txt" 2>&1 || status=1
+    rm -f "$OUT/.peers.tmp"
+    reports+=("$OUT/ncu-$peer-$name.txt")
+  done
+  grep -H -E "Duration|Compute \(SM\) Throughput|gmma_cycles_active|pipe_xu|Issue Slots Busy|No Eligible|inst_executed.sum" \
+    "${reports[@]}" | sed "s|^$OUT/||; s/^/   /"
 done
 exit $status
