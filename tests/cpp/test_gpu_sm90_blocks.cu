@@ -122,8 +122,8 @@ __global__ void wgmma_ss_kernel(const uint16_t* a, const uint16_t* b, float* c) 
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
-    const uint64_t da = k_major_descriptor(sa + (kk / 4) * ATile::kColumnBlockBytes + (kk % 4) * 32);
-    const uint64_t db = k_major_descriptor(sb + (kk / 4) * BTile::kColumnBlockBytes + (kk % 4) * 32);
+    const uint64_t da = k_major_descriptor(sa).at((kk / 4) * ATile::kColumnBlockBytes + (kk % 4) * 32);
+    const uint64_t db = k_major_descriptor(sb).at((kk / 4) * BTile::kColumnBlockBytes + (kk % 4) * 32);
     Wgmma<N>::template ss<Element, 0>(d, da, db, kk > 0 ? 1u : 0u);
   }
   wgmma_commit();
@@ -163,7 +163,7 @@ __global__ void wgmma_rs_kernel(const uint16_t* a, const uint16_t* b, float* c) 
   wgmma_fence();
 #pragma unroll
   for (int kk = 0; kk < K / 16; ++kk) {
-    Wgmma<N>::template rs<Element, 1>(d, frag[kk], mn_major_descriptor(sb + kk * 16 * 128, BTile::kColumnBlockBytes), 1u);
+    Wgmma<N>::template rs<Element, 1>(d, frag[kk], mn_major_descriptor<BTile::kColumnBlockBytes>(sb).at(kk * 16 * 128), 1u);
   }
   wgmma_commit();
   wgmma_wait<0>();

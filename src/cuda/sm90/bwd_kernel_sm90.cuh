@@ -303,11 +303,12 @@ template <typename Traits>
 __device__ __forceinline__ void issue_key_gradient_from_tile(float* acc, uint32_t x_tile, uint32_t b_columns) {
   using PTile = typename Traits::PTile;
   using QTile = typename Traits::QTile;
+  const SharedDescriptor a_desc = k_major_descriptor(x_tile);
+  const SharedDescriptor b_desc = mn_major_descriptor<QTile::kColumnBlockBytes>(b_columns);
 #pragma unroll
   for (int kk = 0; kk < Traits::kBlockM / 16; ++kk) {
-    const uint64_t a_desc = k_major_descriptor(x_tile + (kk / 4) * PTile::kColumnBlockBytes + (kk % 4) * 32);
-    const uint64_t b_desc = mn_major_descriptor(b_columns + kk * 16 * 128, QTile::kColumnBlockBytes);
-    Wgmma<Traits::kKvColumns>::template ss<typename Traits::Element, 1>(acc, a_desc, b_desc, 1u);
+    Wgmma<Traits::kKvColumns>::template ss<typename Traits::Element, 1>(
+        acc, a_desc.at((kk / 4) * PTile::kColumnBlockBytes + (kk % 4) * 32), b_desc.at(kk * 16 * 128), 1u);
   }
 }
 
@@ -582,11 +583,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const uint32_t ds_columns = smem + Traits::kDsOffset + dq_query_part * PTile::kColumnBlockBytes;
       const uint32_t k_columns =
           smem + Traits::kKOffset + dq_column_part * (Traits::kDqColumns / 64) * KvTile::kColumnBlockBytes;
+      const SharedDescriptor ds_desc = mn_major_descriptor<PTile::kColumnBlockBytes>(ds_columns);
+      const SharedDescriptor k_desc = mn_major_descriptor<KvTile::kColumnBlockBytes>(k_columns);
 #pragma unroll
       for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        const uint64_t a_desc = mn_major_descriptor(ds_columns + kk * 16 * 128, PTile::kColumnBlockBytes);
-        const uint64_t b_desc = mn_major_descriptor(k_columns + kk * 16 * 128, KvTile::kColumnBlockBytes);
-        Wgmma<Traits::kDqColumns>::template ss<Element, 1, 1>(&acc_dq[0][0], a_desc, b_desc, kk > 0 ? 1u : 0u);
+        Wgmma<Traits::kDqColumns>::template ss<Element, 1, 1>(&acc_dq[0][0], ds_desc.at(kk * 16 * 128),
+                                                              k_desc.at(kk * 16 * 128), kk > 0 ? 1u : 0u);
       }
       wgmma_commit();
       if constexpr (Traits::kSplitHeadDim) {

@@ -61,19 +61,36 @@ struct Swizzle128Tile {
 constexpr uint64_t kDescriptorSwizzle128 = uint64_t{1} << 62;
 constexpr uint32_t kSwizzleGroupBytes = 1024;  // 8 rows of 128 bytes
 
+// A matrix descriptor as its two 32-bit words. The start address field holds bits 4-17 of a
+// shared address, and every shared address of a CTA is below 2^18 (228 KiB), so moving an operand's
+// start by a multiple of 16 bytes inside the tile is one add of (bytes >> 4) to the low word, with no
+// carry into the leading byte offset above the field. A product's k-steps use that: their offsets
+// are compile-time constants, so each step's descriptor is one uniform add (UIADD3) instead of the
+// add, mask, shift and or of encoding each address anew (~5 uniform instructions per wgmma, on the
+// path between a turn's barrier and the products' issue: bench/NOTES.md, session 15).
+struct SharedDescriptor {
+  uint32_t lo;  // start address >> 4 (bits 0-13), leading byte offset >> 4 (bits 16-29)
+  uint32_t hi;  // stride byte offset >> 4 (bits 0-13), layout type (bits 30-31)
+
+  // The descriptor of the operand `bytes` (a multiple of 16) past this one's start.
+  __device__ __forceinline__ uint64_t at(uint32_t bytes) const {
+    return (static_cast<uint64_t>(hi) << 32) | (lo + (bytes >> 4));
+  }
+};
+
 // Descriptor of a K-major operand whose first row starts at shared address `address`.
-__device__ __forceinline__ uint64_t k_major_descriptor(uint32_t address) {
-  return kDescriptorSwizzle128 | (uint64_t{kSwizzleGroupBytes >> 4} << 32) | (uint64_t{1} << 16) |
-         static_cast<uint64_t>((address & 0x3FFFF) >> 4);
+__device__ __forceinline__ SharedDescriptor k_major_descriptor(uint32_t address) {
+  constexpr uint64_t kFixed = kDescriptorSwizzle128 | (uint64_t{kSwizzleGroupBytes >> 4} << 32) | (uint64_t{1} << 16);
+  return {static_cast<uint32_t>(kFixed) | ((address & 0x3FFFF) >> 4), static_cast<uint32_t>(kFixed >> 32)};
 }
 
 // Descriptor of an MN-major operand (K rows, N contiguous) whose column blocks are
 // `column_block_bytes` apart.
-__device__ __forceinline__ uint64_t mn_major_descriptor(uint32_t address,
-                                                        uint32_t column_block_bytes) {
-  return kDescriptorSwizzle128 | (uint64_t{kSwizzleGroupBytes >> 4} << 32) |
-         (static_cast<uint64_t>(column_block_bytes >> 4) << 16) |
-         static_cast<uint64_t>((address & 0x3FFFF) >> 4);
+template <uint32_t kColumnBlockBytes>
+__device__ __forceinline__ SharedDescriptor mn_major_descriptor(uint32_t address) {
+  constexpr uint64_t kFixed = kDescriptorSwizzle128 | (uint64_t{kSwizzleGroupBytes >> 4} << 32) |
+                              (uint64_t{kColumnBlockBytes >> 4} << 16);
+  return {static_cast<uint32_t>(kFixed) | ((address & 0x3FFFF) >> 4), static_cast<uint32_t>(kFixed >> 32)};
 }
 
 __device__ __forceinline__ void wgmma_fence() {
@@ -301,11 +318,12 @@ struct Wgmma<256> {
 // waited for.
 template <typename Element, int N, int kDepth, int kABlockBytes, int kBBlockBytes>
 __device__ __forceinline__ void issue_k_major_product(float* acc, uint32_t a, uint32_t b) {
+  const SharedDescriptor a_desc = k_major_descriptor(a);
+  const SharedDescriptor b_desc = k_major_descriptor(b);
 #pragma unroll
   for (int kk = 0; kk < kDepth / 16; ++kk) {
-    const uint64_t a_desc = k_major_descriptor(a + (kk / 4) * kABlockBytes + (kk % 4) * 32);
-    const uint64_t b_desc = k_major_descriptor(b + (kk / 4) * kBBlockBytes + (kk % 4) * 32);
-    Wgmma<N>::template ss<Element, 0>(acc, a_desc, b_desc, kk > 0 ? 1u : 0u);
+    Wgmma<N>::template ss<Element, 0>(acc, a_desc.at((kk / 4) * kABlockBytes + (kk % 4) * 32),
+                                      b_desc.at((kk / 4) * kBBlockBytes + (kk % 4) * 32), kk > 0 ? 1u : 0u);
   }
   wgmma_commit();
 }
@@ -317,11 +335,9 @@ __device__ __forceinline__ void issue_k_major_product(float* acc, uint32_t a, ui
 template <typename Element, int N, int kDepth, int kBBlockBytes>
 __device__ __forceinline__ void issue_register_product(float* acc, const uint32_t (&x)[kDepth / 16][4],
                                                        uint32_t b) {
+  const SharedDescriptor b_desc = mn_major_descriptor<kBBlockBytes>(b);
 #pragma unroll
-  for (int kk = 0; kk < kDepth / 16; ++kk) {
-    const uint64_t b_desc = mn_major_descriptor(b + kk * 16 * 128, kBBlockBytes);
-    Wgmma<N>::template rs<Element, 1>(acc, x[kk], b_desc, 1u);
-  }
+  for (int kk = 0; kk < kDepth / 16; ++kk) Wgmma<N>::template rs<Element, 1>(acc, x[kk], b_desc.at(kk * 16 * 128), 1u);
 }
 
 // Stores warp `warp`'s 16 rows of a warpgroup's m64 x kCols fp32 accumulator (the layout above),
