@@ -316,8 +316,9 @@ struct FwdKernelTraits {
   // and rounded down to 8: 168 per thread at 384 threads, 128 at 512). A consumer's claim blocks
   // until the producer's release has put enough in the pool, so the claims must not exceed the
   // release: 40 / 232 with two consumers, 32 / 160 with three (both balance exactly). d256's p = 0
-  // kernel takes 24 / 240 (also exact): its 128 x 80 tile spills at 232, and its producer only
-  // issues copies (a dropout kernel's producer draws the mask and needs its 40).
+  // kernel takes 24 / 240 (also exact): its 128 x 80 tile spills at 232. The other two-consumer
+  // kernels keep 40 / 232: at 24 the producer warp spills (4 B in d128's p = 0 kernel and d64's
+  // dropout kernel), and d128's consumers compile to the same code at 240 (SASS, session 15).
   static constexpr int kLaunchRegisters = 65536 / kThreads / 8 * 8;
   static constexpr bool kWideConsumers = kConsumerWarpgroups == 2 && kHeadDim == 256 && !kDropout;
   static constexpr int kProducerRegisters = kConsumerWarpgroups == 2 ? (kWideConsumers ? 24 : 40) : 32;

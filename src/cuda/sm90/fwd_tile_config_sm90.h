@@ -15,7 +15,7 @@
 //   64 (dropout) | 128 x 128   | 4      | 16 + 4 x 32 = 144 + O 16 | 32 + 64 + 32 (232)  | the dropout instance, tested on this shape; short k-loop (4 k-steps per S): a deep ring hides the TMA latency
 //   128    | 128 x 128         | 2      | 32 + 2 x 64 = 160 + O 32 | 64 + 64 + 32 (232)  | FA3's d128 shape; 128 keys per block amortise the softmax; 2 stages suffice because K and V are freed separately; O's 64 registers leave no room for a third consumer
 //   256    | 128 x 80          | 2      | 64 + 2 x 80 = 224 | 128 + 40 + 20 (240) | O takes 128 registers; at 232 registers 80 keys spilled 100 bytes with the pipelined schedule (S of the next block live beside P); at 240 (the producer at 24) 40 bytes, outside the main loop (none since session 11: bench/NOTES.md, hx/lead256); 1.02-1.10x 128 x 64 (H200, bf16 + fp16, bench/NOTES.md, session 8)
-//   256 (dropout) | 128 x 64    | 2      | 64 + 2 x 64 = 192 | 128 + 32 + 16 (232) | the drop marks take 32 keys at a time; the producer draws them, so it keeps 40 registers
+//   256 (dropout) | 128 x 64    | 2      | 64 + 2 x 64 = 192 | 128 + 32 + 16 (232) | the drop marks take 32 keys at a time (the consumers draw them); 232 registers, as every two-consumer kernel but d256's p = 0 one
 //
 // d64, measured on an H200 (bench/NOTES.md, 2026-11-23, forward, bf16 + fp16, 2k/8k/16k, causal and
 // not, geometric mean over the 12 cells vs SDPA cuDNN in the same run): 128 x 128 0.927, 192 x 128
