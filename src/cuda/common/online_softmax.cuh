@@ -90,11 +90,11 @@ struct OnlineSoftmax {
     for (int r = 0; r < kRows; ++r) row_sum[r] += exponentiate_row(scores, r, log2_scale);
   }
 
-  // advance_max and exponentiate one row after the other (the sm90 forward's p = 0 kernels): the
-  // first row's exponentials, the MUFU-bound part of the softmax, no longer wait for the second
-  // row's maximum, and ptxas interleaves the packing of P with them (H200, bf16 d128: -2.1% cycles
-  // at 8k, -1.6% causal 8k; bench/NOTES.md, session 15). The row sums take each row's factor
-  // (1 where its reference did not move: an exact no-op) without waiting for the warp's vote.
+  // advance_max and exponentiate one row after the other (the sm90 forward, where its traits say
+  // so): the first row's exponentials, the MUFU-bound part of the softmax, need not wait for the
+  // second row's maximum, and ptxas then interleaves the packing of P with them. The row sums take
+  // each row's factor (1 where its reference did not move: an exact no-op) without waiting for the
+  // warp's vote.
   __device__ __forceinline__ bool advance_max_and_exponentiate(float (&scores)[kMTiles][kNTiles][4],
                                                                float log2_scale, float (&rescale)[kRows]) {
     bool any_rescale = false;
