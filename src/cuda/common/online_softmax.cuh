@@ -63,27 +63,9 @@ struct OnlineSoftmax {
   // any row of the warp moved, and then `rescale` holds each row's factor for rescale_output.
   __device__ __forceinline__ bool advance_max(const float (&scores)[kMTiles][kNTiles][4],
                                               float log2_scale, float (&rescale)[kRows]) {
-    constexpr float kRescaleThreshold = 8.0f;
     bool any_rescale = false;
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = 2 * mt + half;
-        float block_max = -INFINITY;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-          block_max = fmaxf(block_max, fmaxf(scores[mt][nt][2 * half], scores[mt][nt][2 * half + 1]));
-        }
-        block_max = quad_max(block_max);
-        // -inf - -inf is NaN, which compares false: a row that has seen only masked keys stays at
-        // -inf with nothing to rescale.
-        const bool grow = (block_max - row_max[r]) * log2_scale > kRescaleThreshold;
-        rescale[r] = grow ? exp2f((row_max[r] - block_max) * log2_scale) : 1.0f;
-        if (grow) row_max[r] = block_max;
-        any_rescale |= grow;
-      }
-    }
+    for (int r = 0; r < kRows; ++r) any_rescale |= advance_row_max(scores, r, log2_scale, rescale[r]);
     const bool any = __any_sync(0xffffffffu, any_rescale);
     if (any) {
 #pragma unroll
@@ -105,25 +87,23 @@ struct OnlineSoftmax {
   // Scores -> probabilities against the current reference maxima, added to the row sums.
   __device__ __forceinline__ void exponentiate(float (&scores)[kMTiles][kNTiles][4], float log2_scale) {
 #pragma unroll
-    for (int mt = 0; mt < kMTiles; ++mt) {
+    for (int r = 0; r < kRows; ++r) row_sum[r] += exponentiate_row(scores, r, log2_scale);
+  }
+
+  // advance_max and exponentiate one row after the other (the sm90 forward, where its traits say
+  // so): the first row's exponentials, the MUFU-bound part of the softmax, need not wait for the
+  // second row's maximum, and ptxas then interleaves the packing of P with them. The row sums take
+  // each row's factor (1 where its reference did not move: an exact no-op) without waiting for the
+  // warp's vote.
+  __device__ __forceinline__ bool advance_max_and_exponentiate(float (&scores)[kMTiles][kNTiles][4],
+                                                               float log2_scale, float (&rescale)[kRows]) {
+    bool any_rescale = false;
 #pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = 2 * mt + half;
-        // Subtracting 0 for a row still at -inf keeps every exp2 at exp2(-inf) = 0, not NaN.
-        const float max_scaled = row_max[r] == -INFINITY ? 0.0f : row_max[r] * log2_scale;
-        float sum = 0.0f;
-#pragma unroll
-        for (int nt = 0; nt < kNTiles; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float p = exp2f(scores[mt][nt][2 * half + e] * log2_scale - max_scaled);
-            scores[mt][nt][2 * half + e] = p;
-            sum += p;
-          }
-        }
-        row_sum[r] += sum;
-      }
+    for (int r = 0; r < kRows; ++r) {
+      any_rescale |= advance_row_max(scores, r, log2_scale, rescale[r]);
+      row_sum[r] = row_sum[r] * rescale[r] + exponentiate_row(scores, r, log2_scale);
     }
+    return __any_sync(0xffffffffu, any_rescale);
   }
 
   // Normalizes the output rows (and multiplies them by out_scale: dropout's 1 / (1 - p)) and
@@ -148,6 +128,48 @@ struct OnlineSoftmax {
         }
       }
     }
+  }
+
+ private:
+  // Row r (tile r / 2, half r % 2) of the block: moves its reference max if the block's max exceeds
+  // it by more than kRescaleThreshold; returns whether it moved, with the factor in `rescale`.
+  __device__ __forceinline__ bool advance_row_max(const float (&scores)[kMTiles][kNTiles][4], int r,
+                                                  float log2_scale, float& rescale) {
+    constexpr float kRescaleThreshold = 8.0f;
+    const int mt = r / 2;
+    const int half = r % 2;
+    float block_max = -INFINITY;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+      block_max = fmaxf(block_max, fmaxf(scores[mt][nt][2 * half], scores[mt][nt][2 * half + 1]));
+    }
+    block_max = quad_max(block_max);
+    // -inf - -inf is NaN, which compares false: a row that has seen only masked keys stays at
+    // -inf with nothing to rescale.
+    const bool grow = (block_max - row_max[r]) * log2_scale > kRescaleThreshold;
+    rescale = grow ? exp2f((row_max[r] - block_max) * log2_scale) : 1.0f;
+    if (grow) row_max[r] = block_max;
+    return grow;
+  }
+
+  // Row r's scores -> probabilities against its reference max; returns their sum (this lane's).
+  __device__ __forceinline__ float exponentiate_row(float (&scores)[kMTiles][kNTiles][4], int r,
+                                                    float log2_scale) const {
+    const int mt = r / 2;
+    const int half = r % 2;
+    // Subtracting 0 for a row still at -inf keeps every exp2 at exp2(-inf) = 0, not NaN.
+    const float max_scaled = row_max[r] == -INFINITY ? 0.0f : row_max[r] * log2_scale;
+    float sum = 0.0f;
+#pragma unroll
+    for (int nt = 0; nt < kNTiles; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = exp2f(scores[mt][nt][2 * half + e] * log2_scale - max_scaled);
+        scores[mt][nt][2 * half + e] = p;
+        sum += p;
+      }
+    }
+    return sum;
   }
 };
 

@@ -307,6 +307,11 @@ struct FwdKernelTraits {
   // loop, for 13% more cycles at p = 0.1 (H200, bench/NOTES.md, session 14; d64's dropout kernel
   // measured 1-7% faster with the skip).
   static constexpr bool kSkipIdleRows = kHeadDim == 64 || (kHeadDim == 128 && !kDropout);
+  // Whether the softmax takes its rows one after the other (OnlineSoftmax::advance_max_and_exponentiate)
+  // instead of both maxima first: where it measured faster, the two-consumer p = 0 kernels (ncu
+  // cycles at the base clock, H200, bf16 8k: d128 -2.6%, d256 -1.1%). d64's three consumers, whose
+  // MUFU load bounds them, took 1.8% more cycles with it, d128's dropout kernel 2.2% (session 15).
+  static constexpr bool kRowByRowSoftmax = kConsumerWarpgroups == 2 && !kDropout;
   // Whether a consumer skips the trailing key blocks none of its rows sees, left of a sliding
   // window's edge (consumer_warpgroup; run_fwd picks the instance that does for problems with a
   // left window edge, fwd_sliding_window_instance says where).
@@ -740,8 +745,13 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       if (!window.block_unmasked(m0, m0 + tile.rows_in_block, n0, n0 + kBlockN)) {
         sm80::mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
       }
-      const bool any = softmax.advance_max(acc_s, log2_scale, rescale);
-      softmax.exponentiate(acc_s, log2_scale);
+      bool any;
+      if constexpr (Traits::kRowByRowSoftmax) {
+        any = softmax.advance_max_and_exponentiate(acc_s, log2_scale, rescale);
+      } else {
+        any = softmax.advance_max(acc_s, log2_scale, rescale);
+        softmax.exponentiate(acc_s, log2_scale);
+      }
       if constexpr (Traits::kDropout) {
         sm80::draw_drop_marks(drop_marks, dropout_mask, drop_marker,
                               static_cast<uint32_t>(tile.batch * p.heads_q + tile.head), m0 + warp_row0, n0);
