@@ -11,9 +11,11 @@
 //     per tile: wait q_empty; sync kTileRead (the consumers have read the previous tile);
 //               publish the tile, located (FwdTile); TMA Q (kBlockM x D)  -> q_full
 //               (a tile with no visible key is published without Q; num_tiles ends the walk)
-//     for each visible key block n, last to first, through a ring of kStages stages:
-//       wait k_empty[s]; TMA K[n] -> k_full[s]
-//       wait v_empty[s]; TMA V[n] -> v_full[s]
+//     for each visible key block n, last to first, through a ring of kStages stages (K[n] and
+//     V[n] in stage s(n)), each V one step behind its K (a consumer needs K[n] with V[n + 1]):
+//       wait k_empty[s(n)]; TMA K[n] -> k_full[s(n)]
+//       wait v_empty[s(n + 1)]; TMA V[n + 1] -> v_full[s(n + 1)]   (the walk's previous block)
+//     and after the last block its V
 //       (varlen, a block reaching past the sequence: V lands on v_tail, the warp zeroes the rows
 //        past the sequence (they hold the next sequence's tokens, possibly inf or NaN, which
 //        0 * x would spread into O), fences, and then arrives on v_full[s] itself)
@@ -453,10 +455,46 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
   RingCursor<Traits::kStages> cursor;
   uint32_t tail_phase = 0;
   uint32_t q_loads = 0;
+  FwdTile tile;
+  int batch = 0;
+  // V of key block n_block into the stage of `at`.
+  auto load_v = [&](int n_block, const RingCursor<Traits::kStages>& at) {
+    const int n0 = n_block * kBlockN;
+    const uint32_t v_dst = smem + Traits::kVOffset + at.stage * KvTile::kBytes;
+    const uint32_t v_full = smem_u32(&bars.v_full[at.stage]);
+    mbarrier_wait(smem_u32(&bars.v_empty[at.stage]), at.phase ^ 1u);
+    const int valid_keys = tile.len_k - n0;
+    if (!varlen || valid_keys >= kBlockN) {
+      if (lane == 0) {
+        mbarrier_arrive_expect_tx(v_full, KvTile::kBytes);
+        tma_load_tile<KvTile>(v_dst, params.v_map, v_full, varlen, tile.k_token + n0, tile.kv_head, batch);
+      }
+    } else {
+      const uint32_t v_tail = smem_u32(&bars.v_tail);
+      if (lane == 0) {
+        mbarrier_arrive_expect_tx(v_tail, KvTile::kBytes);
+        tma_load_tile<KvTile>(v_dst, params.v_map, v_tail, varlen, tile.k_token + n0, tile.kv_head, batch);
+      }
+      mbarrier_wait(v_tail, tail_phase);
+      tail_phase ^= 1u;
+      // Whole 128-byte rows of every column block: the swizzle only permutes chunks within a row.
+      const int zero_rows = kBlockN - valid_keys;
+      for (int i = lane; i < KvTile::kColumnBlocks * zero_rows * 8; i += 32) {
+        const int cb = i / (zero_rows * 8);
+        const int rest = i % (zero_rows * 8);
+        const uint32_t addr =
+            v_dst + cb * KvTile::kColumnBlockBytes + (valid_keys + rest / 8) * 128 + (rest % 8) * 16;
+        asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+      }
+      fence_proxy_async_shared();
+      __syncwarp();
+      if (lane == 0) mbarrier_arrive(v_full);
+    }
+  };
   for (int linear = blockIdx.x; linear < num_tiles; linear = take_next_tile(params.tile_counter, linear, num_tiles)) {
-    const FwdTile tile = FwdTile::locate<Traits::kBlockM, kBlockN>(params, linear);
+    tile = FwdTile::locate<Traits::kBlockM, kBlockN>(params, linear);
     if (tile.rows_in_block <= 0) continue;  // varlen: past the sequence; the consumers skip it too
-    const int batch = varlen ? 0 : tile.batch;
+    batch = varlen ? 0 : tile.batch;
     mbarrier_wait(smem_u32(&bars.q_empty), (q_loads & 1u) ^ 1u);
     if (q_loads > 0) named_barrier_sync(FwdBarrier::kTileRead, tile_read_threads<Traits>());
     ++q_loads;
@@ -472,45 +510,29 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
         mbarrier_arrive(q_full);
       }
     }
-    for (int n_block = tile.n_end - 1; n_block >= tile.n_begin; --n_block) {
-      const int n0 = n_block * kBlockN;
-      const uint32_t k_dst = smem + Traits::kKOffset + cursor.stage * KvTile::kBytes;
-      const uint32_t v_dst = smem + Traits::kVOffset + cursor.stage * KvTile::kBytes;
-      const uint32_t k_full = smem_u32(&bars.k_full[cursor.stage]);
-      const uint32_t v_full = smem_u32(&bars.v_full[cursor.stage]);
-      mbarrier_wait(smem_u32(&bars.k_empty[cursor.stage]), cursor.phase ^ 1u);
-      if (lane == 0) {
-        mbarrier_arrive_expect_tx(k_full, KvTile::kBytes);
-        tma_load_tile<KvTile>(k_dst, params.k_map, k_full, varlen, tile.k_token + n0, tile.kv_head, batch);
-      }
-      mbarrier_wait(smem_u32(&bars.v_empty[cursor.stage]), cursor.phase ^ 1u);
-      const int valid_keys = tile.len_k - n0;
-      if (!varlen || valid_keys >= kBlockN) {
+    // Each block's V goes out one step after its K, beside the next block's K: a consumer issues
+    // block n's S with block n + 1's P V (blocks walk downwards), so it needs K[n] and V[n + 1]
+    // together, and V[n + 1]'s stage frees only when the P V two blocks back is done, which comes
+    // after the S that frees K[n]'s stage. In K, V order the next K queued behind that V wait
+    // although its own stage was free (bench/NOTES.md, sessions 10 and 15).
+    // One step per block and one more for the last V (a single copy of the V code).
+    int v_block = -1;  // the block whose V is still to load (none: -1), in v_cursor's stage
+    RingCursor<Traits::kStages> v_cursor;
+    for (int n_block = tile.n_end - 1;; --n_block) {
+      const bool k_left = n_block >= tile.n_begin;
+      if (k_left) {
+        const uint32_t k_full = smem_u32(&bars.k_full[cursor.stage]);
+        mbarrier_wait(smem_u32(&bars.k_empty[cursor.stage]), cursor.phase ^ 1u);
         if (lane == 0) {
-          mbarrier_arrive_expect_tx(v_full, KvTile::kBytes);
-          tma_load_tile<KvTile>(v_dst, params.v_map, v_full, varlen, tile.k_token + n0, tile.kv_head, batch);
+          mbarrier_arrive_expect_tx(k_full, KvTile::kBytes);
+          tma_load_tile<KvTile>(smem + Traits::kKOffset + cursor.stage * KvTile::kBytes, params.k_map, k_full,
+                                varlen, tile.k_token + n_block * kBlockN, tile.kv_head, batch);
         }
-      } else {
-        const uint32_t v_tail = smem_u32(&bars.v_tail);
-        if (lane == 0) {
-          mbarrier_arrive_expect_tx(v_tail, KvTile::kBytes);
-          tma_load_tile<KvTile>(v_dst, params.v_map, v_tail, varlen, tile.k_token + n0, tile.kv_head, batch);
-        }
-        mbarrier_wait(v_tail, tail_phase);
-        tail_phase ^= 1u;
-        // Whole 128-byte rows of every column block: the swizzle only permutes chunks within a row.
-        const int zero_rows = kBlockN - valid_keys;
-        for (int i = lane; i < KvTile::kColumnBlocks * zero_rows * 8; i += 32) {
-          const int cb = i / (zero_rows * 8);
-          const int rest = i % (zero_rows * 8);
-          const uint32_t addr =
-              v_dst + cb * KvTile::kColumnBlockBytes + (valid_keys + rest / 8) * 128 + (rest % 8) * 16;
-          asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
-        }
-        fence_proxy_async_shared();
-        __syncwarp();
-        if (lane == 0) mbarrier_arrive(v_full);
       }
+      if (v_block >= 0) load_v(v_block, v_cursor);
+      if (!k_left) break;
+      v_block = n_block;
+      v_cursor = cursor;
       cursor.advance();
     }
   }
