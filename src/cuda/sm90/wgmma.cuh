@@ -78,19 +78,26 @@ struct SharedDescriptor {
   }
 };
 
-// Descriptor of a K-major operand whose first row starts at shared address `address`.
-__device__ __forceinline__ SharedDescriptor k_major_descriptor(uint32_t address) {
-  constexpr uint64_t kFixed = kDescriptorSwizzle128 | (uint64_t{kSwizzleGroupBytes >> 4} << 32) | (uint64_t{1} << 16);
+// The descriptor with the 128-byte swizzle, 8-row groups 1024 bytes apart, the given leading byte
+// offset and its start at shared address `address`.
+template <uint32_t kLeadingBytes>
+__device__ __forceinline__ SharedDescriptor swizzle128_descriptor(uint32_t address) {
+  constexpr uint64_t kFixed = kDescriptorSwizzle128 | (uint64_t{kSwizzleGroupBytes >> 4} << 32) |
+                              (uint64_t{kLeadingBytes >> 4} << 16);
   return {static_cast<uint32_t>(kFixed) | ((address & 0x3FFFF) >> 4), static_cast<uint32_t>(kFixed >> 32)};
 }
 
+// Descriptor of a K-major operand whose first row starts at shared address `address` (the layout
+// does not use the leading offset; its field holds 1, i.e. 16 bytes).
+__device__ __forceinline__ SharedDescriptor k_major_descriptor(uint32_t address) {
+  return swizzle128_descriptor<16>(address);
+}
+
 // Descriptor of an MN-major operand (K rows, N contiguous) whose column blocks are
-// `column_block_bytes` apart.
+// kColumnBlockBytes apart.
 template <uint32_t kColumnBlockBytes>
 __device__ __forceinline__ SharedDescriptor mn_major_descriptor(uint32_t address) {
-  constexpr uint64_t kFixed = kDescriptorSwizzle128 | (uint64_t{kSwizzleGroupBytes >> 4} << 32) |
-                              (uint64_t{kColumnBlockBytes >> 4} << 16);
-  return {static_cast<uint32_t>(kFixed) | ((address & 0x3FFFF) >> 4), static_cast<uint32_t>(kFixed >> 32)};
+  return swizzle128_descriptor<kColumnBlockBytes>(address);
 }
 
 __device__ __forceinline__ void wgmma_fence() {
