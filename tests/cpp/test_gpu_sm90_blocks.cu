@@ -120,13 +120,8 @@ __global__ void wgmma_ss_kernel(const uint16_t* a, const uint16_t* b, float* c) 
   fill_tile<N, K>(sb, b);
   float d[N / 2];
   wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) {
-    const uint64_t da = k_major_descriptor(sa).at((kk / 4) * ATile::kColumnBlockBytes + (kk % 4) * 32);
-    const uint64_t db = k_major_descriptor(sb).at((kk / 4) * BTile::kColumnBlockBytes + (kk % 4) * 32);
-    Wgmma<N>::template ss<Element, 0>(d, da, db, kk > 0 ? 1u : 0u);
-  }
-  wgmma_commit();
+  // The kernels' own issue loop (descriptors per k-step; committed).
+  issue_k_major_product<Element, N, K, ATile::kColumnBlockBytes, BTile::kColumnBlockBytes>(d, sa, sb);
   wgmma_wait<0>();
   wgmma_fence_registers<N / 2>(d);
   store_accumulator<N>(d, c);
@@ -161,10 +156,7 @@ __global__ void wgmma_rs_kernel(const uint16_t* a, const uint16_t* b, float* c) 
 #pragma unroll
   for (int i = 0; i < N / 2; ++i) d[i] = 0.0f;
   wgmma_fence();
-#pragma unroll
-  for (int kk = 0; kk < K / 16; ++kk) {
-    Wgmma<N>::template rs<Element, 1>(d, frag[kk], mn_major_descriptor<BTile::kColumnBlockBytes>(sb).at(kk * 16 * 128), 1u);
-  }
+  issue_register_product<Element, N, K, BTile::kColumnBlockBytes>(d, frag, sb);  // the kernels' own loop
   wgmma_commit();
   wgmma_wait<0>();
   wgmma_fence_registers<N / 2>(d);
