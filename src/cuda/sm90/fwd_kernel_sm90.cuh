@@ -8,7 +8,7 @@
 // per SM either way (take_next_tile, fwd_launch_sm90.cuh). Its warpgroups:
 //
 //   producer  (warpgroup 0, 40, 32 or 24 registers; its first warp works, one lane issues the copies)
-//     per tile: wait q_empty; sync kTileRead (the consumers have read the previous tile);
+//     per tile: wait q_empty (the consumers are done with the previous tile's Q and have read it);
 //               publish the tile, located (FwdTile); TMA Q (kBlockM x D)  -> q_full
 //               (a tile with no visible key is published without Q; num_tiles ends the walk)
 //     for each visible key block n, last to first, through a ring of kStages stages (K[n] and
@@ -37,7 +37,7 @@
 //      V and takes its turns, in the same order, so that the others' products have the tensor
 //      cores to themselves; likewise, before its first block, for the tile's leading blocks that
 //      none of its rows sees, in d64 / d256)
-//     release Q (arrive on kTileRead, then on q_empty): with several tiles per CTA, the producer
+//     release Q (every thread arrives on q_empty): with several tiles per CTA, the producer
 //                          loads the next tile's Q under this tile's last P V and epilogue, as it
 //                          loads the next tile's K and V into the stages this tile frees
 //     last:   [turn] O += P V [pass turn]; release V
@@ -346,7 +346,7 @@ struct FwdKernelTraits {
 
   struct Barriers {
     uint64_t q_full;   // the next tile is published in `tile` and, if it has keys, its Q has landed
-    uint64_t q_empty;  // every consumer's last S = Q K^T of a tile has completed
+    uint64_t q_empty;  // every consumer thread has read the tile and its last S = Q K^T is done
     uint64_t k_full[kStages];
     uint64_t v_full[kStages];
     uint64_t k_empty[kStages];  // K and V are released separately: K after S, V after O += P V
@@ -384,20 +384,7 @@ enum class FwdBarrier : uint32_t {
   kScheduler1,                       // consumer 1 may issue its matrix products
   kScheduler2,                       // consumer 2 (of three) may issue its matrix products
   kOutput0,  // consumer c's staging tile (kOutput0 + c, its 128 threads): free, then written
-  // Every consumer thread has read the published tile (Barriers::tile, located): the consumers
-  // arrive when they release Q, the producer warp syncs before publishing the next tile. The q_empty
-  // mbarrier already orders the two (its wait has acquire semantics); the named barrier says so in
-  // a way compute-sanitizer's racecheck follows, which does not model mbarrier phases for plain
-  // shared-memory accesses. It costs a consumer one arrive per tile and never stalls the producer,
-  // whose q_empty wait completes only after every consumer's arrival.
-  kTileRead = kOutput0 + 3,
 };
-
-// The threads of the kTileRead barrier: the producer warp and every consumer thread.
-template <typename Traits>
-constexpr uint32_t tile_read_threads() {
-  return 32 + Traits::kConsumerWarpgroups * kWarpgroupThreads;
-}
 
 // The tiles a CTA walks: tile blockIdx.x first, then either every gridDim.x-th after it (the static
 // round robin) or, with a counter (the dynamic scheduler), the next one that no CTA has taken:
@@ -496,7 +483,6 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
     if (tile.rows_in_block <= 0) continue;  // varlen: past the sequence; the consumers skip it too
     batch = varlen ? 0 : tile.batch;
     mbarrier_wait(smem_u32(&bars.q_empty), (q_loads & 1u) ^ 1u);
-    if (q_loads > 0) named_barrier_sync(FwdBarrier::kTileRead, tile_read_threads<Traits>());
     ++q_loads;
     if (lane == 0) {
       *reinterpret_cast<volatile int*>(&bars.tile) = linear;
@@ -538,7 +524,6 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
   }
   // The walk's end, published like a tile.
   mbarrier_wait(smem_u32(&bars.q_empty), (q_loads & 1u) ^ 1u);
-  if (q_loads > 0) named_barrier_sync(FwdBarrier::kTileRead, tile_read_threads<Traits>());
   if (lane == 0) {
     *reinterpret_cast<volatile int*>(&bars.tile) = num_tiles;
     mbarrier_arrive(smem_u32(&bars.q_full));
@@ -717,12 +702,13 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     __syncwarp();
     if (lane == 0) mbarrier_arrive(smem_u32(&empty));
   };
-  // Q and the published tile: every thread has read the tile long before (kTileRead's arrival
-  // here rather than at the tile's start keeps the main loop's SASS as it was).
-  auto release_q = [&] {
-    named_barrier_arrive(FwdBarrier::kTileRead, tile_read_threads<Traits>());
-    release(bars.q_empty);
-  };
+  // Q and the published tile (Barriers::tile, located), which every thread read at the tile's
+  // start: each thread arrives, not one per warp as for K and V. The producer overwrites the tile
+  // after q_empty's wait, so one arrival per warp after a __syncwarp orders that on the hardware
+  // too, but compute-sanitizer's racecheck takes an mbarrier as ordering only the arriving thread's
+  // accesses, and reported the other lanes' reads against the producer's next stores wherever a
+  // CTA walks several tiles (bench/NOTES.md, sessions 16 and 17).
+  auto release_q = [&] { mbarrier_arrive(smem_u32(&bars.q_empty)); };
   const ConsumerTurn<Traits::kConsumerWarpgroups> turn(consumer);
   constexpr int kLastConsumer = Traits::kConsumerWarpgroups - 1;
   // Read once: with a device rng_state the dropout key is in global memory.
@@ -1063,7 +1049,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
 
   if (threadIdx.x == 0) {
     mbarrier_init(smem_u32(&bars.q_full), 1);
-    mbarrier_init(smem_u32(&bars.q_empty), Traits::kConsumerWarps);
+    mbarrier_init(smem_u32(&bars.q_empty), Traits::kConsumerWarps * 32);  // every consumer thread
     mbarrier_init(smem_u32(&bars.v_tail), 1);
 #pragma unroll
     for (int s = 0; s < Traits::kStages; ++s) {
