@@ -429,33 +429,41 @@ TEST_F(GpuSm90BlocksTest, StmatrixTileThroughTmaStoreClipsToTheTensor) {
   run_tma_store<__half, 256>(DType::kFloat16, 200, 50);
 }
 
-// Named barriers: warp 0 publishes a value per round with bar.arrive; warp 1 waits with bar.sync,
-// reads it, and hands the slot back on a second barrier.
+// Named barriers as the sm90 forward uses them (ConsumerTurn): two warps take turns, one passing the
+// turn with bar.arrive, the other waiting for it with bar.sync, and back on a second barrier. At its
+// turn each warp's first lane takes a ticket from a counter in global memory; the tickets show the
+// order of the turns, which must alternate: warp 0's turn r takes 2r, warp 1's 2r + 1. (Tickets, not
+// a value handed over in shared memory: the kernels pass turns with these barriers, never data, and
+// compute-sanitizer's racecheck, which does not follow an arrive / sync pair, reported such a value
+// as a race.)
 enum class TestBarrier : uint32_t { kPublished = kFirstNamedBarrier, kConsumed };
 
-__global__ void named_barrier_kernel(int rounds, int* out) {
-  __shared__ int slot;
+__global__ void named_barrier_kernel(int rounds, int* tickets, int* counter) {
   const int warp = threadIdx.x / 32;
   for (int round = 0; round < rounds; ++round) {
     if (warp == 0) {
       if (round > 0) named_barrier_sync(TestBarrier::kConsumed, 64);
-      if (threadIdx.x == 0) slot = round * round + 1;
+      if (threadIdx.x == 0) tickets[2 * round] = atomicAdd(counter, 1);
       named_barrier_arrive(TestBarrier::kPublished, 64);
     } else {
       named_barrier_sync(TestBarrier::kPublished, 64);
-      if (threadIdx.x == 32) out[round] = slot;
+      if (threadIdx.x == 32) tickets[2 * round + 1] = atomicAdd(counter, 1);
       if (round + 1 < rounds) named_barrier_arrive(TestBarrier::kConsumed, 64);
     }
   }
 }
 
-TEST_F(GpuSm90BlocksTest, NamedBarriersHandOff) {
+TEST_F(GpuSm90BlocksTest, NamedBarriersPassTurns) {
   const int rounds = 16;
-  DeviceArray<int> dout(rounds);
-  named_barrier_kernel<<<1, 64>>>(rounds, dout.ptr);
+  DeviceArray<int> dtickets(2 * rounds);
+  DeviceArray<int> dcounter(1);
+  SM90_CHECK(cudaMemset(dcounter.ptr, 0, sizeof(int)));
+  named_barrier_kernel<<<1, 64>>>(rounds, dtickets.ptr, dcounter.ptr);
   SM90_CHECK(cudaDeviceSynchronize());
-  const auto got = dout.download(rounds);
-  for (int r = 0; r < rounds; ++r) EXPECT_EQ(got[r], r * r + 1) << "round " << r;
+  const auto got = dtickets.download(2 * rounds);
+  for (int t = 0; t < 2 * rounds; ++t) {
+    EXPECT_EQ(got[t], t) << "warp " << t % 2 << ", turn " << t / 2 << ": ticket " << got[t];
+  }
 }
 
 // mbarrier_test: a non-blocking test of a phase. Thread 0 initialises a barrier of two arrivals and
