@@ -697,7 +697,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   const uint32_t sQ_rows = smem + Traits::kQOffset + row0 * 128;
   auto k_tile = [&](const Cursor& c) { return smem + Traits::kKOffset + c.stage * KvTile::kBytes; };
   auto v_tile = [&](const Cursor& c) { return smem + Traits::kVOffset + c.stage * KvTile::kBytes; };
-  // One arrival per consumer warp frees a stage's K (or V), or the Q tile, for the producer.
+  // One arrival per consumer warp frees a stage's K (or V) for the producer.
   auto release = [&](uint64_t& empty) {
     __syncwarp();
     if (lane == 0) mbarrier_arrive(smem_u32(&empty));
