@@ -38,7 +38,7 @@ if [ "$free_gb" -lt "$NEED_GB" ]; then
 fi
 
 start=$(date +%s)
-python3 -m venv "$VENV"
+python3 -m venv "$VENV" || skip "python3 -m venv failed (above)"
 mkdir -p "$VENV.pip-tmp"
 pip_install() {
   TMPDIR="$PWD/$VENV.pip-tmp" "$VENV/bin/pip" install --quiet --no-cache-dir --no-deps \
