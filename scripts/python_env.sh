@@ -3,8 +3,8 @@
 # tests on a machine that has none (CI). Default VENV_DIR: .venv in the repository (ignored by git).
 #
 # PyPI's Linux torch wheel is the CUDA build; it does not import without its nvidia-* dependencies
-# (libcufile, cuDNN, ...), so they are installed too: about 5 GB (70 s on the development machine,
-# 2026-11-23). The CPU backend is what runs without a GPU. The versions are pinned in
+# (libcufile, cuDNN, ...), so they are installed too: about 5 GB (120-145 s on the 2-core
+# development machine, 2026-11-24). The CPU backend is what runs without a GPU. The versions are pinned in
 # scripts/python_requirements.lock (torch is the GPU machine's version; transformers serves the
 # integration test).
 #
@@ -45,12 +45,16 @@ pip_install() {
     --disable-pip-version-check "$@"
 }
 # The large wheels (torch, triton, the CUDA libraries) one by one, then the rest in one call.
-large='^(torch|triton|nvidia-|cuda-)'
-while read -r spec; do
-  pip_install "$spec" || skip "pip failed installing $spec (above)"
-done < <(grep -v '^#' "$LOCK" | grep -E "$large")
-mapfile -t small < <(grep -v '^#' "$LOCK" | grep -vE "$large")
+mapfile -t specs < <(grep -v '^#' "$LOCK")
+small=()
+for spec in "${specs[@]}"; do
+  if [[ $spec =~ ^(torch|triton|nvidia-|cuda-) ]]; then
+    pip_install "$spec" || skip "pip failed installing $spec (above)"
+  else
+    small+=("$spec")
+  fi
+done
 pip_install "${small[@]}" || skip "pip failed installing the small packages (above)"
 rm -rf "$VENV.pip-tmp"
 "$VENV/bin/python" -c "import torch, pytest, transformers" || skip "torch does not import after the install"
-echo "flashkit: installed $(grep -vc '^#' "$LOCK") packages of $LOCK in $VENV in $(( $(date +%s) - start )) s"
+echo "flashkit: installed ${#specs[@]} packages of $LOCK in $VENV in $(( $(date +%s) - start )) s"
