@@ -132,8 +132,8 @@ api::SplitShape split_shape(const KvcacheProblem& problem, const DeviceLimits& l
   shape.max_splits = api::kMaxKvcacheSplits;
   const int family = sm80::decode_head_dim_family(problem.head_dim);
   shape.ctas_per_sm = api::decode_ctas_per_sm(
-      shape, problem.is_paged() ? problem.page_block_size : 0,
-      sm80::decode_smem_bytes(family, false) + limits.reserved_smem_per_block, limits.smem_per_sm);
+      shape, sm80::decode_smem_bytes(family, false, problem.is_paged()) + limits.reserved_smem_per_block,
+      limits.smem_per_sm);
   return shape;
 }
 
@@ -146,14 +146,16 @@ int cuda_num_splits(const api::SplitShape& shape, int requested) {
 // launch puts at most one CTA on an SM, and the device lets one CTA take that much shared memory
 // (sm_90: 227 KiB; not sm_80's 163 KiB or sm_86/89's 99 KiB); PDL from sm_90 on. A paged cache
 // keeps the shared-SM pipeline even at one CTA per SM: its deeper ring read 256-token pages slower
-// (H200, batch 1, 16 splits: 1.59 / 3.13 / 4.05 TB/s at 8k / 32k / 128k against 1.88 / 3.33 / 4.24).
+// (H200, batch 1, 16 splits: 1.59 / 3.13 / 4.05 TB/s at 8k / 32k / 128k against 1.88 / 3.33 / 4.24
+// in session 12; with the pages staged in shared memory, 1.72 / 3.26 / 4.04 against 1.86 / 3.29 /
+// 4.15 in session 19, where 5 stages lost 1 us per call and 4 tied the shared-SM pipeline's 3).
 sm80::DecodeLaunchPlan decode_launch_plan(const KvcacheProblem& problem, const api::SplitShape& shape,
                                           const DeviceLimits& limits) {
   const int family = sm80::decode_head_dim_family(problem.head_dim);
   sm80::DecodeLaunchPlan plan;
   plan.whole_sm = !problem.is_paged() && shape.ctas_per_sm == 1 &&
                   api::one_cta_per_sm(decode_ctas(problem), problem.num_splits, limits.sm_count) &&
-                  sm80::decode_smem_bytes(family, true) <= limits.max_smem_per_block;
+                  sm80::decode_smem_bytes(family, true, false) <= limits.max_smem_per_block;
   plan.programmatic = limits.arch >= 90;
   return plan;
 }

@@ -39,15 +39,12 @@ bool one_cta_per_sm(int64_t ctas, int num_splits, int sm_count) {
   return ctas > 0 && num_splits > 0 && ctas * num_splits <= sm_count;
 }
 
-int decode_ctas_per_sm(const SplitShape& shape, int page_keys, int64_t shared_sm_cta_bytes,
-                       int64_t smem_per_sm) {
+int decode_ctas_per_sm(const SplitShape& shape, int64_t shared_sm_cta_bytes, int64_t smem_per_sm) {
   if (shared_sm_cta_bytes <= 0 || 2 * shared_sm_cta_bytes > smem_per_sm) return 1;
-  const bool paged = page_keys > 0 && page_keys < kContiguousPageKeys;
   SplitShape split = shape;
-  split.ctas_per_sm = paged ? 1 : 2;
+  split.ctas_per_sm = 2;
   const int splits = choose_num_splits(split);
-  if (paged) return ceil_div(shape.key_blocks, splits) >= kSharedSmMinKeyBlocks ? 2 : 1;
-  return splits > 1 && ceil_div(shape.key_blocks, splits) >= kSharedSmMinKeyBlocksContiguous ? 2 : 1;
+  return splits > 1 && ceil_div(shape.key_blocks, splits) >= kSharedSmMinKeyBlocks ? 2 : 1;
 }
 
 }  // namespace flashkit::api

@@ -309,6 +309,20 @@ std::vector<KvcacheCase> page_and_append_cases() {
     c.batch = 4;
     cases.push_back(c);
   }
+  // Splits whose pages do not fit the kernel's shared-memory copy of the block table
+  // (kDecodePageSlots): their lookups read the table in global memory (one split of 4200 keys: 4200
+  // 1-token pages, or 1400 3-token pages with a division per lookup).
+  for (int page : {1, 3}) {
+    KvcacheCase c = decode_case("page" + std::to_string(page) + "_split_past_staged_pages");
+    c.page_block_size = page;
+    c.capacity = page * ((4200 + page - 1) / page);
+    c.num_splits = 1;
+    c.seqlen_new = 1;
+    c.seqlen_q = 1;
+    c.fill_to_end = true;  // sequence 0 past the slots; sequence 1's random length may fit them
+    c.batch = 2;
+    cases.push_back(c);
+  }
   KvcacheCase c = decode_case("contiguous_batch_idx_leftpad");
   c.page_block_size = 0;
   c.batch_idx = true;

@@ -13,6 +13,7 @@
 #include "api/split_heuristic.h"
 #include "api/validate_kvcache.h"
 #include "cpu/reference_kvcache.h"
+#include "cuda/sm80/decode_sm80.h"
 #include "expect_error.h"
 #include "flashkit/flashkit.h"
 #include "kvcache_case.h"
@@ -579,43 +580,18 @@ TEST(SplitHeuristic, OneCtaPerSmWhenTheLaunchFitsTheSms) {
   }
 }
 
-// Paged caches count two shared-SM CTAs per SM where two fit (d128: 100 KiB + 1 KiB each in an
-// SM's 228 KiB; not d256's 136 KiB) and one CTA per SM would leave each CTA at least 16 key
-// blocks, and then split into the split counts the H200 sweeps of bench/NOTES.md found fastest for
-// 16-token pages: 32 at batch 1 with 32k keys (33 at 128k: 264 CTAs, the same one wave with shorter
-// splits), 16 at 8k (8 blocks per CTA at one per SM), 4 at batch 8.
-TEST(SplitHeuristic, PagedCachesCountTwoCtasPerSmOverLongSplits) {
-  constexpr int64_t kSmemPerSm = 228 * 1024;
-  constexpr int64_t kSharedSmCta = 101 * 1024;
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), 16, kSharedSmCta, kSmemPerSm), 2);
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), 16, 137 * 1024, kSmemPerSm), 1);
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 512), 16, 0, kSmemPerSm), 1);
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 256), 16, kSharedSmCta, kSmemPerSm), 2);
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(8, 128), 16, kSharedSmCta, kSmemPerSm), 1);
-  for (int64_t blocks : {128, 512, 2048}) {  // cache 8k, 32k, 128k
-    api::SplitShape s = h100_shape(8, blocks);  // batch 1
-    s.ctas_per_sm = api::decode_ctas_per_sm(s, 16, kSharedSmCta, kSmemPerSm);
-    EXPECT_EQ(api::choose_num_splits(s), blocks == 2048 ? 33 : blocks == 512 ? 32 : 16) << blocks;
-    s = h100_shape(64, blocks);  // batch 8
-    s.ctas_per_sm = api::decode_ctas_per_sm(s, 16, kSharedSmCta, kSmemPerSm);
-    EXPECT_EQ(s.ctas_per_sm, 2) << blocks;
-    EXPECT_EQ(api::choose_num_splits(s), 4) << blocks;
-  }
-  api::SplitShape s = h100_shape(264, 2048);  // two full CTAs per SM: not split
-  s.ctas_per_sm = 2;
-  EXPECT_EQ(api::choose_num_splits(s), 1);
-}
-
-// Contiguous caches count two CTAs per SM only where two per SM would still give each CTA at least
-// 128 key blocks (8k keys), as the H200 sweep of session 12 (bench/NOTES.md) found faster: batch 8
-// at 32k and 128k (4 splits), batch 4 and 16 at 128k (8 and 2), batch 2 at 128k (16). Batch 1
-// (33 splits: 16-63 blocks each), batch 8 at 8k, batch 16 at 8k (64 blocks each) and an unsplit
-// launch keep one CTA per SM, and with it the whole-SM pipeline.
-TEST(SplitHeuristic, ContiguousCachesCountTwoCtasPerSmOnlyOverVeryLongSplits) {
+// Two CTAs per SM count only where two per SM would still give each CTA at least 128 key blocks
+// (8k keys), as the H200 sweep of session 12 (bench/NOTES.md) found faster for contiguous caches:
+// batch 8 at 32k and 128k (4 splits), batch 4 and 16 at 128k (8 and 2), batch 2 at 128k (16).
+// Batch 1 (16 splits: 8-128 blocks each), batch 8 at 8k, batch 16 at 8k (64 blocks each) and an
+// unsplit launch keep one CTA per SM, and with it the whole-SM pipeline of a contiguous cache.
+// Paged caches follow the same rule (session 19's sweep: 16 splits at batch 1 as fast as 32 or
+// faster for 16- and 256-token pages).
+TEST(SplitHeuristic, TwoCtasPerSmOnlyOverVeryLongSplits) {
   constexpr int64_t kSmemPerSm = 228 * 1024;
   constexpr int64_t kSharedSmCta = 101 * 1024;
   auto ctas_per_sm = [&](int64_t ctas, int64_t blocks) {
-    return api::decode_ctas_per_sm(h100_shape(ctas, blocks), 0, kSharedSmCta, kSmemPerSm);
+    return api::decode_ctas_per_sm(h100_shape(ctas, blocks), kSharedSmCta, kSmemPerSm);
   };
   for (int64_t blocks : {128, 512, 2048}) EXPECT_EQ(ctas_per_sm(8, blocks), 1) << blocks;  // batch 1
   EXPECT_EQ(ctas_per_sm(64, 128), 1);    // batch 8, 8k
@@ -626,32 +602,17 @@ TEST(SplitHeuristic, ContiguousCachesCountTwoCtasPerSmOnlyOverVeryLongSplits) {
   EXPECT_EQ(ctas_per_sm(128, 128), 1);   // batch 16, 8k
   EXPECT_EQ(ctas_per_sm(128, 2048), 2);  // batch 16, 128k
   EXPECT_EQ(ctas_per_sm(512, 2048), 1);  // batch 64: not split
-  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(64, 2048), 0, 137 * 1024, kSmemPerSm), 1);
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(64, 2048), 137 * 1024, kSmemPerSm), 1);
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(64, 2048), 0, kSmemPerSm), 1);
+  // A paged CTA's page slots (4 KiB) still leave room for two d128 shared-SM CTAs in an SM.
+  const int64_t paged_cta = sm80::decode_smem_bytes(128, false, true) + 1024;
+  EXPECT_EQ(api::decode_ctas_per_sm(h100_shape(64, 2048), paged_cta, kSmemPerSm), 2);
   api::SplitShape s = h100_shape(64, 2048);
   s.ctas_per_sm = ctas_per_sm(64, 2048);
   EXPECT_EQ(api::choose_num_splits(s), 4);
   s = h100_shape(128, 2048);
   s.ctas_per_sm = ctas_per_sm(128, 2048);
   EXPECT_EQ(api::choose_num_splits(s), 2);
-}
-
-// Pages of 256 keys or more follow the contiguous rule (with the block-table prefetch one CTA per
-// SM streams them as fast as a contiguous cache, H200 session 12); smaller ones the paged rule.
-TEST(SplitHeuristic, LargePagesCountLikeAContiguousCache) {
-  constexpr int64_t kSmemPerSm = 228 * 1024;
-  constexpr int64_t kSharedSmCta = 101 * 1024;
-  auto ctas_per_sm = [&](int64_t ctas, int64_t blocks, int page_keys) {
-    return api::decode_ctas_per_sm(h100_shape(ctas, blocks), page_keys, kSharedSmCta, kSmemPerSm);
-  };
-  for (int64_t blocks : {128, 512, 2048}) {  // batch 1 at 8k, 32k, 128k
-    EXPECT_EQ(ctas_per_sm(8, blocks, 256), 1) << blocks;
-    EXPECT_EQ(ctas_per_sm(8, blocks, 1024), 1) << blocks;
-    // The paged rule: two per SM, but for 8 blocks per CTA at one per SM.
-    const int small_pages = blocks == 128 ? 1 : 2;
-    EXPECT_EQ(ctas_per_sm(8, blocks, 128), small_pages) << blocks;
-    EXPECT_EQ(ctas_per_sm(8, blocks, 1), small_pages) << blocks;
-  }
-  EXPECT_EQ(ctas_per_sm(64, 2048, 256), 2);  // as contiguous: batch 8 at 128k
 }
 
 TEST(SplitHeuristic, RespectsMaxSplits) {

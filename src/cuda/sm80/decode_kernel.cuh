@@ -11,12 +11,14 @@
 //   * Warps split keys, not rows: each K/V block of 64 keys is cut into four 16-key slices, one
 //     per warp, with its own online softmax; the four partial results merge through shared memory
 //     at the end (weighted by exp(lse_warp - lse_total), like the splits).
-//   * Paged or contiguous (an instance each): a paged cache's page is looked up per key (a
-//     block-table load and a shift or division by page_block_size), so any page size works; the
-//     lookups of a block are issued one block before its copies (find_pages), so that their
-//     latency is not on the loop's path, and the split's block-table lines are prefetched into L2
-//     after the prologue. A contiguous cache needs no lookup: each thread walks its rows with a
-//     running pointer.
+//   * Paged or contiguous (an instance each): a paged cache's page is looked up per key (a shift
+//     or division by page_block_size, then the page's block-table entry), so any page size works.
+//     The CTA first copies its split's block-table entries into shared memory (up to
+//     kDecodePageSlots; a longer split reads the table in global memory, prefetched into L2), and
+//     the lookups of a block are issued one block before its copies (find_pages). K and V caches
+//     of one layout share each row's byte offset. A contiguous cache needs no lookup: each thread
+//     walks its rows with a running pointer. With one CTA (four warps) per SM the copy loop's
+//     instruction count bounds the bandwidth, hence the lean address code.
 //   * Pipeline depth: decode_stages(family, kWholeSm), see decode_sm80.h.
 //
 //   prologue   wait for the kernel before (PDL); page lookups, then cp.async K/V of the first
@@ -56,7 +58,9 @@ struct DecodeTraits {
   static constexpr bool kWholeSm = kWholeSm_;
   // A paged cache (block_table) or a contiguous one: instances of their own, because the paged
   // path's lookups and block-table prefetch cost the contiguous loop ~1-5% in one kernel (H200,
-  // bench/NOTES.md, session 12). Paged caches run the shared-SM pipeline only.
+  // bench/NOTES.md, session 12). Paged caches run the shared-SM pipeline only: on the whole-SM one
+  // they read 3-15% slower at batch 1 and 2, and slower the more stages (sessions 12 and 19; why
+  // is not understood).
   static constexpr bool kPaged = kPaged_;
   static_assert(!(kPaged && kWholeSm), "paged caches run the shared-SM pipeline (decode_launch_plan)");
   static constexpr int kRows = kDecodeRows;
@@ -77,7 +81,8 @@ struct DecodeTraits {
   static constexpr int kKvOffset = kQOffset + QTile::kBytes;
   static constexpr int kStageBytes = 2 * KvTile::kBytes;
   static constexpr int kLseOffset = kKvOffset + kStages * kStageBytes;
-  static constexpr int kSmemBytes = kLseOffset + kWarps * kRows * 4;
+  static constexpr int kPageOffset = kLseOffset + kWarps * kRows * 4;  // paged: the split's pages
+  static constexpr int kSmemBytes = kPageOffset + (kPaged ? kDecodePageSlots * 4 : 0);
   static constexpr int kMergeBytes = kWarps * kRows * kHeadDim * 4;
 
   // K/V loads: a thread keeps one chunk column and walks rows kRowsPerPass apart.
@@ -89,7 +94,8 @@ struct DecodeTraits {
   static_assert((kRows * kChunks) % kThreads == 0, "Q chunks split evenly");
   static_assert(kMergeBytes <= kStages * kStageBytes, "the merge buffer reuses the K/V stages");
   static_assert(kStages >= 2, "one stage in flight while another is read");
-  static_assert(kSmemBytes == decode_smem_bytes(kHeadDim, kWholeSm), "decode_sm80.h states the plan's size");
+  static_assert(kSmemBytes == decode_smem_bytes(kHeadDim, kWholeSm, kPaged), "decode_sm80.h states the plan's size");
+  static_assert(kDecodePageSlots % kThreads == 0, "the page slots split evenly over the threads");
 };
 
 // Scale, softcap and ALiBi of one warp's 16 x 16 scores; `token`/`slope` per lane row (g, g + 8).
@@ -205,28 +211,30 @@ __global__ void __launch_bounds__(Traits::kThreads)
     int row[kLoadPasses];
   };
   constexpr bool paged = Traits::kPaged;
-  // Page and row strides that fit 32 bits (any realistic cache: a page of at most 2^31 elements)
-  // make a chunk's address two wide multiply-adds per cache (base + page x page stride + row x row
-  // stride, in bytes) instead of four 64-bit products. With one CTA per SM the copy loop's
-  // instruction count bounds the bandwidth.
+  // K and V pages of one layout with page and row strides that fit 32 bits (any realistic cache:
+  // separate K and V tensors of one shape, or the two halves of one packed KV tensor) share a
+  // chunk's byte offset, page x page stride + row x row stride: two wide multiply-adds per pass,
+  // then one 64-bit add per cache, instead of 64-bit products per cache. With one CTA per SM the
+  // copy loop's instruction count bounds the bandwidth.
   auto fits_int32 = [](int64_t elements) {
     const int64_t bytes = elements * static_cast<int64_t>(sizeof(Element));
     return bytes >= INT32_MIN && bytes <= INT32_MAX;
   };
-  const bool narrow_page_strides = paged && fits_int32(p.k_cache_batch_stride) &&
-                                   fits_int32(p.k_cache_row_stride) &&
-                                   fits_int32(p.v_cache_batch_stride) && fits_int32(p.v_cache_row_stride);
-  const int k_page_bytes = static_cast<int>(p.k_cache_batch_stride * sizeof(Element));
-  const int k_row_bytes = static_cast<int>(p.k_cache_row_stride * sizeof(Element));
-  const int v_page_bytes = static_cast<int>(p.v_cache_batch_stride * sizeof(Element));
-  const int v_row_bytes = static_cast<int>(p.v_cache_row_stride * sizeof(Element));
+  const bool shared_page_offsets = paged && p.k_cache_batch_stride == p.v_cache_batch_stride &&
+                                   p.k_cache_row_stride == p.v_cache_row_stride &&
+                                   fits_int32(p.k_cache_batch_stride) && fits_int32(p.k_cache_row_stride);
+  const int page_bytes = static_cast<int>(p.k_cache_batch_stride * sizeof(Element));
+  const int row_bytes = static_cast<int>(p.k_cache_row_stride * sizeof(Element));
   const int kv_chunk = tid % Traits::kChunks;
   const int first_row = tid / Traits::kChunks;
   const bool chunk_valid = kv_chunk < head_chunks;
+  // A chunk past the head dim copies nothing (zero fill) from its row's first chunk: every
+  // address a thread forms stays inside its row.
+  const int source_chunk = chunk_valid ? kv_chunk : 0;
   const auto* k_cache =
-      static_cast<const Element*>(p.k_cache) + kv_head * p.k_cache_head_stride + kv_chunk * 8;
+      static_cast<const Element*>(p.k_cache) + kv_head * p.k_cache_head_stride + source_chunk * 8;
   const auto* v_cache =
-      static_cast<const Element*>(p.v_cache) + kv_head * p.v_cache_head_stride + kv_chunk * 8;
+      static_cast<const Element*>(p.v_cache) + kv_head * p.v_cache_head_stride + source_chunk * 8;
   // Contiguous: this thread's first row of block 0 (cache index leftpad + first_row).
   const int64_t first_index = seq.leftpad + first_row;
   const Element* k_rows =
@@ -235,30 +243,63 @@ __global__ void __launch_bounds__(Traits::kThreads)
       v_cache + seq.cache_row * p.v_cache_batch_stride + first_index * p.v_cache_row_stride;
 
   const int* block_table_row = paged ? p.block_table + b * p.block_table_batch_stride : nullptr;
+  // The split's pages [split_first_page, + page_count): staged in shared memory when they fit
+  // (`pages` then points there, else at the block table), before any lookup.
+  const int* pages = block_table_row;
+  int split_first_page = 0;
+  bool pages_staged = false;
+  if (paged && split_blocks > 0) {
+    const int last_key = min((split_begin + split_blocks) * kBlockN, seq.len_k) - 1;
+    split_first_page = (seq.leftpad + split_begin * kBlockN) / p.page_block_size;
+    const int page_count = (seq.leftpad + last_key) / p.page_block_size - split_first_page + 1;
+    pages_staged = page_count <= kDecodePageSlots;
+    if (pages_staged) {
+      // Every load out before the first store: one block-table latency, not one per kThreads
+      // entries (a 128k-key split at 16-token pages has 512).
+      constexpr int kSlotsPerThread = kDecodePageSlots / Traits::kThreads;
+      int entry[kSlotsPerThread];
+#pragma unroll
+      for (int j = 0; j < kSlotsPerThread; ++j) {
+        const int i = tid + j * Traits::kThreads;
+        entry[j] = i < page_count ? block_table_row[split_first_page + i] : 0;
+      }
+      int* staged = reinterpret_cast<int*>(smem + Traits::kPageOffset);
+#pragma unroll
+      for (int j = 0; j < kSlotsPerThread; ++j) {
+        const int i = tid + j * Traits::kThreads;
+        if (i < page_count) staged[i] = entry[j];
+      }
+      __syncthreads();
+      pages = staged;
+    } else {
+      pages = block_table_row + split_first_page;
+    }
+  }
   // A page of a power-of-two size (page_block_shift >= 0) splits a cache index with a shift and a
   // mask, any other with a division; the choice is made once per block, not per pass (per pass,
   // it cost a branch and a reload of the page size: ~4 of the ~11 instructions of a lookup, in a
   // copy loop whose instruction count bounds the bandwidth).
+  // A row past the sequence's end looks up its last key's page instead (a clamp, not a branch):
+  // its copy only zero-fills, and the address it forms stays inside that page.
+  const int last_index = seq.leftpad + seq.len_k - 1;
   auto find_pages = [&](int n_block, PageRows& rows) {
     if (!paged) return;
-    const int first_key = n_block * kBlockN + first_row;
-    auto look_up = [&](int i, int page, int row) {
-      rows.row[i] = row;
-      rows.page[i] = first_key + i * Traits::kRowsPerPass < seq.len_k ? block_table_row[page] : 0;
-    };
+    const int block_index = seq.leftpad + n_block * kBlockN + first_row;
     if (p.page_block_shift >= 0) {
       const int row_mask = p.page_block_size - 1;
 #pragma unroll
       for (int i = 0; i < kLoadPasses; ++i) {
-        const int index = seq.leftpad + first_key + i * Traits::kRowsPerPass;
-        look_up(i, index >> p.page_block_shift, index & row_mask);
+        const int index = min(block_index + i * Traits::kRowsPerPass, last_index);
+        rows.row[i] = index & row_mask;
+        rows.page[i] = pages[(index >> p.page_block_shift) - split_first_page];
       }
     } else {
 #pragma unroll
       for (int i = 0; i < kLoadPasses; ++i) {
-        const int index = seq.leftpad + first_key + i * Traits::kRowsPerPass;
+        const int index = min(block_index + i * Traits::kRowsPerPass, last_index);
         const int page = index / p.page_block_size;
-        look_up(i, page, index - page * p.page_block_size);
+        rows.row[i] = index - page * p.page_block_size;
+        rows.page[i] = pages[page - split_first_page];
       }
     }
   };
@@ -269,38 +310,40 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const uint32_t sK = sKv + static_cast<uint32_t>(stage * Traits::kStageBytes);
     const uint32_t sV = sK + KvTile::kBytes;
     const int block_key = n_block * kBlockN + first_row;
-    auto copy = [&](int i, const Element* k_src, const Element* v_src) {
-      const bool valid = chunk_valid && block_key + i * Traits::kRowsPerPass < seq.len_k;
+    auto copy = [&](int i, const Element* k_src, const Element* v_src, bool valid) {
       const uint32_t dst = KvTile::chunk_offset(first_row + i * Traits::kRowsPerPass, kv_chunk);
-      cp_async_16(sK + dst, valid ? k_src : k_cache, valid);
-      cp_async_16(sV + dst, valid ? v_src : v_cache, valid);
+      cp_async_16(sK + dst, k_src, valid);
+      cp_async_16(sV + dst, v_src, valid);
     };
-    if (narrow_page_strides) {
+    auto row_valid = [&](int i) { return chunk_valid && block_key + i * Traits::kRowsPerPass < seq.len_k; };
+    // A paged row past the cache's end was looked up as page 0 (find_pages), a real page: its
+    // address is always inside the pool, so it needs no clamp, only the copy's zero fill.
+    if (shared_page_offsets) {
       const auto* k_bytes = reinterpret_cast<const char*>(k_cache);
       const auto* v_bytes = reinterpret_cast<const char*>(v_cache);
 #pragma unroll
       for (int i = 0; i < kLoadPasses; ++i) {
-        const int page = rows.page[i];
-        const int row = rows.row[i];
-        copy(i,
-             reinterpret_cast<const Element*>(k_bytes + static_cast<int64_t>(page) * k_page_bytes +
-                                              static_cast<int64_t>(row) * k_row_bytes),
-             reinterpret_cast<const Element*>(v_bytes + static_cast<int64_t>(page) * v_page_bytes +
-                                              static_cast<int64_t>(row) * v_row_bytes));
+        const int64_t offset = static_cast<int64_t>(rows.page[i]) * page_bytes +
+                               static_cast<int64_t>(rows.row[i]) * row_bytes;
+        copy(i, reinterpret_cast<const Element*>(k_bytes + offset),
+             reinterpret_cast<const Element*>(v_bytes + offset), row_valid(i));
       }
     } else if (paged) {
 #pragma unroll
       for (int i = 0; i < kLoadPasses; ++i) {
         copy(i, k_cache + rows.page[i] * p.k_cache_batch_stride + rows.row[i] * p.k_cache_row_stride,
-             v_cache + rows.page[i] * p.v_cache_batch_stride + rows.row[i] * p.v_cache_row_stride);
+             v_cache + rows.page[i] * p.v_cache_batch_stride + rows.row[i] * p.v_cache_row_stride, row_valid(i));
       }
     } else {
+      // A contiguous row past the end may lie past the allocation: its address is clamped to the
+      // first row's.
       const int64_t block_row = static_cast<int64_t>(n_block) * kBlockN;
       const Element* k_src = k_rows + block_row * p.k_cache_row_stride;
       const Element* v_src = v_rows + block_row * p.v_cache_row_stride;
 #pragma unroll
       for (int i = 0; i < kLoadPasses; ++i) {
-        copy(i, k_src, v_src);
+        const bool valid = row_valid(i);
+        copy(i, valid ? k_src : k_cache, valid ? v_src : v_cache, valid);
         k_src += k_pass_stride;
         v_src += v_pass_stride;
       }
@@ -325,7 +368,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // ahead of their copies) find them there: a 128-byte line holds the pages of 8 blocks at 16-token
   // pages, and its first lookup would otherwise wait on HBM (~1 us, about a block's time at one CTA
   // per SM). Pages of a power-of-two size only (a shift, no division, in the prologue).
-  if (paged && p.page_block_shift >= 0 && split_blocks > kStages - 1) {
+  if (paged && !pages_staged && p.page_block_shift >= 0 && split_blocks > kStages - 1) {
     const int last_key = min((split_begin + split_blocks) * kBlockN, seq.len_k) - 1;
     const int first_page = (seq.leftpad + (split_begin + kStages - 1) * kBlockN) >> p.page_block_shift;
     const int last_page = (seq.leftpad + last_key) >> p.page_block_shift;

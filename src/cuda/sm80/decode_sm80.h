@@ -43,8 +43,13 @@ constexpr int decode_stages(int family, bool whole_sm) {
   return whole_sm ? (kDecodeWholeSmBytes - decode_fixed_smem_bytes(family)) / decode_stage_bytes(family)
                   : (family <= 64 ? 4 : (family <= 128 ? 3 : 2));
 }
-constexpr int decode_smem_bytes(int family, bool whole_sm) {
-  return decode_fixed_smem_bytes(family) + decode_stages(family, whole_sm) * decode_stage_bytes(family);
+// A paged cache's CTA copies its split's block-table entries into shared memory once, in the
+// prologue, when they fit kDecodePageSlots (a split of up to 16K keys at 16-token pages), so that
+// the loop's page lookups never wait on a block-table line in global memory.
+constexpr int kDecodePageSlots = 1024;
+constexpr int decode_smem_bytes(int family, bool whole_sm, bool paged) {
+  return decode_fixed_smem_bytes(family) + decode_stages(family, whole_sm) * decode_stage_bytes(family) +
+         (paged ? kDecodePageSlots * 4 : 0);
 }
 
 // The most splits a decode launch may have: the combine holds the lse values of a row's splits in
