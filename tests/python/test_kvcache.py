@@ -43,6 +43,10 @@ class Case:
     scalar_seqlens: bool = False
     lengths: Optional[Tuple[int, ...]] = None  # cache_seqlens; None: random
     num_splits: int = 0
+    # "separate": K and V caches of their own, contiguous; "packed": the halves of one
+    # [blocks, rows, 2, heads_kv, d] tensor (one layout for both); "v_padded": a V cache whose rows
+    # hold one head more than it shows (strides of its own).
+    cache_layout: str = "separate"
     opts: Options = field(default_factory=Options)
     seed: int = 0
 
@@ -56,6 +60,7 @@ class Case:
         opts = self.opts
         alibi = None if opts.alibi_slopes is None else list(opts.alibi_slopes.shape)
         cache = f"page {self.page_block_size}" if self.page_block_size else "contiguous"
+        cache += f" {self.cache_layout}"
         return (f"seed {self.seed}: {self.dtype} d{self.head_dim} heads {self.heads[0]}/"
                 f"{self.heads[1]} batch {self.batch} s_q {self.seqlen_q} new {self.seqlen_new} "
                 f"capacity {self.capacity} {cache} rotary {self.rotary}/{self.rotary_dim} "
@@ -153,6 +158,13 @@ def make_inputs(case: Case, device) -> Inputs:
             rows = torch.randperm(batch_cache, generator=gen)[:case.batch]
     k_cache = randn(cache_shape, case.dtype, device, gen)
     v_cache = randn(cache_shape, case.dtype, device, gen)
+    if case.cache_layout == "packed":
+        kv = torch.stack((k_cache, v_cache), dim=2)
+        k_cache, v_cache = kv[:, :, 0], kv[:, :, 1]
+    elif case.cache_layout == "v_padded":
+        padded = randn(cache_shape[:2] + (heads_kv + 1, d), case.dtype, device, gen)
+        padded[:, :, :heads_kv] = v_cache
+        v_cache = padded[:, :, :heads_kv]
     k = v = None
     if n:
         k = randn((case.batch, n, heads_kv, d), case.dtype, device, gen)
@@ -333,6 +345,16 @@ def test_cache_batch_idx_leftpad_no_append(device):
 def test_num_splits(device, num_splits, page_block_size):
     run(Case(batch=2, capacity=300, heads=(8, 2), num_splits=num_splits,
              page_block_size=page_block_size, seqlen_new=1, seed=17 + num_splits), device)
+
+
+@pytest.mark.parametrize("layout", ["packed", "v_padded"])
+@pytest.mark.parametrize("page_block_size", [0, 16, 5], ids=["contiguous", "page16", "page5"])
+def test_cache_layouts(device, layout, page_block_size):
+    """K and V caches of one strided layout (the paged kernel computes each row's offset once for
+    both) and of two (each its own), read and appended to in place."""
+    run(Case(cache_layout=layout, page_block_size=page_block_size, batch=2, capacity=300,
+             seqlen_q=2, seqlen_new=2, rotary="half", num_splits=3, opts=Options(causal=True),
+             seed=29), device)
 
 
 @pytest.mark.parametrize("mask", ["window", "softcap", "alibi", "alibi_batch"])
