@@ -147,8 +147,9 @@ int cuda_num_splits(const api::SplitShape& shape, int requested) {
 // (sm_90: 227 KiB; not sm_80's 163 KiB or sm_86/89's 99 KiB); PDL from sm_90 on. A paged cache
 // keeps the shared-SM pipeline even at one CTA per SM: its deeper ring read 256-token pages slower
 // (H200, batch 1, 16 splits: 1.59 / 3.13 / 4.05 TB/s at 8k / 32k / 128k against 1.88 / 3.33 / 4.24
-// in session 12; with the pages staged in shared memory, 1.72 / 3.26 / 4.04 against 1.86 / 3.29 /
-// 4.15 in session 19, where 5 stages lost 1 us per call and 4 tied the shared-SM pipeline's 3).
+// in session 12). Session 19 traced that to the unrolled prologue's cold instruction-cache lines
+// (its deeper ring unrolled more blocks); with the prologue rolled the whole-SM pipeline reads
+// paged caches no faster (batch 1: 1.78 / 3.26 / 4.07 TB/s against 1.85 / 3.25 / 4.11).
 sm80::DecodeLaunchPlan decode_launch_plan(const KvcacheProblem& problem, const api::SplitShape& shape,
                                           const DeviceLimits& limits) {
   const int family = sm80::decode_head_dim_family(problem.head_dim);

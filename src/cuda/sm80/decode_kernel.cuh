@@ -21,8 +21,9 @@
 //     instruction count bounds the bandwidth, hence the lean address code.
 //   * Pipeline depth: decode_stages(family, kWholeSm), see decode_sm80.h.
 //
-//   prologue   wait for the kernel before (PDL); page lookups, then cp.async K/V of the first
-//              kStages - 1 blocks of this split, one commit group each; then Q rows gathered
+//   prologue   wait for the kernel before (PDL); paged: the split's pages staged in shared
+//              memory; cp.async K/V of the first kStages - 1 blocks of this split (paged: each
+//              block's lookups, then its copies), one commit group each; then Q rows gathered
 //              (rotated when rotary is on) into shared memory
 //   per block  wait until block n landed; barrier    (every warp is done with block n - 1's stage)
 //              cp.async K/V of block n + kStages - 1 into block n - 1's stage; page lookups of
@@ -59,8 +60,8 @@ struct DecodeTraits {
   // A paged cache (block_table) or a contiguous one: instances of their own, because the paged
   // path's lookups and block-table prefetch cost the contiguous loop ~1-5% in one kernel (H200,
   // bench/NOTES.md, session 12). Paged caches run the shared-SM pipeline only: on the whole-SM one
-  // they read 3-15% slower at batch 1 and 2, and slower the more stages (sessions 12 and 19; why
-  // is not understood).
+  // they read no faster at batch 1 and 2 (session 19, with the rolled prologue below; unrolled, its
+  // cold instruction-cache lines had cost 3-15%).
   static constexpr bool kPaged = kPaged_;
   static_assert(!(kPaged && kWholeSm), "paged caches run the shared-SM pipeline (decode_launch_plan)");
   static constexpr int kRows = kDecodeRows;
@@ -350,17 +351,26 @@ __global__ void __launch_bounds__(Traits::kThreads)
     }
   };
 
-  // The prologue's page lookups all go out before its first copy: one block-table latency, not
-  // one per stage.
-  {
-    PageRows prologue_rows[kStages - 1];
-#pragma unroll
+  // The prologue's first kStages - 1 blocks. A paged cache's are looked up and copied block by
+  // block in a loop kept rolled: unrolled, each block is ~20 instruction-cache lines that every
+  // CTA runs once, cold (H200 clock64 trace, one CTA per SM: 5 blocks took ~11,000 cycles, against
+  // ~1,400 for a contiguous cache's same copies). Their lookups read the staged pages (or, past
+  // the slots, the block table: then one latency per block).
+  if constexpr (paged) {
+#pragma unroll 1
     for (int s = 0; s < kStages - 1; ++s) {
-      if (s < split_blocks) find_pages(split_begin + s, prologue_rows[s]);
+      PageRows rows;
+      if (s < split_blocks) {
+        find_pages(split_begin + s, rows);
+        load_kv(split_begin + s, rows, s);
+      }
+      cp_async_commit();
     }
+  } else {
+    const PageRows no_rows{};
 #pragma unroll
     for (int s = 0; s < kStages - 1; ++s) {
-      if (s < split_blocks) load_kv(split_begin + s, prologue_rows[s], s);
+      if (s < split_blocks) load_kv(split_begin + s, no_rows, s);
       cp_async_commit();
     }
   }
