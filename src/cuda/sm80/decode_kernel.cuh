@@ -244,15 +244,17 @@ __global__ void __launch_bounds__(Traits::kThreads)
       v_cache + seq.cache_row * p.v_cache_batch_stride + first_index * p.v_cache_row_stride;
 
   const int* block_table_row = paged ? p.block_table + b * p.block_table_batch_stride : nullptr;
-  // The split's pages [split_first_page, + page_count): staged in shared memory when they fit
+  // The split's pages, split_first_page to split_last_page: staged in shared memory when they fit
   // (`pages` then points there, else at the block table), before any lookup.
   const int* pages = block_table_row;
   int split_first_page = 0;
+  int split_last_page = -1;
   bool pages_staged = false;
   if (paged && split_blocks > 0) {
     const int last_key = min((split_begin + split_blocks) * kBlockN, seq.len_k) - 1;
     split_first_page = (seq.leftpad + split_begin * kBlockN) / p.page_block_size;
-    const int page_count = (seq.leftpad + last_key) / p.page_block_size - split_first_page + 1;
+    split_last_page = (seq.leftpad + last_key) / p.page_block_size;
+    const int page_count = split_last_page - split_first_page + 1;
     pages_staged = page_count <= kDecodePageSlots;
     if (pages_staged) {
       // Every load out before the first store: one block-table latency, not one per kThreads
@@ -379,11 +381,9 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // pages, and its first lookup would otherwise wait on HBM (~1 us, about a block's time at one CTA
   // per SM). Pages of a power-of-two size only (a shift, no division, in the prologue).
   if (paged && !pages_staged && p.page_block_shift >= 0 && split_blocks > kStages - 1) {
-    const int last_key = min((split_begin + split_blocks) * kBlockN, seq.len_k) - 1;
     const int first_page = (seq.leftpad + (split_begin + kStages - 1) * kBlockN) >> p.page_block_shift;
-    const int last_page = (seq.leftpad + last_key) >> p.page_block_shift;
     const uintptr_t first_line = reinterpret_cast<uintptr_t>(block_table_row + first_page) / 128;
-    const uintptr_t last_line = reinterpret_cast<uintptr_t>(block_table_row + last_page) / 128;
+    const uintptr_t last_line = reinterpret_cast<uintptr_t>(block_table_row + split_last_page) / 128;
     for (uintptr_t line = first_line + tid; line <= last_line; line += Traits::kThreads) {
       asm volatile("prefetch.global.L2 [%0];\n" ::"l"(line * 128));
     }
