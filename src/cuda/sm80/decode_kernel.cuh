@@ -149,6 +149,16 @@ __device__ __forceinline__ void decode_mask_scores(float (&s)[1][2][4], const Ke
   }
 }
 
+// A 16-byte global load kept in program order with the cp.async copies around it (both volatile
+// asm): issued where it is written, not sunk to its first use.
+__device__ __forceinline__ uint4 load_global_in_order(const void* ptr) {
+  uint4 v;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(ptr));
+  return v;
+}
+
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads)
     decode_kernel(const __grid_constant__ KvcacheProblem p) {
@@ -242,6 +252,29 @@ __global__ void __launch_bounds__(Traits::kThreads)
       k_cache + seq.cache_row * p.k_cache_batch_stride + first_index * p.k_cache_row_stride;
   const Element* v_rows =
       v_cache + seq.cache_row * p.v_cache_batch_stride + first_index * p.v_cache_row_stride;
+
+  // Q's chunks (each packed row is its own token and head), loaded before the first K/V copies: a
+  // load issued after them returns behind the prologue's K/V stream (~160 KiB per SM on the
+  // whole-SM pipeline, ~4 us at batch 1), and no block's S = Q K^T can start before it.
+  constexpr int kQItems = kRows * Traits::kChunks / Traits::kThreads;
+  auto q_item = [&](int i, int& row, int& chunk, int& token) -> const Element* {
+    const int item = tid + i * Traits::kThreads;
+    row = item / Traits::kChunks;
+    chunk = item % Traits::kChunks;
+    token = 0;
+    if (row >= rows_here || chunk >= head_chunks) return nullptr;
+    const int packed = m0 + row;
+    token = packed / group;
+    const int head = kv_head * group + packed % group;
+    return static_cast<const Element*>(p.q) + b * p.q_batch_stride + token * p.q_row_stride + head * p.q_head_stride;
+  };
+  uint4 q_raw[kQItems];
+#pragma unroll
+  for (int i = 0; i < kQItems; ++i) {
+    int row, chunk, token;
+    const Element* q_row = q_item(i, row, chunk, token);
+    q_raw[i] = q_row != nullptr ? load_global_in_order(q_row + chunk * 8) : make_uint4(0, 0, 0, 0);
+  }
 
   const int* block_table_row = paged ? p.block_table + b * p.block_table_batch_stride : nullptr;
   // The split's pages, split_first_page to split_last_page: staged in shared memory when they fit
@@ -391,26 +424,17 @@ __global__ void __launch_bounds__(Traits::kThreads)
   PageRows next_rows;  // of block kStages - 1 + it at the top of iteration it
   if (kStages - 1 < split_blocks) find_pages(split_begin + kStages - 1, next_rows);
 
-  // ---- Q: gathered row by row (each packed row is its own token and head), rotated, swizzled.
-  // After the first K/V loads are in flight: these loads wait for their data before the store.
+  // ---- Q: rotated and stored (swizzled) from the chunks loaded before the K/V copies.
   {
-    const auto* q = static_cast<const Element*>(p.q);
     const int position_base = seq.length - seq.leftpad;
     const bool per_token = p.rotary_q_positions_per_token();
 #pragma unroll
-    for (int i = 0; i < kRows * Traits::kChunks / Traits::kThreads; ++i) {
-      const int item = tid + i * Traits::kThreads;
-      const int row = item / Traits::kChunks;
-      const int chunk = item % Traits::kChunks;
-      uint4 value = make_uint4(0, 0, 0, 0);
-      if (row < rows_here && chunk < head_chunks) {
-        const int packed = m0 + row;
-        const int token = packed / group;
-        const int head = kv_head * group + packed % group;
-        const Element* q_row = q + b * p.q_batch_stride + token * p.q_row_stride + head * p.q_head_stride;
-        value = rotary_chunk<Element>(p, q_row, chunk * 8, *reinterpret_cast<const uint4*>(q_row + chunk * 8),
-                                      position_base + (per_token ? token : 0));
-      }
+    for (int i = 0; i < kQItems; ++i) {
+      int row, chunk, token;
+      const Element* q_row = q_item(i, row, chunk, token);
+      const uint4 value = q_row != nullptr ? rotary_chunk<Element>(p, q_row, chunk * 8, q_raw[i],
+                                                                  position_base + (per_token ? token : 0))
+                                           : make_uint4(0, 0, 0, 0);
       asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(sQ + QTile::chunk_offset(row, chunk)),
                    "r"(value.x), "r"(value.y), "r"(value.z), "r"(value.w));
     }
