@@ -21,10 +21,10 @@
 //     instruction count bounds the bandwidth, hence the lean address code.
 //   * Pipeline depth: decode_stages(family, kWholeSm), see decode_sm80.h.
 //
-//   prologue   wait for the kernel before (PDL); paged: the split's pages staged in shared
-//              memory; cp.async K/V of the first kStages - 1 blocks of this split (paged: each
-//              block's lookups, then its copies), one commit group each; then Q rows gathered
-//              (rotated when rotary is on) into shared memory
+//   prologue   wait for the kernel before (PDL); Q's chunks loaded into registers; paged: the
+//              split's pages staged in shared memory; cp.async K/V of the first kStages - 1
+//              blocks of this split (paged: each block's lookups, then its copies), one commit
+//              group each; then Q rotated (when rotary is on) and stored to shared memory
 //   per block  wait until block n landed; barrier    (every warp is done with block n - 1's stage)
 //              cp.async K/V of block n + kStages - 1 into block n - 1's stage; page lookups of
 //              block n + kStages
