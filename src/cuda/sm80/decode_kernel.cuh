@@ -352,8 +352,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
       cp_async_16(sV + dst, v_src, valid);
     };
     auto row_valid = [&](int i) { return chunk_valid && block_key + i * Traits::kRowsPerPass < seq.len_k; };
-    // A paged row past the cache's end was looked up as page 0 (find_pages), a real page: its
-    // address is always inside the pool, so it needs no clamp, only the copy's zero fill.
+    // A paged row past the sequence's end was looked up as its last key's page and row (find_pages
+    // clamps the index): its address is inside the pool, so it needs no clamp, only the zero fill.
     if (shared_page_offsets) {
       const auto* k_bytes = reinterpret_cast<const char*>(k_cache);
       const auto* v_bytes = reinterpret_cast<const char*>(v_cache);
