@@ -31,9 +31,9 @@
 //              S = Q K^T on this warp's 16 keys       (mma.sync m16n8k16, fp32)
 //              scale / softcap / ALiBi / mask        (mask only on blocks the window or end cuts)
 //              online softmax; O += P V               (P straight from registers)
-//   epilogue   per-warp normalise; lse of each warp to shared memory; barrier; each warp scales its
-//              O by exp(lse_warp - lse_total) into shared memory; barrier; sum over warps and store
-//              (16-bit out + lse, or fp32 partials for the combine)
+//   epilogue   per-warp normalise, then the warps' results merged (warp_merge.cuh: weighted by
+//              exp(lse_warp - lse_total)) and stored (16-bit out + lse, or fp32 partials for the
+//              combine)
 #pragma once
 
 #include <cuda_bf16.h>
@@ -47,6 +47,7 @@
 #include "cuda/common/online_softmax.cuh"
 #include "cuda/common/programmatic_launch.cuh"
 #include "cuda/common/swizzled_tile.cuh"
+#include "cuda/common/warp_merge.cuh"
 #include "cuda/sm80/decode_rotary.cuh"
 #include "cuda/sm80/decode_sm80.h"
 
@@ -75,6 +76,7 @@ struct DecodeTraits {
 
   using QTile = SwizzledTile<kRows, kHeadDim>;
   using KvTile = SwizzledTile<kBlockN, kHeadDim>;
+  using Merge = WarpMerge<kWarps, kHeadDim>;
 
   // Shared-memory plan: [ Q | stage 0: K, V | stage 1: K, V | ... | per-warp lse ]. After the main
   // loop the stages hold the merge buffer: [warp][row][head_dim] fp32.
@@ -82,9 +84,8 @@ struct DecodeTraits {
   static constexpr int kKvOffset = kQOffset + QTile::kBytes;
   static constexpr int kStageBytes = 2 * KvTile::kBytes;
   static constexpr int kLseOffset = kKvOffset + kStages * kStageBytes;
-  static constexpr int kPageOffset = kLseOffset + kWarps * kRows * 4;  // paged: the split's pages
+  static constexpr int kPageOffset = kLseOffset + Merge::kLseBytes;  // paged: the split's pages
   static constexpr int kSmemBytes = kPageOffset + (kPaged ? kDecodePageSlots * 4 : 0);
-  static constexpr int kMergeBytes = kWarps * kRows * kHeadDim * 4;
 
   // K/V loads: a thread keeps one chunk column and walks rows kRowsPerPass apart.
   static constexpr int kRowsPerPass = kThreads / kChunks;
@@ -93,7 +94,7 @@ struct DecodeTraits {
   static_assert(kBlockN == kWarps * 16, "each warp owns one 16-key slice of a block");
   static_assert(kThreads % kChunks == 0 && kBlockN % kRowsPerPass == 0, "K/V chunks split evenly");
   static_assert((kRows * kChunks) % kThreads == 0, "Q chunks split evenly");
-  static_assert(kMergeBytes <= kStages * kStageBytes, "the merge buffer reuses the K/V stages");
+  static_assert(Merge::kMergeBytes <= kStages * kStageBytes, "the merge buffer reuses the K/V stages");
   static_assert(kStages >= 2, "one stage in flight while another is read");
   static_assert(kSmemBytes == decode_smem_bytes(kHeadDim, kWholeSm, kPaged), "decode_sm80.h states the plan's size");
   static_assert(kDecodePageSlots % kThreads == 0, "the page slots split evenly over the threads");
@@ -173,8 +174,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   extern __shared__ __align__(128) unsigned char smem[];
   const uint32_t sQ = smem_address(smem + Traits::kQOffset);
   const uint32_t sKv = smem_address(smem + Traits::kKvOffset);
-  float* lse_smem = reinterpret_cast<float*>(smem + Traits::kLseOffset);
-  float* merge = reinterpret_cast<float*>(smem + Traits::kKvOffset);
+  const typename Traits::Merge merge{reinterpret_cast<float*>(smem + Traits::kLseOffset),
+                                     reinterpret_cast<float*>(smem + Traits::kKvOffset)};
 
   // Everything below may read what the kernel before wrote (the append pass, the caller's Q).
   wait_for_prior_grids();
@@ -510,34 +511,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
   // ---- Merge the warps' partial results.
   float lse[2];
   softmax.finalize(acc_o, log2_scale, lse);
-  if (lane % 4 == 0) {
-    lse_smem[warp * kRows + lane / 4] = lse[0];
-    lse_smem[warp * kRows + lane / 4 + 8] = lse[1];
-  }
-  __syncthreads();  // lse visible; every warp is past its last K/V read: the stages become `merge`
-  auto total_lse = [&](int row) {
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < Traits::kWarps; ++w) m = fmaxf(m, lse_smem[w * kRows + row]);
-    if (m == -INFINITY) return -INFINITY;
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < Traits::kWarps; ++w) sum += __expf(lse_smem[w * kRows + row] - m);
-    return m + __logf(sum);
-  };
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = lane / 4 + 8 * half;
-    const float total = total_lse(row);
-    const float weight = total == -INFINITY ? 0.0f : __expf(lse[half] - total);
-    float* merge_row = merge + (warp * kRows + row) * kHeadDim + (lane % 4) * 2;
-#pragma unroll
-    for (int dt = 0; dt < Traits::kDTiles; ++dt) {
-      *reinterpret_cast<float2*>(merge_row + dt * 8) =
-          make_float2(acc_o[0][dt][2 * half] * weight, acc_o[0][dt][2 * half + 1] * weight);
-    }
-  }
-  __syncthreads();
+  merge.publish_lse(lse, warp, lane);  // every warp is past its last K/V read: the stages become the buffer
+  merge.publish_output(acc_o, lse, warp, lane);
 
   // ---- Store: 4 columns per item, rows of this tile that exist, columns below head_dim.
   const bool partial = num_splits > 1;
@@ -551,15 +526,7 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const int row = item / (kHeadDim / 4);
     const int col = (item % (kHeadDim / 4)) * 4;
     if (row >= rows_here || col >= p.head_dim) continue;
-    float4 sum = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int w = 0; w < Traits::kWarps; ++w) {
-      const float4 x = *reinterpret_cast<const float4*>(merge + (w * kRows + row) * kHeadDim + col);
-      sum.x += x.x;
-      sum.y += x.y;
-      sum.z += x.z;
-      sum.w += x.w;
-    }
+    const float4 sum = merge.row_sum(row, col);
     const int packed = m0 + row;
     const int token = packed / group;
     const int head = kv_head * group + packed % group;
@@ -567,12 +534,12 @@ __global__ void __launch_bounds__(Traits::kThreads)
     if (partial) {
       const int64_t out_row = split * rows_per_split + (static_cast<int64_t>(b) * p.heads_q + head) * p.seqlen_q + token;
       *reinterpret_cast<float4*>(out_accum + out_row * p.head_dim + col) = sum;
-      if (writes_lse) lse_accum[out_row] = total_lse(row);
+      if (writes_lse) lse_accum[out_row] = merge.total_lse(row);
     } else {
       Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + token * p.out_row_stride +
                      head * p.out_head_stride + col;
       *reinterpret_cast<uint2*>(out) = make_uint2(pack2<Element>(sum.x, sum.y), pack2<Element>(sum.z, sum.w));
-      if (writes_lse) p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = total_lse(row);
+      if (writes_lse) p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = merge.total_lse(row);
     }
   }
 }
