@@ -5,6 +5,7 @@
 #pragma once
 
 #include "flashkit/kvcache_params.h"
+#include "flashkit/nsa_params.h"
 #include "flashkit/params.h"
 
 namespace flashkit {
@@ -51,5 +52,14 @@ bool cuda_kvcache_built(DType dtype, int head_dim);
 // Whether this build serves the backward pass (mha_bwd / mha_varlen_bwd) of `dtype` at `head_dim`
 // on CUDA; a call for a left-out pair throws with the flags of a build that has it.
 bool cuda_bwd_built(DType dtype, int head_dim);
+
+// Native sparse attention's selection branch (see nsa_params.h): each query token attends to the
+// key blocks it selected. nsa_bwd's params.workspace must hold nsa_bwd_workspace_size(params) bytes.
+void nsa_fwd(const NsaFwdParams& params, void* stream = nullptr);
+void nsa_bwd(const NsaBwdParams& params, void* stream = nullptr);
+size_t nsa_bwd_workspace_size(const NsaBwdParams& params);
+// Whether this build has the CUDA native-sparse-attention kernels for `dtype` at `head_dim`
+// (rounded up to 64, 128 or 256).
+bool cuda_nsa_built(DType dtype, int head_dim);
 
 }  // namespace flashkit
