@@ -40,6 +40,10 @@ PyObject* cuda_kvcache_built(PyObject*, PyObject* args) {
   return ask_built("cuda_kvcache_built", &flashkit::cuda_kvcache_built, args);
 }
 
+PyObject* cuda_nsa_built(PyObject*, PyObject* args) {
+  return ask_built("cuda_nsa_built", &flashkit::cuda_nsa_built, args);
+}
+
 PyMethodDef methods[] = {
     {"cuda_fwd_built", cuda_fwd_built, METH_VARARGS,
      "Whether this build has the CUDA forward kernel for (dtype name, head dim)."},
@@ -47,6 +51,8 @@ PyMethodDef methods[] = {
      "Whether this build has the CUDA backward kernel for (dtype name, head dim)."},
     {"cuda_kvcache_built", cuda_kvcache_built, METH_VARARGS,
      "Whether this build has the CUDA decode (KV-cache) kernel for (dtype name, head dim)."},
+    {"cuda_nsa_built", cuda_nsa_built, METH_VARARGS,
+     "Whether this build has the CUDA native-sparse-attention kernels for (dtype name, head dim)."},
     {nullptr, nullptr, 0, nullptr},
 };
 

@@ -1,6 +1,6 @@
 // python/csrc/ops.cpp
 // \brief The flashkit operators of PyTorch: torch.ops.flashkit.{fwd, varlen_fwd, bwd, varlen_bwd,
-// fwd_kvcache}.
+// fwd_kvcache, nsa_fwd, nsa_bwd}.
 //
 // Each operator turns its tensors into flashkit views, allocates its outputs (and the backward's
 // workspace) from torch's caching allocator on the tensors' device, and calls the flashkit entry
@@ -340,6 +340,70 @@ std::tuple<at::Tensor, at::Tensor> fwd_kvcache(
   return {out, softmax_lse};
 }
 
+// Native sparse attention's selection branch (flashkit/nsa_params.h). block_indices and the
+// optional block_counts go to flashkit as they are: it validates their dtype (int32), shape and
+// strides, and reads them one int at a time, so they need no vector_ready copy. Their contents are
+// never an error (out-of-range blocks select nothing). NsaFwdParams and NsaBwdParams name these
+// arguments the same.
+template <typename Params>
+void fill_nsa_selection(const char* fn, Params& p, const at::Tensor& q, const at::Tensor& k,
+                        const at::Tensor& v, const at::Tensor& block_indices,
+                        const OptionalTensor& block_counts, int64_t block_size,
+                        double softmax_scale, bool causal) {
+  p.q = to_view(fn, "q", q);
+  p.k = to_view(fn, "k", k);
+  p.v = to_view(fn, "v", v);
+  p.block_indices = to_view(fn, "block_indices", block_indices);
+  p.block_counts = to_optional_view(fn, "block_counts", block_counts);
+  p.block_size = to_int(block_size);
+  p.softmax_scale = static_cast<float>(softmax_scale);
+  p.causal = causal;
+}
+
+std::tuple<at::Tensor, at::Tensor> nsa_fwd(const at::Tensor& q_in, const at::Tensor& k_in,
+                                           const at::Tensor& v_in, const at::Tensor& block_indices,
+                                           const OptionalTensor& block_counts, int64_t block_size,
+                                           double softmax_scale, bool causal) {
+  const auto q = vector_ready(q_in);
+  const auto k = vector_ready(k_in);
+  const auto v = vector_ready(v_in);
+  constexpr const char* fn = "flashkit::nsa_fwd";
+  check_rank(fn, "q", q, 4, kFixedLayout);
+  const c10::DeviceGuard device_guard(q.device());
+  at::Tensor out = at::empty(q.sizes(), q.options());
+  at::Tensor softmax_lse =
+      at::empty({q.size(0), q.size(2), q.size(1)}, q.options().dtype(at::kFloat));
+  NsaFwdParams p;
+  fill_nsa_selection(fn, p, q, k, v, block_indices, block_counts, block_size, softmax_scale,
+                     causal);
+  p.out = to_view(fn, "out", out);
+  p.softmax_lse = to_view(fn, "softmax_lse", softmax_lse);
+  call_flashkit([&] { flashkit::nsa_fwd(p, current_stream(q.device())); });
+  return {out, softmax_lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> nsa_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+    const at::Tensor& block_indices, const OptionalTensor& block_counts, int64_t block_size,
+    const at::Tensor& out, const at::Tensor& softmax_lse, double softmax_scale, bool causal) {
+  constexpr const char* fn = "flashkit::nsa_bwd";
+  const c10::DeviceGuard device_guard(q.device());
+  const BwdTensors t(dout, q, k, v, out);
+  NsaBwdParams p;
+  fill_nsa_selection(fn, p, t.q, t.k, t.v, block_indices, block_counts, block_size,
+                     softmax_scale, causal);
+  p.dout = to_view(fn, "dout", t.dout);
+  p.out = to_view(fn, "out", t.out);
+  p.softmax_lse = to_view(fn, "softmax_lse", softmax_lse);
+  p.dq = to_view(fn, "dq", t.dq);
+  p.dk = to_view(fn, "dk", t.dk);
+  p.dv = to_view(fn, "dv", t.dv);
+  const size_t workspace_bytes = call_flashkit([&] { return nsa_bwd_workspace_size(p); });
+  const at::Tensor workspace = allocate_workspace(p, workspace_bytes, q);
+  call_flashkit([&] { flashkit::nsa_bwd(p, current_stream(q.device())); });
+  return {t.dq, t.dk, t.dv};
+}
+
 }  // namespace
 }  // namespace flashkit::torch_glue
 
@@ -377,6 +441,15 @@ TORCH_LIBRARY(flashkit, m) {
       "Tensor? alibi_slopes, float softmax_scale, bool causal, int window_left, "
       "int window_right, float softcap, bool rotary_interleaved, int num_splits) "
       "-> (Tensor out, Tensor softmax_lse)");
+  // Native sparse attention's selection branch: block_indices int32 [batch, seqlen_q, heads_kv,
+  // selected], block_counts int32 [batch, seqlen_q, heads_kv] or None (every slot in use).
+  m.def(
+      "nsa_fwd(Tensor q, Tensor k, Tensor v, Tensor block_indices, Tensor? block_counts, "
+      "int block_size, float softmax_scale, bool causal) -> (Tensor out, Tensor softmax_lse)");
+  m.def(
+      "nsa_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor block_indices, "
+      "Tensor? block_counts, int block_size, Tensor out, Tensor softmax_lse, "
+      "float softmax_scale, bool causal) -> (Tensor dq, Tensor dk, Tensor dv)");
 }
 
 TORCH_LIBRARY_IMPL(flashkit, CPU, m) {
@@ -385,6 +458,8 @@ TORCH_LIBRARY_IMPL(flashkit, CPU, m) {
   m.impl("bwd", &flashkit::torch_glue::bwd);
   m.impl("varlen_bwd", &flashkit::torch_glue::varlen_bwd);
   m.impl("fwd_kvcache", &flashkit::torch_glue::fwd_kvcache);
+  m.impl("nsa_fwd", &flashkit::torch_glue::nsa_fwd);
+  m.impl("nsa_bwd", &flashkit::torch_glue::nsa_bwd);
 }
 
 // Registered whether or not this build has CUDA kernels: without them flashkit itself refuses CUDA
@@ -395,4 +470,6 @@ TORCH_LIBRARY_IMPL(flashkit, CUDA, m) {
   m.impl("bwd", &flashkit::torch_glue::bwd);
   m.impl("varlen_bwd", &flashkit::torch_glue::varlen_bwd);
   m.impl("fwd_kvcache", &flashkit::torch_glue::fwd_kvcache);
+  m.impl("nsa_fwd", &flashkit::torch_glue::nsa_fwd);
+  m.impl("nsa_bwd", &flashkit::torch_glue::nsa_bwd);
 }

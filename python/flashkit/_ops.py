@@ -15,6 +15,10 @@ the C++ operators allocate it.
     fwd_kvcache(q, k_cache, v_cache, k, v, ...) -> out [b, s_q, h_q, d],
                                          softmax_lse fp32 [b, h_q, s_q]; writes k and v into
                                          k_cache and v_cache in place (schema: Tensor(a!))
+    nsa_fwd(q, k, v, block_indices, block_counts, ...) -> out [b, s_q, h_q, d],
+                                         softmax_lse fp32 [b, h_q, s_q] (native sparse
+                                         attention's selection branch; python/flashkit/nsa.py)
+    nsa_bwd(dout, q, k, v, block_indices, ...) -> dq, dk, dv shaped like q, k, v
 
 With dropout_p > 0 the forwards draw a Philox key from torch's generator and return it as rng_state,
 int64 [2] on q's device, which the backwards take back; with return_softmax they also return
@@ -33,6 +37,8 @@ varlen_fwd = torch.ops.flashkit.varlen_fwd.default
 bwd = torch.ops.flashkit.bwd.default
 varlen_bwd = torch.ops.flashkit.varlen_bwd.default
 fwd_kvcache = torch.ops.flashkit.fwd_kvcache.default
+nsa_fwd = torch.ops.flashkit.nsa_fwd.default
+nsa_bwd = torch.ops.flashkit.nsa_bwd.default
 
 
 def _round_up_128(n):
@@ -96,6 +102,20 @@ def _fwd_kvcache_fake(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_s
     return out, softmax_lse
 
 
+@torch.library.register_fake("flashkit::nsa_fwd")
+def _nsa_fwd_fake(q, k, v, block_indices, block_counts, block_size, softmax_scale, causal):
+    batch, seqlen_q, heads_q, _ = q.shape
+    out = q.new_empty(q.shape)
+    softmax_lse = q.new_empty((batch, heads_q, seqlen_q), dtype=torch.float32)
+    return out, softmax_lse
+
+
+@torch.library.register_fake("flashkit::nsa_bwd")
+def _nsa_bwd_fake(dout, q, k, v, block_indices, block_counts, block_size, out, softmax_lse,
+                  softmax_scale, causal):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
 _DTYPE_NAMES = {torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
@@ -114,3 +134,9 @@ def cuda_bwd_built(dtype: torch.dtype, head_dim: int) -> bool:
 def cuda_kvcache_built(dtype: torch.dtype, head_dim: int) -> bool:
     """As cuda_fwd_built, for the decode (KV-cache) kernels of flash_attn_with_kvcache."""
     return dtype in _DTYPE_NAMES and _C.cuda_kvcache_built(_DTYPE_NAMES[dtype], head_dim)
+
+
+def cuda_nsa_built(dtype: torch.dtype, head_dim: int) -> bool:
+    """As cuda_fwd_built, for the native-sparse-attention kernels (forward and backward) of
+    flashkit.nsa_selection_attn_func."""
+    return dtype in _DTYPE_NAMES and _C.cuda_nsa_built(_DTYPE_NAMES[dtype], head_dim)
