@@ -46,7 +46,9 @@ struct NsaFwdParams {
   bool causal = false;
 };
 
-// The gradients of nsa_fwd. The forward's inputs and options must be passed unchanged.
+// The gradients of nsa_fwd. The forward's inputs and options must be passed unchanged. On CUDA, dk
+// and dv are fp32 sums over the tokens that selected each key, added in an order that may change
+// from run to run (atomics): repeated calls may differ in their last bits. dq is the same every run.
 struct NsaBwdParams {
   TensorView dout;  // gradient of out: same shape as q (last dim contiguous)
   TensorView q;

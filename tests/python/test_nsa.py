@@ -329,7 +329,18 @@ def test_layout_invariance(device):
         leaves = [t.detach().clone().requires_grad_() for t in args[:3]]
         out = nsa_selection_attn_func(*leaves, args[3], block_size=16, block_counts=args[4])
         results.append((out, *torch.autograd.grad(out, leaves, dout)))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert_same_results(*results)
+
+
+def assert_same_results(first, second):
+    """(out, dq, dk, dv) of two calls on the same values: out and dq bit for bit (each query row's
+    order of operations is fixed); dk and dv to the rounding of their fp32 sums, whose order the
+    CUDA backward's atomics leave open (bit for bit on the CPU backend)."""
+    for name, a, b in zip(("out", "dq", "dk", "dv"), first, second):
+        if name in ("out", "dq") or a.device.type == "cpu":
+            assert torch.equal(a, b), name
+        else:
+            torch.testing.assert_close(a, b, rtol=2 ** -7, atol=1e-5, msg=name)
 
 
 def misaligned_copy(x, offset):
@@ -350,7 +361,7 @@ def test_misaligned_views_run_on_copies(device):
         leaves = [t.detach().clone().requires_grad_() for t in tensors]
         out = nsa_selection_attn_func(*leaves, indices, block_size=16)
         results.append((out, *torch.autograd.grad(out, leaves, dout)))
-    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert_same_results(*results)
 
 
 def test_no_grad_call_matches_autograd(device):

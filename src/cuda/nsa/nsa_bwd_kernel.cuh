@@ -160,6 +160,29 @@ __device__ __forceinline__ void transpose_a(const uint32_t (&a)[4], uint32_t til
   __syncwarp();
 }
 
+// One 8-column accumulator tile of a lane pair (2c, 2c + 1), rows g and g + 8, regrouped: the even
+// lane returns row g's columns 4c' .. 4c' + 3 (c' = c / 2), the odd lane row g + 8's.
+__device__ __forceinline__ float4 pair_rows_to_columns(const float (&acc)[4], bool odd) {
+  // The even lane gives away its row g + 8 pair, the odd lane its row g pair.
+  const float give0 = odd ? acc[0] : acc[2];
+  const float give1 = odd ? acc[1] : acc[3];
+  const float got0 = __shfl_xor_sync(0xffffffffu, give0, 1);
+  const float got1 = __shfl_xor_sync(0xffffffffu, give1, 1);
+  return odd ? make_float4(got0, got1, acc[2], acc[3]) : make_float4(acc[0], acc[1], got0, got1);
+}
+
+// A 16-byte atomic add into global memory (one vector reduction on sm_90, four elsewhere).
+__device__ __forceinline__ void add_float4(float* address, float4 value) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float4*>(address), value);
+#else
+  atomicAdd(address, value.x);
+  atomicAdd(address + 1, value.y);
+  atomicAdd(address + 2, value.z);
+  atomicAdd(address + 3, value.w);
+#endif
+}
+
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_kernel(const __grid_constant__ NsaBwdProblem bp) {
   using Element = typename Traits::Element;
@@ -325,11 +348,14 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_kernel(const __grid_
     uint32_t pt[1][4], dst[1][4];
     transpose_a(p_a, sP, pt[0]);
     transpose_a(ds_a, sDs, dst[0]);
-    const int key_lo = slice_key + lane / 4;  // the lane's accumulator rows: keys key_lo, key_lo + 8
+    // Each lane pair (2c, 2c + 1) trades halves so that the even lane holds row g's four columns
+    // 4c' .. 4c' + 3 and the odd lane row g + 8's: one 16-byte add per lane, tensor and 8 columns.
+    const bool odd = lane % 2 != 0;
+    const int key = slice_key + lane / 4 + (odd ? 8 : 0);
     const int64_t row_stride = static_cast<int64_t>(p.heads_kv) * p.head_dim;
-    const int64_t accum_row = (static_cast<int64_t>(b) * p.seqlen_k + key_lo) * row_stride +
-                              kv_head * p.head_dim + (lane % 4) * 2;
-    const bool row_valid[2] = {key_lo <= selection.last_key, key_lo + 8 <= selection.last_key};
+    const int64_t accum_row = (static_cast<int64_t>(b) * p.seqlen_k + key) * row_stride + kv_head * p.head_dim +
+                              ((lane % 4) / 2) * 4;
+    const bool key_valid = key <= selection.last_key;
 #pragma unroll
     for (int dp = 0; dp < Traits::kDTiles / 2; ++dp) {
       float dv[1][2][4], dk[1][2][4];
@@ -342,17 +368,14 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_kernel(const __grid_
       sm80::mma_column_pair<Element>(dk, dst, bq, 0);
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
-        const int col = dp * 16 + nt * 8 + (lane % 4) * 2;
-        if (col >= p.head_dim) continue;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          if (!row_valid[half]) continue;
-          const int64_t at = accum_row + half * 8 * row_stride + dp * 16 + nt * 8;
-          atomicAdd(dv_accum + at, dv[0][nt][2 * half]);
-          atomicAdd(dv_accum + at + 1, dv[0][nt][2 * half + 1]);
-          atomicAdd(dk_accum + at, dk[0][nt][2 * half] * p.softmax_scale);
-          atomicAdd(dk_accum + at + 1, dk[0][nt][2 * half + 1] * p.softmax_scale);
-        }
+        const float4 dv4 = pair_rows_to_columns(dv[0][nt], odd);
+        const float4 dk4 = pair_rows_to_columns(dk[0][nt], odd);
+        const int col = dp * 16 + nt * 8 + ((lane % 4) / 2) * 4;
+        if (!key_valid || col >= p.head_dim) continue;
+        const int64_t at = accum_row + dp * 16 + nt * 8;
+        add_float4(dv_accum + at, dv4);
+        add_float4(dk_accum + at, make_float4(dk4.x * p.softmax_scale, dk4.y * p.softmax_scale,
+                                              dk4.z * p.softmax_scale, dk4.w * p.softmax_scale));
       }
     }
   }

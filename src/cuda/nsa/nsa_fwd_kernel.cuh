@@ -8,8 +8,9 @@
 // of its mma tile (a group of more than 16 heads takes several CTAs, one per 16 heads), the
 // layout NSA was designed around (GQA groups of 16 and more).
 //
-//   prologue   the selection resolved in shared memory (nsa_selection.cuh); Q (16 heads x D) and
-//              the first kStages - 1 chunks of 64 selected keys of K and V copied with cp.async
+//   prologue   Q (16 heads x D) copied with cp.async; the selection resolved in shared memory
+//              (nsa_selection.cuh); the first kStages - 1 chunks of 64 selected keys of K and V
+//              copied
 //   per chunk  wait until chunk n landed; barrier; copy chunk n + kStages - 1
 //              S = Q K^T on this warp's 16 keys (one block's consecutive keys)
 //              mask (keys past the sequence or the causal limit, slices past the selection)
@@ -44,7 +45,9 @@ struct NsaFwdTraits {
   static constexpr int kBlockN = 64;  // selected keys per pipeline stage
   static constexpr int kWarps = 4;
   static constexpr int kThreads = kWarps * 32;
-  static constexpr int kStages = kHeadDim <= 128 ? 3 : 2;
+  // Two stages: a token's selection is a few chunks (NSA: 16 blocks of 64 keys), so more CTAs per
+  // SM (three at D 128) hide a CTA's prologue and epilogue better than a deeper pipeline would.
+  static constexpr int kStages = 2;
   static constexpr int kQkSteps = kHeadDim / 16;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kChunks = kHeadDim / 8;  // 16-byte chunks per row
@@ -100,11 +103,8 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_fwd_kernel(const __grid_
   const int head_chunks = p.head_dim / 8;
   const int block_size = p.block_size;
 
-  const Selection selection =
-      resolve_selection<Traits::kThreads>(p, b, token, kv_head, smem + Traits::kSelectionOffset);
-  const int chunks = (selection.virtual_keys(block_size) + kBlockN - 1) / kBlockN;
-
-  // ---- Q: the group's heads of this token, zero rows past the group and columns past head_dim.
+  // ---- Q: the group's heads of this token, zero rows past the group and columns past head_dim;
+  // issued first, its copy overlaps the selection's resolution.
   {
     const auto* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + token * p.q_row_stride +
                     (kv_head * group + m0) * p.q_head_stride;
@@ -118,6 +118,10 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_fwd_kernel(const __grid_
                         valid);
     }
   }
+
+  const Selection selection =
+      resolve_selection<Traits::kThreads>(p, b, token, kv_head, smem + Traits::kSelectionOffset);
+  const int chunks = (selection.virtual_keys(block_size) + kBlockN - 1) / kBlockN;
 
   // ---- K/V copies of one chunk: a thread copies one chunk column of kLoadPasses rows. Rows past
   // the selection or the sequence and columns past head_dim are zero-filled (a zero V row times
