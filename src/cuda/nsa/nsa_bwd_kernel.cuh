@@ -1,20 +1,22 @@
 // src/cuda/nsa/nsa_bwd_kernel.cuh
 // \brief The backward kernels of native sparse attention's selection branch (mma.sync).
 //
-// The forward's CTA layout again: one CTA per (sequence, token, kv head), the group's query heads
-// as 16 rows, four warps splitting each chunk of 64 selected keys into 16-key slices. Per slice a
-// warp recomputes P from the saved lse and, with D = dot(dout, out):
-//   dP = dO V^T,  dS = P o (dP - D)
-//   dQ += dS K                     (registers; the warps' sums merged at the end, scaled, stored)
-//   dV[keys] += P^T dO, dK[keys] += scale dS^T Q
-// The key gradients of a slice belong to whichever tokens selected its block, so they are added
-// into fp32 accumulators in the workspace with atomics and converted to the output dtype by a last
-// pass. P^T and dS^T reach the mma's A operand through a 16 x 16 shared-memory tile per warp and
-// ldmatrix.trans; each 8-column product goes to the accumulators as soon as it is computed, so
-// nothing of size head_dim is held per slice.
+// The gradients split by owner. dq belongs to a query token, so a CTA per (sequence, token, kv
+// head, 16 heads of the group) computes it with the forward's layout: four warps splitting each
+// chunk of 64 selected keys into 16-key slices, recomputing P from the saved lse and, with
+// D = dot(dout, out), dP = dO V^T, dS = P o (dP - D), dQ += dS K. dk and dv belong to a key, and
+// every token that selected the key's block adds to them, so a second kernel runs per key block:
+// the first kernel marks each (token, block) pair it resolves in a bitmap (a bit per token, a row
+// per key block), and a CTA per (key block, 64 of its keys, segment of kDkvSegment tokens) walks
+// the segment's set bits in token order with its K and V resident in shared memory:
+//   S^T = K Q^T, P^T, dP^T = V dO^T, dS^T = P^T o (dP^T - D),  dV += P^T dO,  dK += dS^T Q
+// (the transposed products need no transposed operand: P^T and dS^T come out of the mma in the A
+// operand's layout). Each segment adds its sums into fp32 accumulators with one 16-byte reduction
+// per four columns; a last pass converts them to dk, dv.
 //
 //   nsa_bwd_dot_kernel      D = dot(dout, out) per query row, into the workspace
-//   nsa_bwd_kernel          dq, and the key gradients added into the workspace
+//   nsa_bwd_dq_kernel       dq; the selection bitmap
+//   nsa_bwd_dkv_kernel      dk, dv sums per (key block, token segment) into the workspace
 //   nsa_bwd_convert_kernel  the accumulators -> dk, dv
 #pragma once
 
@@ -111,17 +113,24 @@ struct NsaBwdTraits {
   using KvTile = sm80::SwizzledTile<kBlockN, kHeadDim>;
   using Merge = sm80::WarpMerge<kWarps, kHeadDim>;
 
-  // Shared memory: [ Q | dO | stages: K, V | per-warp P and dS tiles (16 x 16 each) | lse, D of the
-  // rows | selection ]. After the loop the stages hold the dQ merge buffer.
+  // dq kernel: [ Q | dO | stages: K, V | lse, D of the rows | selection ]. After the loop the
+  // stages hold the dQ merge buffer.
   static constexpr int kQOffset = 0;
   static constexpr int kDoOffset = kQOffset + RowTile::kBytes;
   static constexpr int kKvOffset = kDoOffset + RowTile::kBytes;
   static constexpr int kStageBytes = 2 * KvTile::kBytes;
-  static constexpr int kTransposeOffset = kKvOffset + kStages * kStageBytes;
-  static constexpr int kTransposeBytes = 16 * 16 * 2;
-  static constexpr int kRowStatsOffset = kTransposeOffset + kWarps * 2 * kTransposeBytes;
+  static constexpr int kRowStatsOffset = kKvOffset + kStages * kStageBytes;
   static constexpr int kSelectionOffset = kRowStatsOffset + 2 * kRows * 4;
   static constexpr int kSmemBytes = kSelectionOffset + kSelectionSmemBytes;
+
+  // dkv kernel: [ K, V of the CTA's 64 keys | token stages: Q, dO, lse, D ]. Its warps hold dK and
+  // dV of 16 keys in registers for kDkvCols columns at a time (all of them up to D 128; D 256
+  // walks its tokens twice, once per half).
+  static constexpr int kDkvCols = kHeadDim < 128 ? kHeadDim : 128;
+  static constexpr int kDkvColTiles = kDkvCols / 8;
+  static constexpr int kTokenStageBytes = 2 * RowTile::kBytes + 2 * kRows * 4;
+  static constexpr int kDkvTokenOffset = 2 * KvTile::kBytes;
+  static constexpr int kDkvSmemBytes = kDkvTokenOffset + kStages * kTokenStageBytes;
 
   static constexpr int kRowsPerPass = kThreads / kChunks;
   static constexpr int kLoadPasses = kBlockN / kRowsPerPass;
@@ -137,27 +146,6 @@ __device__ __forceinline__ void pack_a(const float (&x)[1][2][4], uint32_t (&a)[
   a[1] = sm80::pack2<Element>(x[0][0][2], x[0][0][3]);
   a[2] = sm80::pack2<Element>(x[0][1][0], x[0][1][1]);
   a[3] = sm80::pack2<Element>(x[0][1][2], x[0][1][3]);
-}
-
-// The transpose of a packed 16 x 16 A fragment, through the warp's tile at `tile` (32-byte rows):
-// stored as it is, read back with ldmatrix.trans, so rows become the product's k dimension.
-__device__ __forceinline__ void transpose_a(const uint32_t (&a)[4], uint32_t tile, uint32_t (&at)[4]) {
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const int g = lane / 4;
-  const int c = lane % 4;
-  // a[0]: (row g, cols 2c..), a[1]: (g + 8, 2c..), a[2]: (g, 2c + 8..), a[3]: (g + 8, 2c + 8..).
-  auto store = [&](int row, int col, uint32_t value) {
-    asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(tile + static_cast<uint32_t>(row * 32 + col * 2)), "r"(value));
-  };
-  store(g, 2 * c, a[0]);
-  store(g + 8, 2 * c, a[1]);
-  store(g, 2 * c + 8, a[2]);
-  store(g + 8, 2 * c + 8, a[3]);
-  __syncwarp();
-  // Matrix j of the transposed fragment: stored rows 8 (j / 2) .. + 7, columns 8 (j % 2) .. + 7.
-  const int j = lane / 8;
-  sm80::ldmatrix_x4_trans(at, tile + static_cast<uint32_t>(((j / 2) * 8 + lane % 8) * 32 + (j % 2) * 16));
-  __syncwarp();
 }
 
 // One 8-column accumulator tile of a lane pair (2c, 2c + 1), rows g and g + 8, regrouped: the even
@@ -184,7 +172,7 @@ __device__ __forceinline__ void add_float4(float* address, float4 value) {
 }
 
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_kernel(const __grid_constant__ NsaBwdProblem bp) {
+__global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_dq_kernel(const __grid_constant__ NsaBwdProblem bp) {
   using Element = typename Traits::Element;
   using RowTile = typename Traits::RowTile;
   using KvTile = typename Traits::KvTile;
@@ -213,13 +201,8 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_kernel(const __grid_
   const int rows_here = min(kRows, group - m0);
   const int head_chunks = p.head_dim / 8;
   const int block_size = p.block_size;
-  const uint32_t sP = sm80::smem_address(smem + Traits::kTransposeOffset) +
-                      static_cast<uint32_t>(warp * 2 * Traits::kTransposeBytes);
-  const uint32_t sDs = sP + Traits::kTransposeBytes;
 
   const NsaBwdWorkspaceLayout layout = nsa_bwd_workspace_layout(p);
-  float* dk_accum = static_cast<float*>(bp.workspace);
-  float* dv_accum = reinterpret_cast<float*>(static_cast<char*>(bp.workspace) + layout.dv_offset);
   const float* delta = reinterpret_cast<const float*>(static_cast<const char*>(bp.workspace) + layout.delta_offset);
 
   // Row statistics: lse in log2 units (+inf for a row that saw no key, so that its P is 0) and D.
@@ -233,6 +216,15 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_kernel(const __grid_
   const Selection selection =
       resolve_selection<Traits::kThreads>(p, b, token, kv_head, smem + Traits::kSelectionOffset);
   const int chunks = (selection.virtual_keys(block_size) + kBlockN - 1) / kBlockN;
+  // The token's blocks, for the dk / dv kernel (one row block marks them for all).
+  if (m0 == 0) {
+    uint32_t* bitmap = reinterpret_cast<uint32_t*>(static_cast<char*>(bp.workspace) + layout.bitmap_offset);
+    const int64_t words = nsa_bitmap_words(p);
+    for (int s = tid; s < selection.count; s += Traits::kThreads) {
+      const int64_t row = (static_cast<int64_t>(b) * p.heads_kv + kv_head) * p.num_key_blocks + selection.blocks[s];
+      atomicOr(bitmap + row * words + token / 32, 1u << (token % 32));
+    }
+  }
 
   // ---- Q and dO of the group's heads.
   {
@@ -281,8 +273,6 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_kernel(const __grid_
   }
 
   const float log2_scale = p.softmax_scale * kLog2e;
-  // Q and dO serve as A operands (S, dP) and, read transposed, as B operands with rows along k
-  // (dK, dV): ldmatrix takes the same lane addresses for both.
   const typename RowTile::LaneAddresses q_addr(sQ, lane % 16, lane / 16);
   const typename RowTile::LaneAddresses do_addr(sDo, lane % 16, lane / 16);
   // K and V slices as B operands with keys along n (S, dP) and with keys along k (dQ).
@@ -329,8 +319,7 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_kernel(const __grid_
         acc_s[0][nt][i] = prob;
         acc_dp[0][nt][i] = prob * (acc_dp[0][nt][i] - row_delta[row]);
       }
-    uint32_t p_a[4], ds_a[4];
-    pack_a<Element>(acc_s, p_a);
+    uint32_t ds_a[4];
     pack_a<Element>(acc_dp, ds_a);
 
     // dQ += dS K (keys along k: the K slice read transposed, as V in P V).
@@ -344,40 +333,6 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_kernel(const __grid_
       }
     }
 
-    // dV += P^T dO and dK += scale dS^T Q, 16 columns at a time, added into the accumulators.
-    uint32_t pt[1][4], dst[1][4];
-    transpose_a(p_a, sP, pt[0]);
-    transpose_a(ds_a, sDs, dst[0]);
-    // Each lane pair (2c, 2c + 1) trades halves so that the even lane holds row g's four columns
-    // 4c' .. 4c' + 3 and the odd lane row g + 8's: one 16-byte add per lane, tensor and 8 columns.
-    const bool odd = lane % 2 != 0;
-    const int key = slice_key + lane / 4 + (odd ? 8 : 0);
-    const int64_t row_stride = static_cast<int64_t>(p.heads_kv) * p.head_dim;
-    const int64_t accum_row = (static_cast<int64_t>(b) * p.seqlen_k + key) * row_stride + kv_head * p.head_dim +
-                              ((lane % 4) / 2) * 4;
-    const bool key_valid = key <= selection.last_key;
-#pragma unroll
-    for (int dp = 0; dp < Traits::kDTiles / 2; ++dp) {
-      float dv[1][2][4], dk[1][2][4];
-      sm80::zero_accumulators(dv);
-      sm80::zero_accumulators(dk);
-      uint32_t bd[4], bq[4];
-      sm80::ldmatrix_x4_trans(bd, do_addr.at(0, dp));
-      sm80::mma_column_pair<Element>(dv, pt, bd, 0);
-      sm80::ldmatrix_x4_trans(bq, q_addr.at(0, dp));
-      sm80::mma_column_pair<Element>(dk, dst, bq, 0);
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const float4 dv4 = pair_rows_to_columns(dv[0][nt], odd);
-        const float4 dk4 = pair_rows_to_columns(dk[0][nt], odd);
-        const int col = dp * 16 + nt * 8 + ((lane % 4) / 2) * 4;
-        if (!key_valid || col >= p.head_dim) continue;
-        const int64_t at = accum_row + dp * 16 + nt * 8;
-        add_float4(dv_accum + at, dv4);
-        add_float4(dk_accum + at, make_float4(dk4.x * p.softmax_scale, dk4.y * p.softmax_scale,
-                                              dk4.z * p.softmax_scale, dk4.w * p.softmax_scale));
-      }
-    }
   }
   sm80::cp_async_wait<0>();
 
@@ -398,6 +353,232 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_kernel(const __grid_
                   head * bp.dq_head_stride + col;
     *reinterpret_cast<uint2*>(dq) = make_uint2(sm80::pack2<Element>(sum.x * scale, sum.y * scale),
                                                sm80::pack2<Element>(sum.z * scale, sum.w * scale));
+  }
+}
+
+// A 4-byte asynchronous copy global -> shared, zero-filled when `valid` is false (the row
+// statistics of a token's heads, which are not contiguous).
+__device__ __forceinline__ void cp_async_4(uint32_t smem_addr, const void* gmem, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 4 : 0));
+}
+
+// The tokens of one bitmap row segment, in increasing order; every thread of a CTA walks the same
+// words and so gets the same sequence.
+struct TokenWalk {
+  const uint32_t* words;  // the block's bitmap row
+  int word;               // the word `bits` came from
+  int end_word;
+  uint32_t bits;          // its bits not returned yet
+
+  __device__ __forceinline__ TokenWalk(const uint32_t* row, int first_word, int last_word)
+      : words(row), word(first_word), end_word(last_word), bits(first_word < last_word ? row[first_word] : 0u) {}
+
+  // The next token, or -1.
+  __device__ __forceinline__ int next() {
+    while (bits == 0) {
+      if (++word >= end_word) return -1;
+      bits = words[word];
+    }
+    const int bit = __ffs(static_cast<int>(bits)) - 1;
+    bits &= bits - 1;
+    return word * 32 + bit;
+  }
+};
+
+// dK and dV of 64 keys of one block (a 16-key slice per warp) over the tokens of one segment that
+// selected the block: grid x = (block, 64-key part, segment), y = kv head, z = sequence.
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_dkv_kernel(const __grid_constant__ NsaBwdProblem bp) {
+  using Element = typename Traits::Element;
+  using RowTile = typename Traits::RowTile;
+  using KvTile = typename Traits::KvTile;
+  constexpr int kRows = Traits::kRows;
+  constexpr int kHeadDim = Traits::kHeadDim;
+  constexpr int kCols = Traits::kDkvCols;
+  constexpr int kColTiles = Traits::kDkvColTiles;
+  constexpr float kLog2e = 1.4426950408889634f;
+  const NsaProblem& p = bp.fwd;
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  const uint32_t sK = sm80::smem_address(smem);
+  const uint32_t sV = sK + KvTile::kBytes;
+  const uint32_t sTokens = sm80::smem_address(smem + Traits::kDkvTokenOffset);
+
+  const int tid = static_cast<int>(threadIdx.x);
+  const int lane = tid % 32;
+  const int warp = tid / 32;
+  const int parts = (p.block_size + 63) / 64;
+  const int segments = (p.seqlen_q + kDkvSegment - 1) / kDkvSegment;
+  const int segment = static_cast<int>(blockIdx.x % segments);
+  const int part = static_cast<int>(blockIdx.x / segments % parts);
+  const int block = static_cast<int>(blockIdx.x / segments / parts);
+  const int kv_head = static_cast<int>(blockIdx.y);
+  const int b = static_cast<int>(blockIdx.z);
+  const int key0 = block * p.block_size + part * 64;
+  const int keys_here = min(min(64, p.block_size - part * 64), p.seqlen_k - key0);
+  if (keys_here <= 0) return;
+  const int group = p.heads_q / p.heads_kv;
+  const int head_chunks = p.head_dim / 8;
+
+  const NsaBwdWorkspaceLayout layout = nsa_bwd_workspace_layout(p);
+  const int64_t words = nsa_bitmap_words(p);
+  const auto* bitmap_row = reinterpret_cast<const uint32_t*>(static_cast<const char*>(bp.workspace) +
+                                                             layout.bitmap_offset) +
+                           ((static_cast<int64_t>(b) * p.heads_kv + kv_head) * p.num_key_blocks + block) * words;
+  const int first_word = segment * (kDkvSegment / 32);
+  const int last_word = static_cast<int>(words < first_word + kDkvSegment / 32 ? words : first_word + kDkvSegment / 32);
+  if (TokenWalk(bitmap_row, first_word, last_word).next() < 0) return;  // no token of the segment selected it
+  const float* delta = reinterpret_cast<const float*>(static_cast<const char*>(bp.workspace) + layout.delta_offset);
+  float* dk_accum = static_cast<float*>(bp.workspace);
+  float* dv_accum = reinterpret_cast<float*>(static_cast<char*>(bp.workspace) + layout.dv_offset);
+
+  // ---- K and V of the CTA's keys, resident for the whole walk (zero rows past keys_here).
+  {
+    const int kv_chunk = tid % Traits::kChunks;
+    const int first_row = tid / Traits::kChunks;
+    const bool chunk_valid = kv_chunk < head_chunks;
+    const auto* k_base = static_cast<const Element*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride +
+                         (chunk_valid ? kv_chunk : 0) * 8;
+    const auto* v_base = static_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride +
+                         (chunk_valid ? kv_chunk : 0) * 8;
+#pragma unroll
+    for (int i = 0; i < Traits::kLoadPasses; ++i) {
+      const int row = first_row + i * Traits::kRowsPerPass;
+      const bool valid = chunk_valid && row < keys_here;
+      const int64_t key = key0 + (valid ? row : 0);
+      const uint32_t dst = KvTile::chunk_offset(row, kv_chunk);
+      sm80::cp_async_16(sK + dst, k_base + key * p.k_row_stride, valid);
+      sm80::cp_async_16(sV + dst, v_base + key * p.v_row_stride, valid);
+    }
+    sm80::cp_async_commit();
+  }
+
+  // One work item: the 16 heads m0 .. m0 + 15 of a token's group. Stage layout: [ Q | dO | lse | D ].
+  auto load_item = [&](int token, int m0, int stage) {
+    const uint32_t base = sTokens + static_cast<uint32_t>(stage * Traits::kTokenStageBytes);
+    const int rows_here = min(kRows, group - m0);
+    const auto* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + token * p.q_row_stride +
+                    (kv_head * group + m0) * p.q_head_stride;
+    const auto* dout = static_cast<const Element*>(bp.dout) + b * bp.dout_batch_stride + token * bp.dout_row_stride +
+                       (kv_head * group + m0) * bp.dout_head_stride;
+#pragma unroll
+    for (int i = 0; i < kRows * Traits::kChunks / Traits::kThreads; ++i) {
+      const int item = tid + i * Traits::kThreads;
+      const int row = item / Traits::kChunks;
+      const int chunk = item % Traits::kChunks;
+      const bool valid = row < rows_here && chunk < head_chunks;
+      const uint32_t dst = RowTile::chunk_offset(row, chunk);
+      sm80::cp_async_16(base + dst, valid ? q + row * p.q_head_stride + chunk * 8 : q, valid);
+      sm80::cp_async_16(base + RowTile::kBytes + dst, valid ? dout + row * bp.dout_head_stride + chunk * 8 : dout,
+                        valid);
+    }
+    if (tid < kRows) {
+      // Padding rows get lse = D = 0 with zero Q and dO: their P is 1 but adds nothing.
+      const bool valid = tid < rows_here;
+      const int head = kv_head * group + m0 + (valid ? tid : 0);
+      const uint32_t stats = base + 2 * RowTile::kBytes;
+      cp_async_4(stats + tid * 4, p.lse + b * p.lse_batch_stride + head * p.lse_head_stride + token, valid);
+      cp_async_4(stats + (kRows + tid) * 4, delta + (static_cast<int64_t>(b) * p.heads_q + head) * p.seqlen_q + token,
+                 valid);
+    }
+  };
+
+  const float log2_scale = p.softmax_scale * kLog2e;
+  // K and V slices as A operands (keys along m); Q and dO as B operands with heads along n (S^T,
+  // dP^T) and, read transposed, with heads along k (dK, dV).
+  const typename KvTile::LaneAddresses k_addr(sK, lane % 16, lane / 16);
+  const typename KvTile::LaneAddresses v_addr(sV, lane % 16, lane / 16);
+  const typename RowTile::LaneAddresses q_addr(sTokens, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
+  const typename RowTile::LaneAddresses do_addr(sTokens + RowTile::kBytes, lane % 8 + (lane / 16) * 8,
+                                                (lane / 8) % 2);
+  const typename RowTile::LaneAddresses q_trans_addr(sTokens, lane % 16, lane / 16);
+  const typename RowTile::LaneAddresses do_trans_addr(sTokens + RowTile::kBytes, lane % 16, lane / 16);
+  const float* stats_smem = reinterpret_cast<const float*>(smem + Traits::kDkvTokenOffset + 2 * RowTile::kBytes);
+  // The lane's accumulator rows: keys key_lo and key_lo + 8 of the CTA.
+  const int key_lo = warp * 16 + lane / 4;
+
+  for (int c0 = 0; c0 < kHeadDim; c0 += kCols) {
+    float acc_dk[1][kColTiles][4], acc_dv[1][kColTiles][4];
+    sm80::zero_accumulators(acc_dk);
+    sm80::zero_accumulators(acc_dv);
+    TokenWalk walk(bitmap_row, first_word, last_word);
+    int token = walk.next(), m0 = 0;
+    load_item(token, m0, 0);
+    sm80::cp_async_commit();
+    for (int stage = 0; token >= 0; stage ^= 1) {
+      // The next item's copies go out before this one's products.
+      int next_token = token, next_m0 = m0 + kRows;
+      if (next_m0 >= group) {
+        next_token = walk.next();
+        next_m0 = 0;
+      }
+      if (next_token >= 0) load_item(next_token, next_m0, stage ^ 1);
+      sm80::cp_async_commit();
+      sm80::cp_async_wait<1>();
+      __syncthreads();
+
+      const uint32_t stage_offset = static_cast<uint32_t>(stage * Traits::kTokenStageBytes);
+      const float* lse = stats_smem + stage * (Traits::kTokenStageBytes / 4);
+      const float* row_delta = lse + kRows;
+      float acc_s[1][2][4], acc_dp[1][2][4];
+      sm80::zero_accumulators(acc_s);
+      sm80::zero_accumulators(acc_dp);
+#pragma unroll
+      for (int kk = 0; kk < Traits::kQkSteps; ++kk) {
+        uint32_t a[1][4], bq[4];
+        sm80::ldmatrix_x4(a[0], k_addr.at(warp * 16, kk));
+        sm80::ldmatrix_x4(bq, q_addr.at(0, kk) + stage_offset);
+        sm80::mma_column_pair<Element>(acc_s, a, bq, 0);
+        sm80::ldmatrix_x4(a[0], v_addr.at(warp * 16, kk));
+        sm80::ldmatrix_x4(bq, do_addr.at(0, kk) + stage_offset);
+        sm80::mma_column_pair<Element>(acc_dp, a, bq, 0);
+      }
+      // P^T from the saved lse, 0 for keys past the block's end or the token's causal limit;
+      // dS^T = P^T (dP^T - D).
+      const int last_key = p.last_visible_key(token);
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int row = nt * 8 + (lane % 4) * 2 + i % 2;
+          const int key = key_lo + 8 * (i / 2);
+          const bool visible = key < keys_here && key0 + key <= last_key;
+          const float prob = visible ? exp2f(acc_s[0][nt][i] * log2_scale - lse[row] * kLog2e) : 0.0f;
+          acc_s[0][nt][i] = prob;
+          acc_dp[0][nt][i] = prob * (acc_dp[0][nt][i] - row_delta[row]);
+        }
+      uint32_t pt[1][4], dst[1][4];
+      pack_a<Element>(acc_s, pt[0]);
+      pack_a<Element>(acc_dp, dst[0]);
+#pragma unroll
+      for (int dp = 0; dp < kColTiles / 2; ++dp) {
+        uint32_t bt[4];
+        sm80::ldmatrix_x4_trans(bt, do_trans_addr.at(0, c0 / 16 + dp) + stage_offset);
+        sm80::mma_column_pair<Element>(acc_dv, pt, bt, dp);
+        sm80::ldmatrix_x4_trans(bt, q_trans_addr.at(0, c0 / 16 + dp) + stage_offset);
+        sm80::mma_column_pair<Element>(acc_dk, dst, bt, dp);
+      }
+      __syncthreads();  // every warp is done with this stage before the next item's copies reuse it
+      token = next_token;
+      m0 = next_m0;
+    }
+
+    // ---- The segment's sums into the accumulators: four columns per lane and tile (see
+    // pair_rows_to_columns), rows of real keys, columns below head_dim.
+    const bool odd = lane % 2 != 0;
+    const int key = key_lo + (odd ? 8 : 0);
+    const int64_t accum_row = ((static_cast<int64_t>(b) * p.seqlen_k + key0 + key) * p.heads_kv + kv_head) * p.head_dim +
+                              ((lane % 4) / 2) * 4;
+#pragma unroll
+    for (int dt = 0; dt < kColTiles; ++dt) {
+      const float4 dv4 = pair_rows_to_columns(acc_dv[0][dt], odd);
+      const float4 dk4 = pair_rows_to_columns(acc_dk[0][dt], odd);
+      const int col = c0 + dt * 8 + ((lane % 4) / 2) * 4;
+      if (key >= keys_here || col >= p.head_dim) continue;
+      add_float4(dv_accum + accum_row + c0 + dt * 8, dv4);
+      add_float4(dk_accum + accum_row + c0 + dt * 8, make_float4(dk4.x * p.softmax_scale, dk4.y * p.softmax_scale,
+                                                                 dk4.z * p.softmax_scale, dk4.w * p.softmax_scale));
+    }
   }
 }
 

@@ -67,11 +67,27 @@ void run_nsa_bwd(const NsaBwdProblem& problem, void* stream_ptr) {
                                   0, stream>>>(problem);
     cuda::check_last_launch("nsa_bwd_dot_kernel");
     const dim3 grid = nsa_grid("nsa_bwd", f);
-    cuda::check(cudaFuncSetAttribute(nsa_bwd_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    cuda::check(cudaFuncSetAttribute(nsa_bwd_dq_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      Traits::kSmemBytes),
-                "cudaFuncSetAttribute(nsa_bwd_kernel, max dynamic shared memory)");
-    nsa_bwd_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(problem);
-    cuda::check_last_launch("nsa_bwd_kernel");
+                "cudaFuncSetAttribute(nsa_bwd_dq_kernel, max dynamic shared memory)");
+    nsa_bwd_dq_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(problem);
+    cuda::check_last_launch("nsa_bwd_dq_kernel");
+  }
+  if (key_elements > 0 && query_rows > 0) {
+    // x: (key block, 64-key part, token segment); the parts and segments no token reaches exit at once.
+    const int64_t parts = (f.block_size + 63) / 64;
+    const int64_t segments = (f.seqlen_q + kDkvSegment - 1) / kDkvSegment;
+    const int64_t grid_x = static_cast<int64_t>(f.num_key_blocks) * parts * segments;
+    if (grid_x > INT32_MAX) {
+      throw Error("nsa_bwd: seqlen_k / block_size x seqlen_q / " + std::to_string(kDkvSegment) +
+                  " is too large for one launch (" + std::to_string(grid_x) + " CTAs)");
+    }
+    const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(f.heads_kv), static_cast<unsigned>(f.batch));
+    cuda::check(cudaFuncSetAttribute(nsa_bwd_dkv_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                     Traits::kDkvSmemBytes),
+                "cudaFuncSetAttribute(nsa_bwd_dkv_kernel, max dynamic shared memory)");
+    nsa_bwd_dkv_kernel<Traits><<<grid, Traits::kThreads, Traits::kDkvSmemBytes, stream>>>(problem);
+    cuda::check_last_launch("nsa_bwd_dkv_kernel");
   }
   if (key_elements > 0) {
     constexpr int kConvertThreads = 256;
