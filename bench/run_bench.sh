@@ -19,6 +19,10 @@
 # flash and cuDNN on its grid), written as <results>/<gpu>-<yyyy-mm-dd>-decode.json and .md;
 # FLASHKIT_SKIP_DECODE=1 leaves it out.
 #
+# Then, when BUILD_DIR staged the PyTorch extension, native sparse attention: bench/bench_nsa.py
+# (beside flash-linear-attention's Triton kernels where `fla` imports, and dense causal attention),
+# written as <results>/<gpu>-<yyyy-mm-dd>-nsa.json and .md; FLASHKIT_SKIP_NSA=1 leaves it out.
+#
 # When BUILD_DIR staged the PyTorch extension (BUILD_DIR/python/flashkit/_C*.so), `python -m
 # flashkit.bench` takes peers.py's place: the same peers through peers.py's harness, plus flashkit's
 # Python front end (impl flashkit_py), in one run; the PNG plot is then written beside the table.
@@ -103,5 +107,14 @@ if [ "${FLASHKIT_SKIP_DECODE:-0}" != 1 ] && [ -x "$decode" ]; then
     || status=$?
   cat "$stem.md"
   echo "run_bench.sh: wrote $stem.json $stem.md"
+fi
+
+if [ "${FLASHKIT_SKIP_NSA:-0}" != 1 ] && [ "$front_end" = 1 ]; then
+  gpu=$(python3 -c 'import torch; print(torch.cuda.get_device_name(0))' | PYTHONPATH=bench python3 -c \
+    'import sys, report; print(report.slug(sys.stdin.read().strip()))')
+  stem="$results/$gpu-$(date -u +%Y-%m-%d)-nsa"
+  PYTHONPATH="$build_dir/python${PYTHONPATH:+:$PYTHONPATH}" \
+    python3 bench/bench_nsa.py --json "$stem.json" --md "$stem.md" || status=$?
+  [ -f "$stem.md" ] && cat "$stem.md" && echo "run_bench.sh: wrote $stem.json $stem.md"
 fi
 exit "$status"
