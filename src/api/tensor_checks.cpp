@@ -4,6 +4,7 @@
 
 #include <climits>
 #include <cmath>
+#include <utility>
 
 namespace flashkit::api {
 
@@ -176,6 +177,41 @@ void check_score_options(const char* fn, float softmax_scale, float softcap,
   }
   if (mask.window_right < -1) {
     fail(fn, "mask.window_right is ", mask.window_right, "; it must be >= 0, or -1 for unbounded");
+  }
+}
+
+void check_same_shape(const char* fn, const char* name, const TensorView& view, const char* like_name,
+                      const TensorView& like) {
+  bool same = view.rank == like.rank;
+  for (int d = 0; same && d < view.rank; ++d) same = view.sizes[d] == like.sizes[d];
+  if (!same) {
+    fail(fn, name, " has shape ", view.shape_string(), "; expected ", like.shape_string(), " (the shape of ",
+         like_name, ")");
+  }
+}
+
+void check_gradient(const char* fn, const char* name, const TensorView& view, const char* what,
+                    const char* like_name, const TensorView& like, const TensorView& q) {
+  check_defined(fn, name, view, what);
+  check_same_dtype_as_q(fn, name, view, q);
+  check_same_device_as_q(fn, name, view, q);
+  check_same_shape(fn, name, view, like_name, like);
+  check_last_dim_contiguous(fn, name, view);
+  check_data_pointer(fn, name, view);
+  check_cuda_vector_alignment(fn, name, view);
+}
+
+void check_attention_layouts(const char* fn, const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& out, const TensorView& softmax_lse) {
+  const std::pair<const char*, const TensorView*> qkvo[] = {{"q", &q}, {"k", &k}, {"v", &v}, {"out", &out}};
+  for (const auto& [name, view] : qkvo) {
+    check_last_dim_contiguous(fn, name, *view);
+    check_data_pointer(fn, name, *view);
+  }
+  check_last_dim_contiguous(fn, "softmax_lse", softmax_lse);
+  check_data_pointer(fn, "softmax_lse", softmax_lse);
+  for (const auto& [name, view] : qkvo) {
+    check_cuda_vector_alignment(fn, name, *view);
   }
 }
 

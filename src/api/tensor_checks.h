@@ -54,6 +54,18 @@ int to_int(const char* fn, const char* what, int64_t value);
 void check_shape(const char* fn, const char* name, const TensorView& view,
                  std::initializer_list<int64_t> expected, const char* layout);
 void check_last_dim_contiguous(const char* fn, const char* name, const TensorView& view);
+// q, k, v and out: last dim contiguous, usable pointers, 16-byte aligned rows on CUDA; softmax_lse:
+// last dim contiguous, a usable pointer. Their shapes are checked before.
+void check_attention_layouts(const char* fn, const TensorView& q, const TensorView& k, const TensorView& v,
+                             const TensorView& out, const TensorView& softmax_lse);
+// `view` has the sizes of `like` (named `like_name` in the message).
+void check_same_shape(const char* fn, const char* name, const TensorView& view, const char* like_name,
+                      const TensorView& like);
+// A gradient tensor (dout read; dq, dk, dv written): present, of q's dtype and device, shaped like
+// `like`, last dim contiguous, a usable pointer (16-byte aligned rows on CUDA, like every attention
+// tensor).
+void check_gradient(const char* fn, const char* name, const TensorView& view, const char* what,
+                    const char* like_name, const TensorView& like, const TensorView& q);
 
 // Whether two non-empty views start at the same address: a view passed twice, the aliasing the
 // validators refuse where an output would be written over an input that other rows still read.

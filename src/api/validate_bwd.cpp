@@ -32,29 +32,6 @@ FwdCommon forward_view(const BwdCommon& p) {
   return f;
 }
 
-void check_same_shape(const char* fn, const char* name, const TensorView& view,
-                      const char* like_name, const TensorView& like) {
-  bool same = view.rank == like.rank;
-  for (int d = 0; same && d < view.rank; ++d) same = view.sizes[d] == like.sizes[d];
-  if (!same) {
-    fail(fn, name, " has shape ", view.shape_string(), "; expected ", like.shape_string(),
-         " (the shape of ", like_name, ")");
-  }
-}
-
-// One gradient tensor: present, of q's dtype and device, shaped like `like`, last dim contiguous,
-// a usable pointer (16-byte aligned rows on CUDA, like every attention tensor).
-void check_gradient(const char* fn, const char* name, const TensorView& view, const char* what,
-                    const char* like_name, const TensorView& like, const TensorView& q) {
-  check_defined(fn, name, view, what);
-  check_same_dtype_as_q(fn, name, view, q);
-  check_same_device_as_q(fn, name, view, q);
-  check_same_shape(fn, name, view, like_name, like);
-  check_last_dim_contiguous(fn, name, view);
-  check_data_pointer(fn, name, view);
-  check_cuda_vector_alignment(fn, name, view);
-}
-
 // A written gradient may share memory with no other tensor of the call: the kernels read the
 // inputs while they write the gradients. Only the cheap, common mistake is caught (a view passed
 // twice, e.g. dq = q for an in-place update); interleaved views such as the dq / dk / dv slices of

@@ -64,17 +64,7 @@ void check_head_counts_and_dim(const char* fn, int64_t heads_q, int64_t heads_kv
 
 // Strides and pointers of q/k/v/out and softmax_lse, once their shapes are known to be right.
 void check_layouts(const char* fn, const FwdCommon& p) {
-  const std::pair<const char*, const TensorView*> qkvo[] = {
-      {"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}};
-  for (const auto& [name, view] : qkvo) {
-    check_last_dim_contiguous(fn, name, *view);
-    check_data_pointer(fn, name, *view);
-  }
-  check_last_dim_contiguous(fn, "softmax_lse", p.softmax_lse);
-  check_data_pointer(fn, "softmax_lse", p.softmax_lse);
-  for (const auto& [name, view] : qkvo) {
-    check_cuda_vector_alignment(fn, name, *view);
-  }
+  check_attention_layouts(fn, p.q, p.k, p.v, p.out, p.softmax_lse);
 }
 
 void check_scalars(const char* fn, const FwdCommon& p) {

@@ -102,17 +102,7 @@ int64_t check_selection_arrays(const char* fn, const NsaFwdParams& p, int64_t ba
 
 // Strides and pointers of q/k/v/out and softmax_lse, once their shapes are known to be right.
 void check_layouts(const char* fn, const NsaFwdParams& p) {
-  const std::pair<const char*, const TensorView*> qkvo[] = {
-      {"q", &p.q}, {"k", &p.k}, {"v", &p.v}, {"out", &p.out}};
-  for (const auto& [name, view] : qkvo) {
-    check_last_dim_contiguous(fn, name, *view);
-    check_data_pointer(fn, name, *view);
-  }
-  check_last_dim_contiguous(fn, "softmax_lse", p.softmax_lse);
-  check_data_pointer(fn, "softmax_lse", p.softmax_lse);
-  for (const auto& [name, view] : qkvo) {
-    check_cuda_vector_alignment(fn, name, *view);
-  }
+  check_attention_layouts(fn, p.q, p.k, p.v, p.out, p.softmax_lse);
 }
 
 // out and softmax_lse are written while the inputs are still read (by the other tokens and
@@ -232,29 +222,6 @@ NsaFwdParams forward_view(const NsaBwdParams& p) {
   f.softmax_scale = p.softmax_scale;
   f.causal = p.causal;
   return f;
-}
-
-void check_same_shape(const char* fn, const char* name, const TensorView& view,
-                      const char* like_name, const TensorView& like) {
-  bool same = view.rank == like.rank;
-  for (int d = 0; same && d < view.rank; ++d) same = view.sizes[d] == like.sizes[d];
-  if (!same) {
-    fail(fn, name, " has shape ", view.shape_string(), "; expected ", like.shape_string(),
-         " (the shape of ", like_name, ")");
-  }
-}
-
-// One gradient tensor (dout read; dq, dk, dv written): present, of q's dtype and device, shaped
-// like `like`, last dim contiguous, a usable pointer (16-byte aligned rows on CUDA).
-void check_gradient(const char* fn, const char* name, const TensorView& view, const char* what,
-                    const char* like_name, const TensorView& like, const TensorView& q) {
-  check_defined(fn, name, view, what);
-  check_same_dtype_as_q(fn, name, view, q);
-  check_same_device_as_q(fn, name, view, q);
-  check_same_shape(fn, name, view, like_name, like);
-  check_last_dim_contiguous(fn, name, view);
-  check_data_pointer(fn, name, view);
-  check_cuda_vector_alignment(fn, name, view);
 }
 
 // A written gradient may share its memory with no other tensor of the call: the inputs are read

@@ -125,4 +125,15 @@ __device__ __forceinline__ uint32_t pack2_relu(float lo, float hi) {
   return packed;
 }
 
+// A warp's 16 x 16 accumulator tile (C layout: rows g, g + 8; columns 2 (lane % 4) + {0, 1, 8, 9})
+// rounded and packed as the A operand of the next product, k along its columns: P for P V, and the
+// backward's dS for dS K or, from a transposed product, P^T and dS^T.
+template <typename Element>
+__device__ __forceinline__ void pack_scores_as_a(const float (&c)[1][2][4], uint32_t (&a)[4]) {
+  a[0] = pack2<Element>(c[0][0][0], c[0][0][1]);
+  a[1] = pack2<Element>(c[0][0][2], c[0][0][3]);
+  a[2] = pack2<Element>(c[0][1][0], c[0][1][1]);
+  a[3] = pack2<Element>(c[0][1][2], c[0][1][3]);
+}
+
 }  // namespace flashkit::sm80

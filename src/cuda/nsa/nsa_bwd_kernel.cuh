@@ -30,6 +30,7 @@
 #include "cuda/common/swizzled_tile.cuh"
 #include "cuda/common/warp_merge.cuh"
 #include "cuda/nsa/nsa_cuda.h"
+#include "cuda/nsa/nsa_copies.cuh"
 #include "cuda/nsa/nsa_selection.cuh"
 
 namespace flashkit::nsa {
@@ -138,16 +139,6 @@ struct NsaBwdTraits {
   static_assert(Merge::kMergeBytes <= kStages * kStageBytes, "the merge buffer reuses the K/V stages");
 };
 
-// A warp's 16 x 16 fragment (C layout: rows g, g + 8; columns 2 (lane % 4) + {0, 1, 8, 9}) packed
-// into the A operand of the next product (P for P V).
-template <typename Element>
-__device__ __forceinline__ void pack_a(const float (&x)[1][2][4], uint32_t (&a)[4]) {
-  a[0] = sm80::pack2<Element>(x[0][0][0], x[0][0][1]);
-  a[1] = sm80::pack2<Element>(x[0][0][2], x[0][0][3]);
-  a[2] = sm80::pack2<Element>(x[0][1][0], x[0][1][1]);
-  a[3] = sm80::pack2<Element>(x[0][1][2], x[0][1][3]);
-}
-
 // One 8-column accumulator tile of a lane pair (2c, 2c + 1), rows g and g + 8, regrouped: the even
 // lane returns row g's columns 4c' .. 4c' + 3 (c' = c / 2), the odd lane row g + 8's.
 __device__ __forceinline__ float4 pair_rows_to_columns(const float (&acc)[4], bool odd) {
@@ -192,13 +183,10 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_dq_kernel(const __gr
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int group = p.heads_q / p.heads_kv;
-  const int m_blocks = (group + kRows - 1) / kRows;
-  const int token = static_cast<int>(blockIdx.x);
-  const int kv_head = static_cast<int>(blockIdx.y) / m_blocks;
-  const int m0 = (static_cast<int>(blockIdx.y) % m_blocks) * kRows;
-  const int b = static_cast<int>(blockIdx.z);
-  const int rows_here = min(kRows, group - m0);
+  static_assert(kRows == 16, "TokenCta's row blocks are 16 heads");
+  const TokenCta cta = TokenCta::locate(p);
+  const int token = cta.token, kv_head = cta.kv_head, b = cta.b, group = cta.group, m0 = cta.m0;
+  const int rows_here = cta.rows_here;
   const int head_chunks = p.head_dim / 8;
   const int block_size = p.block_size;
 
@@ -226,45 +214,22 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_dq_kernel(const __gr
     }
   }
 
-  // ---- Q and dO of the group's heads.
+  // ---- Q and dO of the group's heads; K/V chunks as the forward copies them.
   {
-    const auto* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + token * p.q_row_stride +
-                    (kv_head * group + m0) * p.q_head_stride;
-    const auto* dout = static_cast<const Element*>(bp.dout) + b * bp.dout_batch_stride + token * bp.dout_row_stride +
-                       (kv_head * group + m0) * bp.dout_head_stride;
-#pragma unroll
-    for (int i = 0; i < kRows * Traits::kChunks / Traits::kThreads; ++i) {
-      const int item = tid + i * Traits::kThreads;
-      const int row = item / Traits::kChunks;
-      const int chunk = item % Traits::kChunks;
-      const bool valid = row < rows_here && chunk < head_chunks;
-      const uint32_t dst = RowTile::chunk_offset(row, chunk);
-      sm80::cp_async_16(sQ + dst, valid ? q + row * p.q_head_stride + chunk * 8 : q, valid);
-      sm80::cp_async_16(sDo + dst, valid ? dout + row * bp.dout_head_stride + chunk * 8 : dout, valid);
-    }
+    const int64_t row = static_cast<int64_t>(b) * p.q_batch_stride + token * p.q_row_stride;
+    copy_head_rows<RowTile, kRows, Traits::kThreads>(
+        sQ, static_cast<const Element*>(p.q) + row + (kv_head * group + m0) * p.q_head_stride, p.q_head_stride,
+        rows_here, head_chunks);
+    copy_head_rows<RowTile, kRows, Traits::kThreads>(
+        sDo,
+        static_cast<const Element*>(bp.dout) + b * bp.dout_batch_stride + token * bp.dout_row_stride +
+            (kv_head * group + m0) * bp.dout_head_stride,
+        bp.dout_head_stride, rows_here, head_chunks);
   }
-
-  const int kv_chunk = tid % Traits::kChunks;
-  const int first_row = tid / Traits::kChunks;
-  const bool chunk_valid = kv_chunk < head_chunks;
-  const int source_chunk = chunk_valid ? kv_chunk : 0;
-  const auto* k_base = static_cast<const Element*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride +
-                       source_chunk * 8;
-  const auto* v_base = static_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride +
-                       source_chunk * 8;
+  const SelectedKeyCopier<KvTile, Traits::kThreads, Element> copier(p, b, kv_head);
   auto load_kv = [&](int n, int stage) {
     const uint32_t sK = sKv + static_cast<uint32_t>(stage * Traits::kStageBytes);
-    const uint32_t sV = sK + KvTile::kBytes;
-#pragma unroll
-    for (int i = 0; i < Traits::kLoadPasses; ++i) {
-      const int row = first_row + i * Traits::kRowsPerPass;
-      const int slice_key = selection.slice_key(n * kBlockN + (row & ~15), block_size);
-      const int key = slice_key + (row & 15);
-      const bool valid = chunk_valid && slice_key >= 0 && key < p.seqlen_k;
-      const uint32_t dst = KvTile::chunk_offset(row, kv_chunk);
-      sm80::cp_async_16(sK + dst, valid ? k_base + key * p.k_row_stride : k_base, valid);
-      sm80::cp_async_16(sV + dst, valid ? v_base + key * p.v_row_stride : v_base, valid);
-    }
+    copier.copy(selection, n, block_size, p.seqlen_k, sK, sK + KvTile::kBytes);
   };
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
@@ -320,7 +285,7 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_dq_kernel(const __gr
         acc_dp[0][nt][i] = prob * (acc_dp[0][nt][i] - row_delta[row]);
       }
     uint32_t ds_a[4];
-    pack_a<Element>(acc_dp, ds_a);
+    sm80::pack_scores_as_a<Element>(acc_dp, ds_a);
 
     // dQ += dS K (keys along k: the K slice read transposed, as V in P V).
     {
@@ -457,21 +422,16 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_dkv_kernel(const __g
   auto load_item = [&](int token, int m0, int stage) {
     const uint32_t base = sTokens + static_cast<uint32_t>(stage * Traits::kTokenStageBytes);
     const int rows_here = min(kRows, group - m0);
-    const auto* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + token * p.q_row_stride +
-                    (kv_head * group + m0) * p.q_head_stride;
-    const auto* dout = static_cast<const Element*>(bp.dout) + b * bp.dout_batch_stride + token * bp.dout_row_stride +
-                       (kv_head * group + m0) * bp.dout_head_stride;
-#pragma unroll
-    for (int i = 0; i < kRows * Traits::kChunks / Traits::kThreads; ++i) {
-      const int item = tid + i * Traits::kThreads;
-      const int row = item / Traits::kChunks;
-      const int chunk = item % Traits::kChunks;
-      const bool valid = row < rows_here && chunk < head_chunks;
-      const uint32_t dst = RowTile::chunk_offset(row, chunk);
-      sm80::cp_async_16(base + dst, valid ? q + row * p.q_head_stride + chunk * 8 : q, valid);
-      sm80::cp_async_16(base + RowTile::kBytes + dst, valid ? dout + row * bp.dout_head_stride + chunk * 8 : dout,
-                        valid);
-    }
+    copy_head_rows<RowTile, kRows, Traits::kThreads>(
+        base,
+        static_cast<const Element*>(p.q) + b * p.q_batch_stride + token * p.q_row_stride +
+            (kv_head * group + m0) * p.q_head_stride,
+        p.q_head_stride, rows_here, head_chunks);
+    copy_head_rows<RowTile, kRows, Traits::kThreads>(
+        base + RowTile::kBytes,
+        static_cast<const Element*>(bp.dout) + b * bp.dout_batch_stride + token * bp.dout_row_stride +
+            (kv_head * group + m0) * bp.dout_head_stride,
+        bp.dout_head_stride, rows_here, head_chunks);
     if (tid < kRows) {
       // Padding rows get lse = D = 0 with zero Q and dO: their P is 1 but adds nothing.
       const bool valid = tid < rows_here;
@@ -548,8 +508,8 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_bwd_dkv_kernel(const __g
           acc_dp[0][nt][i] = prob * (acc_dp[0][nt][i] - row_delta[row]);
         }
       uint32_t pt[1][4], dst[1][4];
-      pack_a<Element>(acc_s, pt[0]);
-      pack_a<Element>(acc_dp, dst[0]);
+      sm80::pack_scores_as_a<Element>(acc_s, pt[0]);
+      sm80::pack_scores_as_a<Element>(acc_dp, dst[0]);
 #pragma unroll
       for (int dp = 0; dp < kColTiles / 2; ++dp) {
         uint32_t bt[4];

@@ -31,6 +31,7 @@
 #include "cuda/common/online_softmax.cuh"
 #include "cuda/common/swizzled_tile.cuh"
 #include "cuda/common/warp_merge.cuh"
+#include "cuda/nsa/nsa_copies.cuh"
 #include "cuda/nsa/nsa_selection.cuh"
 
 namespace flashkit::nsa {
@@ -65,12 +66,7 @@ struct NsaFwdTraits {
   static constexpr int kSelectionOffset = kLseOffset + Merge::kLseBytes;
   static constexpr int kSmemBytes = kSelectionOffset + kSelectionSmemBytes;
 
-  // K/V copies: a thread keeps one chunk column and walks rows kRowsPerPass apart.
-  static constexpr int kRowsPerPass = kThreads / kChunks;
-  static constexpr int kLoadPasses = kBlockN / kRowsPerPass;
-
   static_assert(kBlockN == kWarps * 16, "each warp owns one 16-key slice of a chunk");
-  static_assert(16 % kRowsPerPass == 0 || kRowsPerPass % 16 == 0, "a pass stays inside 16-key slices");
   static_assert(Merge::kMergeBytes <= kStages * kStageBytes, "the merge buffer reuses the K/V stages");
 };
 
@@ -93,60 +89,28 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_fwd_kernel(const __grid_
   const int tid = static_cast<int>(threadIdx.x);
   const int lane = tid % 32;
   const int warp = tid / 32;
-  const int group = p.heads_q / p.heads_kv;
-  const int m_blocks = (group + kRows - 1) / kRows;
-  const int token = static_cast<int>(blockIdx.x);
-  const int kv_head = static_cast<int>(blockIdx.y) / m_blocks;
-  const int m0 = (static_cast<int>(blockIdx.y) % m_blocks) * kRows;
-  const int b = static_cast<int>(blockIdx.z);
-  const int rows_here = min(kRows, group - m0);
+  static_assert(kRows == 16, "TokenCta's row blocks are 16 heads");
+  const TokenCta cta = TokenCta::locate(p);
+  const int token = cta.token, kv_head = cta.kv_head, b = cta.b, group = cta.group, m0 = cta.m0;
+  const int rows_here = cta.rows_here;
   const int head_chunks = p.head_dim / 8;
   const int block_size = p.block_size;
 
   // ---- Q: the group's heads of this token, zero rows past the group and columns past head_dim;
   // issued first, its copy overlaps the selection's resolution.
-  {
-    const auto* q = static_cast<const Element*>(p.q) + b * p.q_batch_stride + token * p.q_row_stride +
-                    (kv_head * group + m0) * p.q_head_stride;
-#pragma unroll
-    for (int i = 0; i < kRows * Traits::kChunks / Traits::kThreads; ++i) {
-      const int item = tid + i * Traits::kThreads;
-      const int row = item / Traits::kChunks;
-      const int chunk = item % Traits::kChunks;
-      const bool valid = row < rows_here && chunk < head_chunks;
-      sm80::cp_async_16(sQ + QTile::chunk_offset(row, chunk), valid ? q + row * p.q_head_stride + chunk * 8 : q,
-                        valid);
-    }
-  }
+  copy_head_rows<QTile, kRows, Traits::kThreads>(
+      sQ, static_cast<const Element*>(p.q) + b * p.q_batch_stride + token * p.q_row_stride + (kv_head * group + m0) * p.q_head_stride,
+      p.q_head_stride, rows_here, head_chunks);
 
   const Selection selection =
       resolve_selection<Traits::kThreads>(p, b, token, kv_head, smem + Traits::kSelectionOffset);
   const int chunks = (selection.virtual_keys(block_size) + kBlockN - 1) / kBlockN;
 
-  // ---- K/V copies of one chunk: a thread copies one chunk column of kLoadPasses rows. Rows past
-  // the selection or the sequence and columns past head_dim are zero-filled (a zero V row times
-  // p = 0 adds nothing; a stale one could be NaN) from an address inside the tensor.
-  const int kv_chunk = tid % Traits::kChunks;
-  const int first_row = tid / Traits::kChunks;
-  const bool chunk_valid = kv_chunk < head_chunks;
-  const int source_chunk = chunk_valid ? kv_chunk : 0;
-  const auto* k_base = static_cast<const Element*>(p.k) + b * p.k_batch_stride + kv_head * p.k_head_stride +
-                       source_chunk * 8;
-  const auto* v_base = static_cast<const Element*>(p.v) + b * p.v_batch_stride + kv_head * p.v_head_stride +
-                       source_chunk * 8;
+  // ---- K/V copies of one chunk (nsa_copies.cuh).
+  const SelectedKeyCopier<KvTile, Traits::kThreads, Element> copier(p, b, kv_head);
   auto load_kv = [&](int n, int stage) {
     const uint32_t sK = sKv + static_cast<uint32_t>(stage * Traits::kStageBytes);
-    const uint32_t sV = sK + KvTile::kBytes;
-#pragma unroll
-    for (int i = 0; i < Traits::kLoadPasses; ++i) {
-      const int row = first_row + i * Traits::kRowsPerPass;
-      const int slice_key = selection.slice_key(n * kBlockN + (row & ~15), block_size);
-      const int key = slice_key + (row & 15);
-      const bool valid = chunk_valid && slice_key >= 0 && key < p.seqlen_k;
-      const uint32_t dst = KvTile::chunk_offset(row, kv_chunk);
-      sm80::cp_async_16(sK + dst, valid ? k_base + key * p.k_row_stride : k_base, valid);
-      sm80::cp_async_16(sV + dst, valid ? v_base + key * p.v_row_stride : v_base, valid);
-    }
+    copier.copy(selection, n, block_size, p.seqlen_k, sK, sK + KvTile::kBytes);
   };
 
 #pragma unroll
@@ -198,10 +162,7 @@ __global__ void __launch_bounds__(Traits::kThreads) nsa_fwd_kernel(const __grid_
     softmax.update(acc_s, acc_o, log2_scale);
 
     uint32_t a[1][4];
-    a[0][0] = sm80::pack2<Element>(acc_s[0][0][0], acc_s[0][0][1]);
-    a[0][1] = sm80::pack2<Element>(acc_s[0][0][2], acc_s[0][0][3]);
-    a[0][2] = sm80::pack2<Element>(acc_s[0][1][0], acc_s[0][1][1]);
-    a[0][3] = sm80::pack2<Element>(acc_s[0][1][2], acc_s[0][1][3]);
+    sm80::pack_scores_as_a<Element>(acc_s, a[0]);
 #pragma unroll
     for (int dp = 0; dp < Traits::kDTiles / 2; ++dp) {
       uint32_t bv[4];

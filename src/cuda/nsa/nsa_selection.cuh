@@ -19,6 +19,29 @@
 
 namespace flashkit::nsa {
 
+// What a token CTA of the forward and of the backward's dq kernel serves: grid x = token,
+// y = kv head x row block (16 heads of the group), z = sequence.
+struct TokenCta {
+  int token;
+  int kv_head;
+  int b;
+  int group;      // query heads per kv head
+  int m0;         // the CTA's first head within the group
+  int rows_here;  // heads of the group from m0 on, at most 16
+
+  __device__ __forceinline__ static TokenCta locate(const NsaProblem& p) {
+    TokenCta cta;
+    cta.group = p.heads_q / p.heads_kv;
+    const int m_blocks = (cta.group + 15) / 16;
+    cta.token = static_cast<int>(blockIdx.x);
+    cta.kv_head = static_cast<int>(blockIdx.y) / m_blocks;
+    cta.m0 = (static_cast<int>(blockIdx.y) % m_blocks) * 16;
+    cta.b = static_cast<int>(blockIdx.z);
+    cta.rows_here = min(16, cta.group - cta.m0);
+    return cta;
+  }
+};
+
 // Shared memory: the raw slots (one int each), then the compact list.
 constexpr int kSelectionSmemBytes = 2 * kNsaMaxSelected * 4 + 4;
 
