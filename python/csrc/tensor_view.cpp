@@ -25,7 +25,7 @@ DType to_flashkit_dtype(const char* fn, const char* name, at::ScalarType type) {
       TORCH_CHECK(false, fn, ": ", name, " has dtype ", type,
                   "; supported: float16 and bfloat16 (q, k, v and gradients), float32 "
                   "(softmax_lse, alibi_slopes), int32 (cu_seqlens, seqused_k, cache_seqlens, "
-                  "cache_batch_idx, cache_leftpad, block_table)");
+                  "cache_batch_idx, cache_leftpad, block_table, block_indices, block_counts)");
   }
 }
 
