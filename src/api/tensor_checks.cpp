@@ -215,4 +215,18 @@ void check_attention_layouts(const char* fn, const TensorView& q, const TensorVi
   }
 }
 
+void check_head_counts_and_dim(const char* fn, int64_t heads_q, const char* kv_name, int64_t heads_kv,
+                               int64_t head_dim) {
+  if (heads_q <= 0) fail(fn, "q has ", heads_q, " heads; it must have at least 1");
+  if (heads_kv <= 0) fail(fn, kv_name, " has ", heads_kv, " heads; it must have at least 1");
+  if (heads_q % heads_kv != 0) {
+    fail(fn, "q has ", heads_q, " heads and ", kv_name, " has ", heads_kv,
+         "; heads_q must be a multiple of heads_kv (MHA, GQA or MQA)");
+  }
+  if (head_dim <= 0 || head_dim % kHeadDimMultiple != 0 || head_dim > kMaxHeadDim) {
+    fail(fn, "head_dim (q.size(-1)) is ", head_dim, "; supported: a multiple of ", kHeadDimMultiple, " from ",
+         kHeadDimMultiple, " to ", kMaxHeadDim);
+  }
+}
+
 }  // namespace flashkit::api

@@ -54,6 +54,10 @@ int to_int(const char* fn, const char* what, int64_t value);
 void check_shape(const char* fn, const char* name, const TensorView& view,
                  std::initializer_list<int64_t> expected, const char* layout);
 void check_last_dim_contiguous(const char* fn, const char* name, const TensorView& view);
+// At least one query and one kv head, heads_q a multiple of heads_kv (the kv heads counted by
+// the tensor named `kv_name`), head_dim a multiple of 8 up to 256.
+void check_head_counts_and_dim(const char* fn, int64_t heads_q, const char* kv_name, int64_t heads_kv,
+                               int64_t head_dim);
 // q, k, v and out: last dim contiguous, usable pointers, 16-byte aligned rows on CUDA; softmax_lse:
 // last dim contiguous, a usable pointer. Their shapes are checked before.
 void check_attention_layouts(const char* fn, const TensorView& q, const TensorView& k, const TensorView& v,

@@ -48,20 +48,6 @@ void check_common_tensors(const char* fn, const FwdCommon& p) {
   }
 }
 
-void check_head_counts_and_dim(const char* fn, int64_t heads_q, int64_t heads_kv,
-                               int64_t head_dim) {
-  if (heads_q <= 0) fail(fn, "q has ", heads_q, " heads; it must have at least 1");
-  if (heads_kv <= 0) fail(fn, "k has ", heads_kv, " heads; it must have at least 1");
-  if (heads_q % heads_kv != 0) {
-    fail(fn, "q has ", heads_q, " heads and k has ", heads_kv,
-         "; heads_q must be a multiple of heads_kv (MHA, GQA or MQA)");
-  }
-  if (head_dim <= 0 || head_dim % kHeadDimMultiple != 0 || head_dim > kMaxHeadDim) {
-    fail(fn, "head_dim (q.size(-1)) is ", head_dim, "; supported: a multiple of ", kHeadDimMultiple,
-         " from ", kHeadDimMultiple, " to ", kMaxHeadDim);
-  }
-}
-
 // Strides and pointers of q/k/v/out and softmax_lse, once their shapes are known to be right.
 void check_layouts(const char* fn, const FwdCommon& p) {
   check_attention_layouts(fn, p.q, p.k, p.v, p.out, p.softmax_lse);
@@ -282,7 +268,7 @@ FwdProblem validate_mha_fwd(const MhaFwdParams& p, const char* fn) {
   const int64_t seqlen_k = p.k.sizes[1];
   const int64_t heads_kv = p.k.sizes[2];
   if (batch <= 0) fail(fn, "batch (q.size(0)) is ", batch, "; it must be >= 1");
-  check_head_counts_and_dim(fn, heads_q, heads_kv, head_dim);
+  check_head_counts_and_dim(fn, heads_q, "k", heads_kv, head_dim);
 
   check_shape(fn, "k", p.k, {batch, seqlen_k, heads_kv, head_dim},
               "([batch, seqlen_k, heads_kv, head_dim], batch and head_dim from q)");
@@ -321,7 +307,7 @@ FwdProblem validate_mha_varlen_fwd(const MhaVarlenFwdParams& p, const char* fn) 
   const int64_t head_dim = p.q.sizes[2];
   const int64_t total_k = p.k.sizes[0];
   const int64_t heads_kv = p.k.sizes[1];
-  check_head_counts_and_dim(fn, heads_q, heads_kv, head_dim);
+  check_head_counts_and_dim(fn, heads_q, "k", heads_kv, head_dim);
 
   check_shape(fn, "k", p.k, {total_k, heads_kv, head_dim},
               "([total_k, heads_kv, head_dim], head_dim from q)");

@@ -73,16 +73,7 @@ void check_and_fill_tensors(const MhaFwdKvcacheParams& p, KvcacheProblem& proble
   const int64_t cache_rows = p.k_cache.sizes[1];
   const int64_t heads_kv = p.k_cache.sizes[2];
   if (batch <= 0) fail(kFn, "batch (q.size(0)) is ", batch, "; it must be >= 1");
-  if (heads_q <= 0) fail(kFn, "q has ", heads_q, " heads; it must have at least 1");
-  if (heads_kv <= 0) fail(kFn, "k_cache has ", heads_kv, " heads; it must have at least 1");
-  if (heads_q % heads_kv != 0) {
-    fail(kFn, "q has ", heads_q, " heads and k_cache has ", heads_kv,
-         "; heads_q must be a multiple of heads_kv (MHA, GQA or MQA)");
-  }
-  if (head_dim <= 0 || head_dim % kHeadDimMultiple != 0 || head_dim > kMaxHeadDim) {
-    fail(kFn, "head_dim (q.size(-1)) is ", head_dim, "; supported: a multiple of ",
-         kHeadDimMultiple, " from ", kHeadDimMultiple, " to ", kMaxHeadDim);
-  }
+  check_head_counts_and_dim(kFn, heads_q, "k_cache", heads_kv, head_dim);
   check_attention_tensor("q", p.q, p.q);
   check_attention_tensor("k_cache", p.k_cache, p.q);
   check_shape(kFn, "k_cache", p.k_cache, {cache_batches, cache_rows, heads_kv, head_dim},

@@ -60,20 +60,6 @@ void check_presence_dtypes_devices(const char* fn, const NsaFwdParams& p) {
   }
 }
 
-void check_head_counts_and_dim(const char* fn, int64_t heads_q, int64_t heads_kv,
-                               int64_t head_dim) {
-  if (heads_q <= 0) fail(fn, "q has ", heads_q, " heads; it must have at least 1");
-  if (heads_kv <= 0) fail(fn, "k has ", heads_kv, " heads; it must have at least 1");
-  if (heads_q % heads_kv != 0) {
-    fail(fn, "q has ", heads_q, " heads and k has ", heads_kv,
-         "; heads_q must be a multiple of heads_kv (MHA, GQA or MQA)");
-  }
-  if (head_dim <= 0 || head_dim % kHeadDimMultiple != 0 || head_dim > kMaxHeadDim) {
-    fail(fn, "head_dim (q.size(-1)) is ", head_dim, "; supported: a multiple of ", kHeadDimMultiple,
-         " from ", kHeadDimMultiple, " to ", kMaxHeadDim);
-  }
-}
-
 // block_indices [batch, seqlen_q, heads_kv, selected] and the optional block_counts
 // [batch, seqlen_q, heads_kv]: shapes and layouts. Their contents are never checked (every value
 // has a meaning, nsa_params.h). Returns `selected`.
@@ -147,7 +133,7 @@ NsaProblem validate_forward(const char* fn, const NsaFwdParams& p) {
   const int64_t head_dim = p.q.sizes[3];
   const int64_t seqlen_k = p.k.sizes[1];
   const int64_t heads_kv = p.k.sizes[2];
-  check_head_counts_and_dim(fn, heads_q, heads_kv, head_dim);
+  check_head_counts_and_dim(fn, heads_q, "k", heads_kv, head_dim);
 
   check_shape(fn, "k", p.k, {batch, seqlen_k, heads_kv, head_dim},
               "([batch, seqlen_k, heads_kv, head_dim], batch and head_dim from q)");
