@@ -34,15 +34,29 @@ inline dim3 nsa_grid(const char* fn, const NsaProblem& p) {
   return dim3(static_cast<unsigned>(p.seqlen_q), static_cast<unsigned>(grid_y), static_cast<unsigned>(p.batch));
 }
 
+// Lets `kernel` use `bytes` of dynamic shared memory on the current device, or says which device
+// cannot give it (sm_86 / sm_89 GPUs offer 99 KiB per CTA; the head-dim-256 kernels need more).
+template <typename Kernel>
+void opt_in_smem(const char* fn, Kernel kernel, int bytes, const char* kernel_name) {
+  int device = 0, available = 0;
+  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
+  cuda::check(cudaDeviceGetAttribute(&available, cudaDevAttrMaxSharedMemoryPerBlockOptin, device),
+              "cudaDeviceGetAttribute(max shared memory per block, opt-in)");
+  if (bytes > available) {
+    throw Error(std::string(fn) + ": " + kernel_name + " needs " + std::to_string(bytes) +
+                " bytes of shared memory per CTA and cuda:" + std::to_string(device) + " offers " +
+                std::to_string(available) + "; this head-dim family needs a GPU with more (A100, H100)");
+  }
+  cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), kernel_name);
+}
+
 template <DType kDType, int kHeadDimFamily>
 void run_nsa_fwd(const NsaProblem& problem, void* stream_ptr) {
   using Traits = NsaFwdTraits<typename ElementOf<kDType>::type, kHeadDimFamily>;
   if (problem.batch == 0 || problem.seqlen_q == 0) return;
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
   const dim3 grid = nsa_grid("nsa_fwd", problem);
-  cuda::check(cudaFuncSetAttribute(nsa_fwd_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   Traits::kSmemBytes),
-              "cudaFuncSetAttribute(nsa_fwd_kernel, max dynamic shared memory)");
+  opt_in_smem("nsa_fwd", nsa_fwd_kernel<Traits>, Traits::kSmemBytes, "nsa_fwd_kernel");
   nsa_fwd_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(problem);
   cuda::check_last_launch("nsa_fwd_kernel");
 }
@@ -67,9 +81,7 @@ void run_nsa_bwd(const NsaBwdProblem& problem, void* stream_ptr) {
                                   0, stream>>>(problem);
     cuda::check_last_launch("nsa_bwd_dot_kernel");
     const dim3 grid = nsa_grid("nsa_bwd", f);
-    cuda::check(cudaFuncSetAttribute(nsa_bwd_dq_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     Traits::kSmemBytes),
-                "cudaFuncSetAttribute(nsa_bwd_dq_kernel, max dynamic shared memory)");
+    opt_in_smem("nsa_bwd", nsa_bwd_dq_kernel<Traits>, Traits::kSmemBytes, "nsa_bwd_dq_kernel");
     nsa_bwd_dq_kernel<Traits><<<grid, Traits::kThreads, Traits::kSmemBytes, stream>>>(problem);
     cuda::check_last_launch("nsa_bwd_dq_kernel");
   }
@@ -83,9 +95,7 @@ void run_nsa_bwd(const NsaBwdProblem& problem, void* stream_ptr) {
                   " is too large for one launch (" + std::to_string(grid_x) + " CTAs)");
     }
     const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(f.heads_kv), static_cast<unsigned>(f.batch));
-    cuda::check(cudaFuncSetAttribute(nsa_bwd_dkv_kernel<Traits>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     Traits::kDkvSmemBytes),
-                "cudaFuncSetAttribute(nsa_bwd_dkv_kernel, max dynamic shared memory)");
+    opt_in_smem("nsa_bwd", nsa_bwd_dkv_kernel<Traits>, Traits::kDkvSmemBytes, "nsa_bwd_dkv_kernel");
     nsa_bwd_dkv_kernel<Traits><<<grid, Traits::kThreads, Traits::kDkvSmemBytes, stream>>>(problem);
     cuda::check_last_launch("nsa_bwd_dkv_kernel");
   }
