@@ -35,24 +35,6 @@
 
 namespace flashkit::nsa {
 
-template <typename Element>
-__device__ __forceinline__ float to_float(Element x) {
-  if constexpr (sm80::MmaType<Element>::kIsBf16) {
-    return __bfloat162float(x);
-  } else {
-    return __half2float(x);
-  }
-}
-
-template <typename Element>
-__device__ __forceinline__ Element from_float(float x) {
-  if constexpr (sm80::MmaType<Element>::kIsBf16) {
-    return __float2bfloat16_rn(x);
-  } else {
-    return __float2half_rn(x);
-  }
-}
-
 // D[b, h, i] = dot(dout[b, i, h], out[b, i, h]) in fp32: one warp per query row.
 template <typename Element>
 __global__ void nsa_bwd_dot_kernel(const __grid_constant__ NsaBwdProblem p) {
@@ -69,7 +51,7 @@ __global__ void nsa_bwd_dot_kernel(const __grid_constant__ NsaBwdProblem p) {
   const auto* dout = static_cast<const Element*>(p.dout) + b * p.dout_batch_stride + token * p.dout_row_stride +
                      head * p.dout_head_stride;
   float sum = 0.0f;
-  for (int c = lane; c < f.head_dim; c += 32) sum += to_float(out[c]) * to_float(dout[c]);
+  for (int c = lane; c < f.head_dim; c += 32) sum += static_cast<float>(out[c]) * static_cast<float>(dout[c]);
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   float* delta = reinterpret_cast<float*>(static_cast<char*>(p.workspace) + nsa_bwd_workspace_layout(f).delta_offset);
@@ -92,9 +74,9 @@ __global__ void nsa_bwd_convert_kernel(const __grid_constant__ NsaBwdProblem p) 
   const auto* dk_accum = static_cast<const float*>(p.workspace);
   const auto* dv_accum = reinterpret_cast<const float*>(static_cast<const char*>(p.workspace) + layout.dv_offset);
   static_cast<Element*>(p.dk)[b * p.dk_batch_stride + key * p.dk_row_stride + kv_head * p.dk_head_stride + col] =
-      from_float<Element>(dk_accum[i]);
+      static_cast<Element>(dk_accum[i]);
   static_cast<Element*>(p.dv)[b * p.dv_batch_stride + key * p.dv_row_stride + kv_head * p.dv_head_stride + col] =
-      from_float<Element>(dv_accum[i]);
+      static_cast<Element>(dv_accum[i]);
 }
 
 template <typename Element_, int kHeadDim_>
