@@ -30,8 +30,12 @@
 //                dQ part = dS K                           (wgmma ss: A = dS^T read transposed,
 //                                                          B = K MN-major; warpgroup w computes
 //                                                          one 64 x 64 part of BlockM x D)
-//                dQ accumulator += dQ part                (fp32 vector reductions, as sm80;
-//                                                          deterministic mode: in key-block
+//                dQ accumulator += dQ part                (each warp stages its 16 rows in
+//                                                          shared memory and the copy engine
+//                                                          adds them, a bulk reduction per row;
+//                                                          deterministic mode and family 256:
+//                                                          fp32 vector reductions, as sm80,
+//                                                          deterministic mode's in key-block
 //                                                          order, below)
 //   epilogue     dK * scale, dV -> dk, dv (MHA) or the fp32 per-query-head workspace (GQA/MQA)
 //
@@ -86,6 +90,7 @@
 #include "cuda/sm80/bwd_workspace_pointers.cuh"
 #include "cuda/sm80/fwd_kernel.cuh"
 #include "cuda/sm90/mbarrier.cuh"
+#include "cuda/sm90/tma.cuh"
 #include "cuda/sm90/warpgroup.cuh"
 #include "cuda/sm90/wgmma.cuh"
 
@@ -158,9 +163,22 @@ struct BwdKernelTraits {
   static constexpr int kDropoutOffset = kDotOffset + kStages * kRowStatsBytes;
   // And the Philox round keys (PhiloxRoundKeys), read by every draw.
   static constexpr int kRoundKeysOffset = kDropoutOffset + kStages * kDropoutStageBytes;
+  static constexpr int kDropoutEnd =
+      kDropout ? kRoundKeysOffset + static_cast<int>(sizeof(PhiloxRoundKeys)) : kDropoutOffset;
+  // dQ's way into the accumulator. Atomic adds from the registers (sm80::add_dq_rows: ~160
+  // instructions per warp and query block, and removing them made the d128 kernel 1.6x as fast:
+  // bench/NOTES.md, session 21) or, with kDqBulkReduce, each warp's 16 rows staged in shared memory
+  // and added by the copy engine, one bulk reduction per row (reduce_dq_rows_in_bulk). Not in
+  // deterministic mode, whose adds wait for their turn in the consumers, nor in the split layout,
+  // whose 64 queries x 128 columns per warpgroup would need 64 KiB that its plan does not have.
+  static constexpr bool kDqBulkReduce = !kDeterministic && !kSplitHeadDim;
+  // A staging row: kDqColumns floats + 16 bytes, so that the eight rows a float2 store spans start
+  // four banks apart (conflict-free); 16 rows per warp.
+  static constexpr int kDqRowPitch = kDqColumns * static_cast<int>(sizeof(float)) + 16;
+  static constexpr int kDqWarpBytes = 16 * kDqRowPitch;
+  static constexpr int kDqOffset = (kDropoutEnd + 15) / 16 * 16;
   // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
-  static constexpr int kSmemBytes =
-      (kDropout ? kRoundKeysOffset + static_cast<int>(sizeof(PhiloxRoundKeys)) : kDropoutOffset) + 1024;
+  static constexpr int kSmemBytes = kDqOffset + (kDqBulkReduce ? kThreads / 32 * kDqWarpBytes : 0) + 1024;
 
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 64 == 0,
                 "whole wgmma M tiles and 64-column swizzle atoms");
@@ -310,6 +328,42 @@ __device__ __forceinline__ void issue_key_gradient_from_tile(float* acc, uint32_
     Wgmma<Traits::kKvColumns>::template ss<typename Traits::Element, 1>(
         acc, a_desc.at((kk / 4) * PTile::kColumnBlockBytes + (kk % 4) * 32), b_desc.at(kk * 16 * 128), 1u);
   }
+}
+
+// dQ accumulator += a warp's 16-row dQ fragments (the m64 accumulator rows 16 w + g, 16 w + g + 8 of
+// warp w, kTiles 8-column tiles; rows from `first_row`, columns from `first_col`; rows past len_q
+// and columns past head_dim are dropped), through the warp's staging rows (Traits::kDqOffset in the
+// shared memory at `smem`): the lanes store their fragments, and lane r < 16 then hands row r to
+// the copy engine as one bulk reduce-add of up to 256 bytes. The warp goes on at once; the rows are
+// free again once the engine has read them, which the same lanes wait for before the next block's
+// stores (a block later, long done) and, with finish_dq_reductions, before the CTA exits.
+template <typename Traits>
+__device__ __forceinline__ void reduce_dq_rows_in_bulk(float* dq_accum, int64_t row_stride,
+                                                       const float (&acc)[Traits::kDqTiles][4],
+                                                       unsigned char* smem, int first_row, int first_col, int len_q,
+                                                       int head_dim) {
+  constexpr int kPitch = Traits::kDqRowPitch;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  unsigned char* const staging_rows =
+      smem + Traits::kDqOffset + static_cast<int>(threadIdx.x / 32) * Traits::kDqWarpBytes;
+  const uint32_t staging = smem_u32(staging_rows);
+  if (lane < 16) tma_store_wait_read<0>();
+  __syncwarp();
+  unsigned char* const row_g = staging_rows + (lane / 4) * kPitch + (lane % 4) * 8;
+#pragma unroll
+  for (int dt = 0; dt < Traits::kDqTiles; ++dt) {
+    *reinterpret_cast<float2*>(row_g + dt * 32) = make_float2(acc[dt][0], acc[dt][1]);
+    *reinterpret_cast<float2*>(row_g + 8 * kPitch + dt * 32) = make_float2(acc[dt][2], acc[dt][3]);
+  }
+  fence_proxy_async_shared();  // this lane's stores, before the engine reads them
+  __syncwarp();
+  const int row = first_row + lane;
+  const int columns = min(Traits::kDqColumns, head_dim - first_col);
+  if (lane < 16 && row < len_q && columns > 0) {
+    bulk_reduce_add_f32(dq_accum + row * row_stride + first_col, staging + static_cast<uint32_t>(lane * kPitch),
+                        static_cast<uint32_t>(columns) * 4u);
+  }
+  if (lane < 16) tma_store_commit();
 }
 
 // Deterministic mode's order of the grid. The sm80 order (the grid backwards, each (batch, head)'s
@@ -555,7 +609,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
                                               first_key, p, alibi_slope, diagonal);
           keep_probabilities(acc_s[h]);
         }
-        if constexpr (Traits::kDropout && !Traits::kSplitHeadDim) {
+        if constexpr ((Traits::kDropout || Traits::kDqBulkReduce) && !Traits::kSplitHeadDim) {
           pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
           store_a_operand<Traits>(smem + Traits::kDsOffset, ds_frag[h], warp_key0, first_query / 8);
         } else {
@@ -612,8 +666,14 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         fence_acquire();
         unpublished = dq_turn.semaphore;
       }
-      sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, m0 + dq_query_part * 64 + warp * 16,
-                                          dq_column_part * Traits::kDqColumns, loc.len_q, p.head_dim);
+      if constexpr (Traits::kDqBulkReduce) {
+        reduce_dq_rows_in_bulk<Traits>(dq_accum, dq_row_stride, acc_dq, smem_aligned,
+                                       m0 + dq_query_part * 64 + warp * 16, dq_column_part * Traits::kDqColumns,
+                                       loc.len_q, p.head_dim);
+      } else {
+        sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, m0 + dq_query_part * 64 + warp * 16,
+                                            dq_column_part * Traits::kDqColumns, loc.len_q, p.head_dim);
+      }
       if constexpr (Traits::kSplitHeadDim) {
         if constexpr (Traits::kDropout) {
           if (prefetch) store_drop_marks(m_block + 1, stage ^ 1);
@@ -629,6 +689,10 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         __syncthreads();
         if (tid == 0) sm80::publish_dq_adds(unpublished);
       }
+    }
+    // The bulk reductions read this CTA's shared memory: they must be done before it exits.
+    if constexpr (Traits::kDqBulkReduce) {
+      if (tid % 32 < 16) tma_store_wait<0>();
     }
   }
 

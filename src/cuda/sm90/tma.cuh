@@ -36,7 +36,7 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap& map
       : "memory");
 }
 
-// Stores. The writes to shared memory that a store reads must be ordered before it by
+// Stores (and bulk reductions). The writes to shared memory that a store reads must be ordered before it by
 // fence_proxy_async_shared() (warpgroup.cuh) in every writing thread and a barrier; the issuing
 // thread then closes its stores into a group with tma_store_commit() and may reuse the shared memory
 // only after tma_store_wait_read<0>() (the engine has read it), and must not exit before that.
@@ -55,12 +55,27 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap& map, uint32_t sr
                : "memory");
 }
 
+// Adds `bytes` (a multiple of 16) of fp32 values in shared memory at `src` to those at `dst` (both
+// 16-byte aligned), element by element, in L2: the non-tensor bulk reduction, tracked like a store.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
+               "r"(bytes)
+               : "memory");
+}
+
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 
 // Waits until at most kPending of this thread's store groups still read their shared memory.
 template <int kPending>
 __device__ __forceinline__ void tma_store_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Waits until at most kPending of this thread's store groups are still in flight (their writes to
+// global memory included).
+template <int kPending>
+__device__ __forceinline__ void tma_store_wait() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 }  // namespace flashkit::sm90
