@@ -301,8 +301,8 @@ __global__ void __launch_bounds__(256, 1)
 
 // A contiguous [batch, seqlen, heads, stored] tensor of 16-bit elements at `base`, described to the
 // copy engine with `cols` <= stored columns per row.
-StridedTensor16 bshd_tensor(void* base, int batch, int seqlen, int heads, int stored, int cols) {
-  StridedTensor16 t;
+StridedTensor bshd_tensor(void* base, int batch, int seqlen, int heads, int stored, int cols) {
+  StridedTensor t;
   t.base = base;
   t.rank = 4;
   t.extents[0] = cols;

@@ -165,18 +165,18 @@ struct BwdKernelTraits {
   static constexpr int kRoundKeysOffset = kDropoutOffset + kStages * kDropoutStageBytes;
   static constexpr int kDropoutEnd =
       kDropout ? kRoundKeysOffset + static_cast<int>(sizeof(PhiloxRoundKeys)) : kDropoutOffset;
-  // dQ's way into the accumulator. Atomic adds from the registers (sm80::add_dq_rows: ~160
-  // instructions per warp and query block, and removing them made the d128 kernel 1.6x as fast:
-  // bench/NOTES.md, session 21) or, with kDqBulkReduce, each warp's 16 rows staged in shared memory
-  // and added by the copy engine, one bulk reduction per row (reduce_dq_rows_in_bulk). Not in
-  // deterministic mode, whose adds wait for their turn in the consumers, nor in the split layout,
-  // whose 64 queries x 128 columns per warpgroup would need 64 KiB that its plan does not have.
+  // dQ's way into the accumulator: atomic adds from the registers (sm80::add_dq_rows: ~160
+  // instructions per warp and query block on the consumers' path, ~1.4x the kernel's time at d128:
+  // bench/NOTES.md, session 21) or, with kDqBulkReduce, each warp's 16 x 64 part staged in shared
+  // memory and added by the copy engine in two boxes of 16 rows x 32 columns
+  // (reduce_dq_in_bulk). Not in deterministic mode, whose adds wait for their turn in the
+  // consumers, nor in the split layout (64 x 128 per warpgroup, twice the staging its plan has
+  // room for).
   static constexpr bool kDqBulkReduce = !kDeterministic && !kSplitHeadDim;
-  // A staging row: kDqColumns floats + 16 bytes, so that the eight rows a float2 store spans start
-  // four banks apart (conflict-free); 16 rows per warp.
-  static constexpr int kDqRowPitch = kDqColumns * static_cast<int>(sizeof(float)) + 16;
-  static constexpr int kDqWarpBytes = 16 * kDqRowPitch;
-  static constexpr int kDqOffset = (kDropoutEnd + 15) / 16 * 16;
+  static constexpr int kDqBoxColumns = 32;  // fp32: one 128-byte swizzle row
+  static constexpr int kDqBoxBytes = 16 * kDqBoxColumns * static_cast<int>(sizeof(float));
+  static constexpr int kDqWarpBytes = kDqColumns / kDqBoxColumns * kDqBoxBytes;
+  static constexpr int kDqOffset = (kDropoutEnd + 1023) / 1024 * 1024;  // the swizzle's 1024-byte period
   // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
   static constexpr int kSmemBytes = kDqOffset + (kDqBulkReduce ? kThreads / 32 * kDqWarpBytes : 0) + 1024;
 
@@ -331,39 +331,57 @@ __device__ __forceinline__ void issue_key_gradient_from_tile(float* acc, uint32_
 }
 
 // dQ accumulator += a warp's 16-row dQ fragments (the m64 accumulator rows 16 w + g, 16 w + g + 8 of
-// warp w, kTiles 8-column tiles; rows from `first_row`, columns from `first_col`; rows past len_q
-// and columns past head_dim are dropped), through the warp's staging rows (Traits::kDqOffset in the
-// shared memory at `smem`): the lanes store their fragments, and lane r < 16 then hands row r to
-// the copy engine as one bulk reduce-add of up to 256 bytes. The warp goes on at once; the rows are
-// free again once the engine has read them, which the same lanes wait for before the next block's
-// stores (a block later, long done) and, with finish_dq_reductions, before the CTA exits.
+// warp w, kDqTiles 8-column tiles) by the copy engine: `first_row` is the rows' index in the
+// sequence, `first_col` their first column, `map` the accumulator's tensor map (head dim, query
+// heads, total_q). The lanes store their fragments in the warp's staging boxes (Traits::kDqOffset
+// in the shared memory at `smem`, laid out as the map's 128-byte swizzle wants: the 16-byte chunk c
+// of row r at chunk c ^ (r % 8)), and lane 0 issues one bulk reduce-add per 32-column box. The warp
+// goes on at once; lane 0 waits for the engine to have read the boxes before the next block's
+// stores (a block later, long done) and, with the kernel's last wait, before the CTA exits. Columns
+// past head_dim fall outside the map and are dropped. Rows past the sequence (its last block) are
+// inside the map (the next sequence's, or the next batch's): they are staged as zeros, and adding
+// zeros changes no accumulator element (the accumulator starts at +0 and a sum of floats is -0 only
+// when both terms are, so no element is -0, and x + +-0 = x for every other x).
 template <typename Traits>
-__device__ __forceinline__ void reduce_dq_rows_in_bulk(float* dq_accum, int64_t row_stride,
-                                                       const float (&acc)[Traits::kDqTiles][4],
-                                                       unsigned char* smem, int first_row, int first_col, int len_q,
-                                                       int head_dim) {
-  constexpr int kPitch = Traits::kDqRowPitch;
+__device__ __forceinline__ void reduce_dq_in_bulk(const CUtensorMap& map, const float (&acc)[Traits::kDqTiles][4],
+                                                  unsigned char* smem, int first_row, int first_col, int len_q,
+                                                  int head, int64_t q_flat, int head_dim) {
+  static_assert(Traits::kDqColumns % Traits::kDqBoxColumns == 0, "whole boxes");
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  unsigned char* const staging_rows =
-      smem + Traits::kDqOffset + static_cast<int>(threadIdx.x / 32) * Traits::kDqWarpBytes;
-  const uint32_t staging = smem_u32(staging_rows);
-  if (lane < 16) tma_store_wait_read<0>();
+  unsigned char* const staging = smem + Traits::kDqOffset + static_cast<int>(threadIdx.x / 32) * Traits::kDqWarpBytes;
+  if (lane == 0) tma_store_wait_read<0>();
   __syncwarp();
-  unsigned char* const row_g = staging_rows + (lane / 4) * kPitch + (lane % 4) * 8;
+  const int g = lane / 4;
+  const int t = lane % 4;
+  auto stage = [&](bool row_g, bool row_g8) {
 #pragma unroll
-  for (int dt = 0; dt < Traits::kDqTiles; ++dt) {
-    *reinterpret_cast<float2*>(row_g + dt * 32) = make_float2(acc[dt][0], acc[dt][1]);
-    *reinterpret_cast<float2*>(row_g + 8 * kPitch + dt * 32) = make_float2(acc[dt][2], acc[dt][3]);
+    for (int dt = 0; dt < Traits::kDqTiles; ++dt) {
+      // Columns 8 dt + 2t, + 1: box dt / 4, 16-byte chunk 2 (dt % 4) + t / 2, its half t % 2.
+      const int chunk = 2 * (dt % 4) + t / 2;
+      unsigned char* const box = staging + (dt / 4) * Traits::kDqBoxBytes + (t % 2) * 8 + (chunk ^ g) * 16;
+      *reinterpret_cast<float2*>(box + g * 128) =
+          row_g ? make_float2(acc[dt][0], acc[dt][1]) : make_float2(0.0f, 0.0f);
+      *reinterpret_cast<float2*>(box + (g + 8) * 128) =
+          row_g8 ? make_float2(acc[dt][2], acc[dt][3]) : make_float2(0.0f, 0.0f);
+    }
+  };
+  if (first_row + 16 <= len_q) {  // the same for the whole warp
+    stage(true, true);
+  } else {
+    stage(first_row + g < len_q, first_row + g + 8 < len_q);
   }
   fence_proxy_async_shared();  // this lane's stores, before the engine reads them
   __syncwarp();
-  const int row = first_row + lane;
-  const int columns = min(Traits::kDqColumns, head_dim - first_col);
-  if (lane < 16 && row < len_q && columns > 0) {
-    bulk_reduce_add_f32(dq_accum + row * row_stride + first_col, staging + static_cast<uint32_t>(lane * kPitch),
-                        static_cast<uint32_t>(columns) * 4u);
+  if (lane == 0) {
+    const uint32_t boxes = smem_u32(staging);
+    const int row = static_cast<int>(q_flat) + first_row;
+#pragma unroll
+    for (int b = 0; b < Traits::kDqColumns / Traits::kDqBoxColumns; ++b) {
+      const int col = first_col + b * Traits::kDqBoxColumns;
+      if (col < head_dim) tma_reduce_add_3d(map, boxes + b * Traits::kDqBoxBytes, col, head, row);
+    }
+    tma_store_commit();
   }
-  if (lane < 16) tma_store_commit();
 }
 
 // Deterministic mode's order of the grid. The sm80 order (the grid backwards, each (batch, head)'s
@@ -396,7 +414,8 @@ __device__ __forceinline__ sm80::BwdBlockLocation<Element> deterministic_locatio
 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
-    bwd_kernel(const __grid_constant__ BwdProblem bp, const sm80::BwdWorkspacePointers ws) {
+    bwd_kernel(const __grid_constant__ BwdProblem bp, const sm80::BwdWorkspacePointers ws,
+               const __grid_constant__ CUtensorMap dq_map) {
   using Element = typename Traits::Element;
   using KvTile = typename Traits::KvTile;
   using QTile = typename Traits::QTile;
@@ -667,9 +686,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         unpublished = dq_turn.semaphore;
       }
       if constexpr (Traits::kDqBulkReduce) {
-        reduce_dq_rows_in_bulk<Traits>(dq_accum, dq_row_stride, acc_dq, smem_aligned,
-                                       m0 + dq_query_part * 64 + warp * 16, dq_column_part * Traits::kDqColumns,
-                                       loc.len_q, p.head_dim);
+        reduce_dq_in_bulk<Traits>(dq_map, acc_dq, smem_aligned, m0 + dq_query_part * 64 + warp * 16,
+                                  dq_column_part * Traits::kDqColumns, loc.len_q, loc.head, loc.q_flat, p.head_dim);
       } else {
         sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, m0 + dq_query_part * 64 + warp * 16,
                                             dq_column_part * Traits::kDqColumns, loc.len_q, p.head_dim);
@@ -692,7 +710,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     }
     // The bulk reductions read this CTA's shared memory: they must be done before it exits.
     if constexpr (Traits::kDqBulkReduce) {
-      if (tid % 32 < 16) tma_store_wait<0>();
+      if (tid % 32 == 0) tma_store_wait<0>();
     }
   }
 

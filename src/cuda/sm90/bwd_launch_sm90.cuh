@@ -13,6 +13,7 @@
 #include "cuda/sm90/bwd_kernel_sm90.cuh"
 #include "cuda/sm90/bwd_sm90.h"
 #include "cuda/sm90/bwd_tile_config_sm90.h"
+#include "cuda/sm90/tensor_map.h"
 
 namespace flashkit::sm90 {
 
@@ -26,7 +27,7 @@ using BwdTraitsOf = BwdKernelTraits<typename sm80::ElementOf<kDType>::type, kHea
 
 // A kernel instance and the dynamic shared memory its traits plan.
 struct BwdInstance {
-  void (*kernel)(BwdProblem, sm80::BwdWorkspacePointers);
+  void (*kernel)(BwdProblem, sm80::BwdWorkspacePointers, CUtensorMap);
   int smem_bytes;
 };
 
@@ -45,6 +46,24 @@ BwdInstance bwd_instance_for(const BwdProblem& problem) {
   }
   return dropout ? bwd_instance<BwdTraitsOf<kDType, kHeadDimFamily, false, true>>()
                  : bwd_instance<BwdTraitsOf<kDType, kHeadDimFamily, false, false>>();
+}
+
+// The fp32 dQ accumulator [total_q][heads_q][head_dim] as the tensor map of the kernels' bulk
+// reductions (BwdKernelTraits::kDqBulkReduce): boxes of 32 columns x 1 head x 16 rows. A problem
+// without queries gets a map of one row, never used.
+inline CUtensorMap dq_accum_tensor_map(const BwdProblem& problem, const sm80::BwdWorkspacePointers& ws,
+                                       int box_columns) {
+  const FwdProblem& p = problem.fwd;
+  StridedTensor t;
+  t.base = ws.dq_accum;
+  t.rank = 3;
+  t.extents[0] = static_cast<uint64_t>(p.head_dim);
+  t.extents[1] = static_cast<uint64_t>(p.heads_q);
+  t.extents[2] = static_cast<uint64_t>(problem.total_q > 0 ? problem.total_q : 1);
+  t.byte_strides[0] = static_cast<uint64_t>(p.head_dim) * sizeof(float);
+  t.byte_strides[1] = static_cast<uint64_t>(p.heads_q) * p.head_dim * sizeof(float);
+  const uint32_t box[3] = {static_cast<uint32_t>(box_columns), 1, 16};
+  return encode_fp32_tensor_map(t, box, "the dQ accumulator");
 }
 
 template <DType kDType, int kHeadDimFamily>
@@ -72,7 +91,9 @@ void run_bwd(const BwdProblem& problem, void* stream) {
     cuda::check(cudaFuncSetAttribute(instance.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      instance.smem_bytes),
                 "cudaFuncSetAttribute(sm90 bwd_kernel, max dynamic shared memory)");
-    instance.kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, instance.smem_bytes, s>>>(problem, ws);
+    const CUtensorMap dq_map = dq_accum_tensor_map(problem, ws, Traits::kDqBoxColumns);
+    instance.kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, instance.smem_bytes, s>>>(problem, ws,
+                                                                                                     dq_map);
     cuda::check_last_launch("sm90 bwd_kernel");
   }
   sm80::launch_bwd_postprocess<Element>(problem, ws, s);

@@ -39,7 +39,7 @@ template <> struct ElementOf<DType::kFloat16> { using type = __half; };
 inline CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64_t rows,
                                     int heads, int64_t row_stride, int64_t head_stride,
                                     int64_t batch_stride, int box_rows, const char* what) {
-  StridedTensor16 t;
+  StridedTensor t;
   t.base = base;
   t.rank = p.is_varlen() ? 3 : 4;
   const bool empty = rows <= 0;

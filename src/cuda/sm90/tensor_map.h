@@ -1,6 +1,7 @@
 // src/cuda/sm90/tensor_map.h
 // \brief Host side of the bulk tensor copy engine: the CUtensorMap of a strided tensor of 16-bit
-// elements, tiled in boxes of 64 elements (128 bytes: the 128-byte swizzle atom) by `box_rows` rows.
+// elements, tiled in boxes of 64 elements (128 bytes: the 128-byte swizzle atom) by `box_rows` rows,
+// and of an fp32 one, tiled in boxes of 32.
 //
 // cuTensorMapEncodeTiled is a driver API function; it is fetched through the runtime's driver
 // entry point, so flashkit does not link libcuda.
@@ -12,21 +13,27 @@
 
 namespace flashkit::sm90 {
 
-// The elements of the 128-byte swizzle atom's row, and so of one box's inner extent.
+// The 16-bit elements of the 128-byte swizzle atom's row, and so of one box's inner extent.
 constexpr int kSwizzleAtomElements = 64;
 
 // A tensor of `rank` (2..5) dims, innermost first: extents in elements, the byte strides of dims
-// 1..rank-1 (dim 0 is contiguous). Its boxes are kSwizzleAtomElements x box_rows x 1 x ...
-struct StridedTensor16 {
+// 1..rank-1 (dim 0 is contiguous).
+struct StridedTensor {
   const void* base = nullptr;
   int rank = 0;
   uint64_t extents[5] = {};
   uint64_t byte_strides[4] = {};  // byte_strides[i] is the stride of dim i + 1
 };
 
-// Encodes the map with 128-byte swizzle and zero fill out of bounds. `bf16` picks the element
-// type. Throws flashkit::Error naming `what` when the driver refuses it (alignment, strides).
-CUtensorMap encode_tensor_map(const StridedTensor16& tensor, bool bf16, int box_rows,
+// Encodes the map of a 16-bit tensor, in boxes of kSwizzleAtomElements x box_rows x 1 x ..., with
+// 128-byte swizzle and zero fill out of bounds. `bf16` picks the element type. Throws
+// flashkit::Error naming `what` when the driver refuses it (alignment, strides).
+CUtensorMap encode_tensor_map(const StridedTensor& tensor, bool bf16, int box_rows,
                               const char* what);
+
+// The map of an fp32 tensor with 128-byte swizzle and boxes of box[i] elements per dim (box[0] at
+// most 32: one swizzle row). The sm90 backward adds its dQ parts to the fp32 dQ accumulator through
+// it. Throws as above.
+CUtensorMap encode_fp32_tensor_map(const StridedTensor& tensor, const uint32_t* box, const char* what);
 
 }  // namespace flashkit::sm90

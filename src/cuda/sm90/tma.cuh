@@ -55,12 +55,15 @@ __device__ __forceinline__ void tma_store_4d(const CUtensorMap& map, uint32_t sr
                : "memory");
 }
 
-// Adds `bytes` (a multiple of 16) of fp32 values in shared memory at `src` to those at `dst` (both
-// 16-byte aligned), element by element, in L2: the non-tensor bulk reduction, tracked like a store.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
-               "r"(bytes)
-               : "memory");
+// Adds the box of `map` at (c0, c1, c2) from shared memory at `src` (in the map's swizzled box layout)
+// to the tensor element by element, in L2; tracked like a store. Parts of the box past the tensor's
+// bounds are dropped.
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap& map, uint32_t src, int c0, int c1, int c2) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(&map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2)
+      : "memory");
 }
 
 __device__ __forceinline__ void tma_store_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
