@@ -140,45 +140,55 @@ struct BwdKernelTraits {
   using QTile = Swizzle128Tile<kBlockM, kHeadDim>;   // Q, dO
   using PTile = Swizzle128Tile<kBlockN, kBlockM>;    // dS^T: keys x queries
 
-  // Shared-memory plan, byte offsets from a 1024-byte aligned base:
-  //   [ K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | dS^T | P^T (split only) |
-  //     LSE x 2 | dot x 2 | drop marks x 2, Philox round keys (dropout only) ]
-  static constexpr int kStages = 2;
-  static constexpr int kKOffset = 0;
-  static constexpr int kVOffset = kKOffset + KvTile::kBytes;
-  static constexpr int kQOffset = kVOffset + KvTile::kBytes;
-  static constexpr int kDoOffset = kQOffset + QTile::kBytes;
-  static constexpr int kStageBytes = 2 * QTile::kBytes;
-  static constexpr int kDsOffset = kQOffset + kStages * kStageBytes;
-  static constexpr int kRowStatsBytes = kBlockM * static_cast<int>(sizeof(float));
-  static constexpr int kPOffset = kDsOffset + PTile::kBytes;
-  static constexpr int kLseOffset = kPOffset + (kSplitHeadDim ? PTile::kBytes : 0);
-  static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
-  // Dropout: the drop marks the two warps of a 32-key block pass each other
-  // (sm80::store_transposed_marks_pair), per stage, warp pair and query part kPartM / 16 row blocks
-  // x 32 chunks of 16 bytes (4 marks words).
-  static constexpr int kDropoutPairs = kWarpgroups * 2;
-  static constexpr int kDropoutExchangeBytes = (kPartM / 16) * 32 * 16;
-  static constexpr int kDropoutStageBytes = kDropoutPairs * kQueryParts * kDropoutExchangeBytes;
-  static constexpr int kDropoutOffset = kDotOffset + kStages * kRowStatsBytes;
-  // And the Philox round keys (PhiloxRoundKeys), read by every draw.
-  static constexpr int kRoundKeysOffset = kDropoutOffset + kStages * kDropoutStageBytes;
-  static constexpr int kDropoutEnd =
-      kDropout ? kRoundKeysOffset + static_cast<int>(sizeof(PhiloxRoundKeys)) : kDropoutOffset;
   // dQ's way into the accumulator: atomic adds from the registers (sm80::add_dq_rows: ~160
-  // instructions per warp and query block on the consumers' path, ~1.4x the kernel's time at d128:
-  // bench/NOTES.md, session 21) or, with kDqBulkReduce, each warp's 16 x 64 part staged in shared
-  // memory and added by the copy engine in two boxes of 16 rows x 32 columns
-  // (reduce_dq_in_bulk). Not in deterministic mode, whose adds wait for their turn in the
-  // consumers, nor in the split layout (64 x 128 per warpgroup, twice the staging its plan has
-  // room for).
+  // instructions per warp and query block on the consumers' path) or, with kDqBulkReduce, each
+  // warp's 16 x 64 part staged in shared memory and added by the copy engine in two boxes of 16
+  // rows x 32 columns (reduce_dq_in_bulk). Not in deterministic mode, whose adds wait for their turn
+  // in the consumers, nor in the split layout (64 x 128 per warpgroup, twice the staging its plan
+  // has room for).
   static constexpr bool kDqBulkReduce = !kDeterministic && !kSplitHeadDim;
   static constexpr int kDqBoxColumns = 32;  // fp32: one 128-byte swizzle row
   static constexpr int kDqBoxBytes = 16 * kDqBoxColumns * static_cast<int>(sizeof(float));
   static constexpr int kDqWarpBytes = kDqColumns / kDqBoxColumns * kDqBoxBytes;
-  static constexpr int kDqOffset = (kDropoutEnd + 1023) / 1024 * 1024;  // the swizzle's 1024-byte period
+  static constexpr int kDqStagingBytes = kDqBulkReduce ? kThreads / 32 * kDqWarpBytes : 0;
+
+  // Shared-memory plan, byte offsets from a 1024-byte aligned base (the 128-byte swizzle's period):
+  //   [ dQ staging (kDqBulkReduce) | K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | ... |
+  //     dS^T | P^T (split only) | LSE x kStages | dot x kStages |
+  //     drop marks x 2, Philox round keys (dropout only) ]
+  static constexpr int kStageBytes = 2 * QTile::kBytes;
+  static constexpr int kRowStatsBytes = kBlockM * static_cast<int>(sizeof(float));
+  // Dropout: the drop marks the two warps of a 32-key block pass each other
+  // (sm80::store_transposed_marks_pair), in two stages (drawn one block ahead), per warp pair and
+  // query part kPartM / 16 row blocks x 32 chunks of 16 bytes (4 marks words).
+  static constexpr int kMarkStages = 2;
+  static constexpr int kDropoutPairs = kWarpgroups * 2;
+  static constexpr int kDropoutExchangeBytes = (kPartM / 16) * 32 * 16;
+  static constexpr int kDropoutStageBytes = kDropoutPairs * kQueryParts * kDropoutExchangeBytes;
+  // Pipeline stages of Q, dO, LSE and dot: a query block's loads are issued kStages - 1 blocks ahead
+  // of its products. Three where they fit (a block's loads then have two blocks' time to land; with
+  // one, the d128 kernel stood waiting for them in 13% of its stall samples: bench/NOTES.md,
+  // session 21), else two (family 256's split layout). + 1024: the dynamic shared-memory base is
+  // only 16-byte aligned; the kernel rounds it up.
+  static constexpr int kBytesBesideStages =
+      kDqStagingBytes + 2 * KvTile::kBytes + (kSplitHeadDim ? 2 : 1) * PTile::kBytes +
+      (kDropout ? kMarkStages * kDropoutStageBytes + static_cast<int>(sizeof(PhiloxRoundKeys)) : 0) + 1024;
+  static constexpr int kStages = kBytesBesideStages + 3 * (kStageBytes + 2 * kRowStatsBytes) <= 227 * 1024 ? 3 : 2;
+  static constexpr int kDqOffset = 0;
+  static constexpr int kKOffset = kDqOffset + kDqStagingBytes;
+  static constexpr int kVOffset = kKOffset + KvTile::kBytes;
+  static constexpr int kQOffset = kVOffset + KvTile::kBytes;
+  static constexpr int kDoOffset = kQOffset + QTile::kBytes;
+  static constexpr int kDsOffset = kQOffset + kStages * kStageBytes;
+  static constexpr int kPOffset = kDsOffset + PTile::kBytes;
+  static constexpr int kLseOffset = kPOffset + (kSplitHeadDim ? PTile::kBytes : 0);
+  static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
+  static constexpr int kDropoutOffset = kDotOffset + kStages * kRowStatsBytes;
+  // And the Philox round keys (PhiloxRoundKeys), read by every draw.
+  static constexpr int kRoundKeysOffset = kDropoutOffset + kMarkStages * kDropoutStageBytes;
   // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
-  static constexpr int kSmemBytes = kDqOffset + (kDqBulkReduce ? kThreads / 32 * kDqWarpBytes : 0) + 1024;
+  static constexpr int kSmemBytes =
+      (kDropout ? kRoundKeysOffset + static_cast<int>(sizeof(PhiloxRoundKeys)) : kDropoutOffset) + 1024;
 
   static_assert(kBlockN % 64 == 0 && kBlockM % 64 == 0 && kHeadDim % 64 == 0,
                 "whole wgmma M tiles and 64-column swizzle atoms");
@@ -189,7 +199,10 @@ struct BwdKernelTraits {
                 "the split shares one 64-key block and halves whole swizzle atoms of the head dim");
   static_assert(2 * kBlockM <= kThreads, "one thread per LSE / dot row copy");
   static_assert(kRoundKeysOffset % 16 == 0, "the round keys load as 16-byte vectors");
+  static_assert(kDqStagingBytes % 1024 == 0, "K, V, Q and dO start on the swizzle's period");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
+  static_assert(kSmemBytes == kBytesBesideStages + kStages * (kStageBytes + 2 * kRowStatsBytes),
+                "the stage count's estimate is the plan");
 };
 
 // Deterministic mode's semaphore read without acquire semantics: LDG.STRONG.GPU alone, which stalls
@@ -503,6 +516,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       sm80::cp_async_commit();
     };
     load_query_block(visible.begin, 0);
+    // The next kStages - 2 blocks' loads; past the last block, an empty group, so that every
+    // iteration below can wait for all but the newest kStages - 2 groups.
+    for (int ahead = 1; ahead + 1 < Traits::kStages; ++ahead) {
+      if (visible.begin + ahead < visible.end) {
+        load_query_block(visible.begin + ahead, ahead);
+      } else {
+        sm80::cp_async_commit();
+      }
+    }
     // Dropout: the drop marks of query block m into stage `stage` of the exchange, each query part's
     // in its warp pair's buffer (read after the next barrier: load_transposed_marks).
     const int first_key = n0 + warp_key0;
@@ -534,13 +556,25 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     // Deterministic mode: the semaphore of the query block whose dQ adds this CTA made last and has
     // not published yet.
     [[maybe_unused]] int* unpublished = nullptr;
-    for (int m_block = visible.begin, stage = 0; m_block < visible.end; ++m_block, stage ^= 1) {
+    for (int m_block = visible.begin, stage = 0; m_block < visible.end;
+         ++m_block, stage = stage + 1 == Traits::kStages ? 0 : stage + 1) {
       const int m0 = m_block * kBlockM;
-      sm80::cp_async_wait<0>();
+      sm80::cp_async_wait<Traits::kStages - 2>();  // this block's group
       fence_proxy_async_shared();  // this thread's copies, before wgmma reads them
       __syncthreads();
-      const bool prefetch = m_block + 1 < visible.end;
-      if (!Traits::kDeterministic && prefetch) load_query_block(m_block + 1, stage ^ 1);
+      const bool prefetch = m_block + 1 < visible.end;  // (the next block's drop marks)
+      // The loads of block m_block + kStages - 1 into the stage the previous block used (its
+      // products all landed before this barrier), or an empty group.
+      auto load_ahead = [&] {
+        const int ahead = m_block + Traits::kStages - 1;
+        if (ahead < visible.end) {
+          load_query_block(ahead, stage == 0 ? Traits::kStages - 1 : stage - 1);
+        } else {
+          sm80::cp_async_commit();
+        }
+      };
+      if (!Traits::kDeterministic) load_ahead();
+      const int marks_stage = (m_block - visible.begin) % Traits::kMarkStages;
       const uint32_t q_tile = smem + Traits::kQOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const uint32_t do_tile = smem + Traits::kDoOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const float* lse_rows =
@@ -565,15 +599,15 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         if (unpublished != nullptr && tid == 0) sm80::publish_dq_adds(unpublished);
         unpublished = nullptr;
         // Only now, so that the publishing fence above does not wait for them.
-        if (prefetch) load_query_block(m_block + 1, stage ^ 1);
+        load_ahead();
       }
       // Dropout: the next block's drop marks, drawn while S^T and dP^T run on the tensor cores (a
       // window the scores' wait otherwise leaves nearly empty; drawn after dQ's issue instead, under
-      // dV, dK and dQ, it cost 2% more: bench/NOTES.md). Stage ^ 1's exchange was last read before
+      // dV, dK and dQ, it cost 2% more: bench/NOTES.md). The other marks stage was last read before
       // this block's first barrier. The split layout's dQ holds twice the registers: there the
       // draw follows its adds, below.
       if constexpr (Traits::kDropout && !Traits::kSplitHeadDim) {
-        if (prefetch) store_drop_marks(m_block + 1, stage ^ 1);
+        if (prefetch) store_drop_marks(m_block + 1, marks_stage ^ 1);
       }
       const bool cut = !window.block_unmasked(m0, min(m0 + kBlockM, loc.len_q), n0, n0 + kBlockN);
       // Per part, once its S^T and dP^T have landed: P^T and dS^T in registers, dS^T to shared
@@ -618,7 +652,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           // not before the waits: 4 words per row block, and held across the exponentials they cost
           // 9 spill loads in the loop (bf16 d128).
           uint32_t drop_marks[kPartM / 16][2][2];
-          sm80::load_transposed_marks(drop_marks, exchange(stage, h), first_key);
+          sm80::load_transposed_marks(drop_marks, exchange(marks_stage, h), first_key);
           float kept[1][kPartM / 8][4];
           dropout_score_gradients_t<PartScores>(acc_dp[h], acc_s[h], kept, drop_marks, lse_rows, dot_rows,
                                                       first_query, m0, first_key, p, alibi_slope, diagonal);
@@ -694,7 +728,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
       if constexpr (Traits::kSplitHeadDim) {
         if constexpr (Traits::kDropout) {
-          if (prefetch) store_drop_marks(m_block + 1, stage ^ 1);
+          if (prefetch) store_drop_marks(m_block + 1, marks_stage ^ 1);
         }
         // The key gradients' reads of this stage's Q and dO and of P^T and dS^T finish before the
         // next block's barrier lets anyone overwrite them.
