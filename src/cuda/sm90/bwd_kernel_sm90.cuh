@@ -6,15 +6,15 @@
 // head): two warpgroups, 64 keys each, hold their dK and dV in registers and walk the query
 // blocks whose forward pass visited the key block (sm80::VisibleQueryBlocks, the same test and
 // skips as the sm80 kernel). K and V stay in shared
-// memory; Q, dO and the rows' LSE and dot(dO, O) are double-buffered with cp.async, each query
-// block's loads landing during the previous block's compute (this first cut has no producer warp
-// and no TMA):
+// memory; Q, dO and the rows' LSE and dot(dO, O) come with cp.async through kStages stages (three
+// where they fit, else two), each query block's loads issued kStages - 1 blocks ahead (no producer
+// warp, and TMA only for dQ's reductions):
 //
-//   prologue     cp.async K, V, then Q, dO, LSE, dot of the first query block into stage 0
+//   prologue     cp.async K, V, then Q, dO, LSE, dot of the first kStages - 1 query blocks
 //   per block    wait for stage s; proxy fence; barrier   (cp.async writes are generic-proxy
 //                                                          stores, wgmma reads through the async
 //                                                          proxy)
-//                cp.async the next query block into the other stage
+//                cp.async the query block kStages - 1 ahead into the stage the last one used
 //                S^T = K_w Q^T, dP^T = V_w dO^T           (wgmma ss, in one or two parts of the
 //                                                          queries (tile config): issued together)
 //                per part, once its S^T and dP^T landed (the next part's still running):
@@ -32,7 +32,8 @@
 //                                                          one 64 x 64 part of BlockM x D)
 //                dQ accumulator += dQ part                (each warp stages its 16 rows in
 //                                                          shared memory and the copy engine
-//                                                          adds them, a bulk reduction per row;
+//                                                          adds them, two tensor-map bulk
+//                                                          reductions of 16 x 32;
 //                                                          deterministic mode and family 256:
 //                                                          fp32 vector reductions, as sm80,
 //                                                          deterministic mode's in key-block
@@ -145,7 +146,8 @@ struct BwdKernelTraits {
   // warp's 16 x 64 part staged in shared memory and added by the copy engine in two boxes of 16
   // rows x 32 columns (reduce_dq_in_bulk). Not in deterministic mode, whose adds wait for their turn
   // in the consumers, nor in the split layout (64 x 128 per warpgroup, twice the staging its plan
-  // has room for).
+  // has room for). Measured with three stages (below; H200, bf16, bench/NOTES.md session 21):
+  // +4-6% at d128, +3% at d64, p = 0.1 +4-5%; either change alone, +-1%.
   static constexpr bool kDqBulkReduce = !kDeterministic && !kSplitHeadDim;
   static constexpr int kDqBoxColumns = 32;  // fp32: one 128-byte swizzle row
   static constexpr int kDqBoxBytes = 16 * kDqBoxColumns * static_cast<int>(sizeof(float));
@@ -167,9 +169,10 @@ struct BwdKernelTraits {
   static constexpr int kDropoutStageBytes = kDropoutPairs * kQueryParts * kDropoutExchangeBytes;
   // Pipeline stages of Q, dO, LSE and dot: a query block's loads are issued kStages - 1 blocks ahead
   // of its products. Three where they fit (a block's loads then have two blocks' time to land; with
-  // one, the d128 kernel stood waiting for them in 13% of its stall samples: bench/NOTES.md,
-  // session 21), else two (family 256's split layout). + 1024: the dynamic shared-memory base is
-  // only 16-byte aligned; the kernel rounds it up.
+  // one and the dQ staging, the d128 kernel stood waiting for them in 13% of its stall samples:
+  // bench/NOTES.md, session 21), else two (family 256's split layout, family 64's dropout
+  // instances). + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it
+  // up.
   static constexpr int kBytesBesideStages =
       kDqStagingBytes + 2 * KvTile::kBytes + (kSplitHeadDim ? 2 : 1) * PTile::kBytes +
       (kDropout ? kMarkStages * kDropoutStageBytes + static_cast<int>(sizeof(PhiloxRoundKeys)) : 0) + 1024;
@@ -289,10 +292,12 @@ __device__ __forceinline__ void pack_a_operand(const float (&x)[1][kTiles][4], u
 // address of row i % 8 of matrix i / 8. Four instructions instead of sm80::store_keys_by_queries'
 // 16 st.shared.b32 (bf16 d128), and 4 row addresses per lane instead of 16 (the swizzle XORs the
 // chunk with the row, so one address per k-step): in the dropout instances, where those 16
-// addresses were spilled, that took the spill loads out of the loop. (The p = 0 instances keep
-// store_keys_by_queries, so that their code stays as measured; so does the split layout (d256),
-// where this store spilled 4-12 bytes that store_keys_by_queries does not, and its deterministic
-// dropout instance ran 1% slower: bench/NOTES.md, "Session 10".)
+// addresses were spilled, that took the spill loads out of the loop; in the default p = 0 instances,
+// with the dQ staging's registers, ptxas otherwise spilled those addresses too (120 bytes at bf16
+// d128). (Deterministic mode's p = 0 instances keep store_keys_by_queries, so that their code stays
+// as measured; so does the split layout (d256), where this store spilled 4-12 bytes that
+// store_keys_by_queries does not, and its deterministic dropout instance ran 1% slower:
+// bench/NOTES.md, "Session 10".)
 template <typename Traits>
 __device__ __forceinline__ void store_a_operand(uint32_t tile, const uint32_t (&a)[Traits::kPartM / 16][4],
                                                 int first_key_row, int first_query_chunk) {
