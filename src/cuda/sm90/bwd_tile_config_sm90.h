@@ -19,7 +19,7 @@
 // S^T + dP^T = 2 * 64 * BlockM / 128 = BlockM; dQ = 64 * 64 / 128 = 32; P^T and dS^T packed to
 // 16 bits for the register operand, BlockM / 4 each.
 //
-//   family | BlockM | BlockN | dK+dV | S^T+dP^T | P,dS packed | dQ | smem (dQ staging, K, V, 3 x (Q, dO), dS^T, LSE/dot)
+//   family | BlockM | BlockN | dK+dV | S^T+dP^T | P,dS packed | dQ | smem (dQ staging, K, V, 3 x (Q, dO), dS^T, rows)
 //   64     | 128    | 128    | 64    | 128      | 64          | 32 | 32+16+16+96+32+3 = 195 KiB
 //   128    | 64     | 128    | 128   | 64       | 32          | 32 | 32+32+32+96+16+1.5 = 209.5 KiB
 // (the default mode's plan: BwdKernelTraits in bwd_kernel_sm90.cuh has the others)
