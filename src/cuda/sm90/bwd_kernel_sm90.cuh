@@ -146,9 +146,11 @@ struct BwdKernelTraits {
   // warp's 16 x 64 part staged in shared memory and added by the copy engine in two boxes of 16
   // rows x 32 columns (reduce_dq_in_bulk). Not in deterministic mode, whose adds wait for their turn
   // in the consumers, nor in the split layout (64 x 128 per warpgroup, twice the staging its plan
-  // has room for). Measured with three stages (below; H200, bf16, bench/NOTES.md session 21):
-  // +4-6% at d128, +3% at d64, p = 0.1 +4-5%; either change alone, +-1%.
-  static constexpr bool kDqBulkReduce = !kDeterministic && !kSplitHeadDim;
+  // has room for), nor in family 64's dropout instance (two query parts), where ptxas spilled 136
+  // bytes with the staging against 92 without and the plan lost its third stage: not measured, so
+  // it keeps the atomics. Measured with three stages (below; H200, bf16, bench/NOTES.md session 21):
+  // +4-6% at d128, +3% at d64, d128 p = 0.1 +4-5%; either change alone, +-1%.
+  static constexpr bool kDqBulkReduce = !kDeterministic && !kSplitHeadDim && !(kDropout && kQueryParts == 2);
   static constexpr int kDqBoxColumns = 32;  // fp32: one 128-byte swizzle row
   static constexpr int kDqBoxBytes = 16 * kDqBoxColumns * static_cast<int>(sizeof(float));
   static constexpr int kDqWarpBytes = kDqColumns / kDqBoxColumns * kDqBoxBytes;
@@ -170,9 +172,8 @@ struct BwdKernelTraits {
   // Pipeline stages of Q, dO, LSE and dot: a query block's loads are issued kStages - 1 blocks ahead
   // of its products. Three where they fit (a block's loads then have two blocks' time to land; with
   // one and the dQ staging, the d128 kernel stood waiting for them in 13% of its stall samples:
-  // bench/NOTES.md, session 21), else two (family 256's split layout, family 64's dropout
-  // instances). + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it
-  // up.
+  // bench/NOTES.md, session 21), else two (family 256's split layout). + 1024: the dynamic
+  // shared-memory base is only 16-byte aligned; the kernel rounds it up.
   static constexpr int kBytesBesideStages =
       kDqStagingBytes + 2 * KvTile::kBytes + (kSplitHeadDim ? 2 : 1) * PTile::kBytes +
       (kDropout ? kMarkStages * kDropoutStageBytes + static_cast<int>(sizeof(PhiloxRoundKeys)) : 0) + 1024;
