@@ -36,10 +36,10 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap& map
       : "memory");
 }
 
-// Stores (and bulk reductions). The writes to shared memory that a store reads must be ordered before it by
-// fence_proxy_async_shared() (warpgroup.cuh) in every writing thread and a barrier; the issuing
-// thread then closes its stores into a group with tma_store_commit() and may reuse the shared memory
-// only after tma_store_wait_read<0>() (the engine has read it), and must not exit before that.
+// Stores and bulk reductions. The writes to shared memory that one reads must be ordered before it
+// by fence_proxy_async_shared() (warpgroup.cuh) in every writing thread and a barrier; the issuing
+// thread then closes them into a group with tma_store_commit() and may reuse the shared memory only
+// after tma_store_wait_read<0>() (the engine has read it), and must not exit before that.
 __device__ __forceinline__ void tma_store_3d(const CUtensorMap& map, uint32_t src, int c0, int c1, int c2) {
   asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
                    reinterpret_cast<uint64_t>(&map)),
