@@ -25,15 +25,17 @@ using BwdTraitsOf = BwdKernelTraits<typename sm80::ElementOf<kDType>::type, kHea
                                     bwd_tile_config(kHeadDimFamily).query_parts,
                                     bwd_tile_config(kHeadDimFamily).split_head_dim, kDeterministic, kDropout>;
 
-// A kernel instance and the dynamic shared memory its traits plan.
+// A kernel instance, the dynamic shared memory its traits plan, and whether it adds dQ through the
+// accumulator's tensor map (BwdKernelTraits::kDqBulkReduce).
 struct BwdInstance {
   void (*kernel)(BwdProblem, sm80::BwdWorkspacePointers, CUtensorMap);
   int smem_bytes;
+  bool reduces_dq_in_bulk;
 };
 
 template <typename Traits>
 BwdInstance bwd_instance() {
-  return {bwd_kernel<Traits>, Traits::kSmemBytes};
+  return {bwd_kernel<Traits>, Traits::kSmemBytes, Traits::kDqBulkReduce};
 }
 
 // The instance for `problem`'s mode and dropout.
@@ -91,7 +93,9 @@ void run_bwd(const BwdProblem& problem, void* stream) {
     cuda::check(cudaFuncSetAttribute(instance.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      instance.smem_bytes),
                 "cudaFuncSetAttribute(sm90 bwd_kernel, max dynamic shared memory)");
-    const CUtensorMap dq_map = dq_accum_tensor_map(problem, ws, Traits::kDqBoxColumns);
+    // The instances that add dQ with atomics never read the map: no encoding for them.
+    const CUtensorMap dq_map =
+        instance.reduces_dq_in_bulk ? dq_accum_tensor_map(problem, ws, Traits::kDqBoxColumns) : CUtensorMap{};
     instance.kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, instance.smem_bytes, s>>>(problem, ws,
                                                                                                      dq_map);
     cuda::check_last_launch("sm90 bwd_kernel");
