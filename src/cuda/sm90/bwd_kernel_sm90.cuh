@@ -15,8 +15,11 @@
 //                                                          stores, wgmma reads through the async
 //                                                          proxy)
 //                cp.async the query block kStages - 1 ahead into the stage the last one used
+//                                                         (kDqBehind: after the second barrier)
 //                S^T = K_w Q^T, dP^T = V_w dO^T           (wgmma ss, in one or two parts of the
-//                                                          queries (tile config): issued together)
+//                                                          queries (tile config): issued together;
+//                                                          kDqBehind: the previous block's dQ
+//                                                          added once S^T_0 is issued, below)
 //                per part, once its S^T and dP^T landed (the next part's still running):
 //                  softcap / ALiBi / mask; P^T = exp2(S^T log2e - LSE log2e)   (registers)
 //                  dS^T = P^T (dP^T - dot) [* softcap derivative]             (registers)
@@ -33,9 +36,12 @@
 //                dQ accumulator += dQ part                (each warp stages its 16 rows in
 //                                                          shared memory and the copy engine
 //                                                          adds them, two tensor-map bulk
-//                                                          reductions of 16 x 32;
-//                                                          deterministic mode and family 256:
-//                                                          fp32 vector reductions, as sm80,
+//                                                          reductions of 16 x 32, during the
+//                                                          next block's S^T (kDqBehind) or
+//                                                          after the last block; deterministic
+//                                                          mode, family 256 and family 64's
+//                                                          dropout instance: in this block, by
+//                                                          fp32 vector reductions as sm80,
 //                                                          deterministic mode's in key-block
 //                                                          order, below)
 //   epilogue     dK * scale, dV -> dk, dv (MHA) or the fp32 per-query-head workspace (GQA/MQA)
@@ -156,9 +162,22 @@ struct BwdKernelTraits {
   static constexpr int kDqWarpBytes = kDqColumns / kDqBoxColumns * kDqBoxBytes;
   static constexpr int kDqStagingBytes = kDqBulkReduce ? kThreads / 32 * kDqWarpBytes : 0;
 
+  // dQ one block behind (default mode, families 64 and 128): a block's dQ product is issued after
+  // its second barrier and left running; the next block issues its S^T first, then waits for that
+  // dQ (and the block's dV, dK) and adds it to the accumulator while S^T runs on the tensor cores.
+  // So the adds, the loop's top barrier and the S^T issue no longer sit between two blocks'
+  // products with the tensor cores idle. The next block's dS^T then cannot overwrite the tile that
+  // dQ reads: dS^T has two buffers, and the loads into a stage wait until the second barrier, when
+  // both warpgroups have seen the previous block's products land. The instances of the staging
+  // (kDqBulkReduce): deterministic mode adds in turn (the wait for the turn would then hold up the
+  // next block's scores), the split layout has no room for a second dS^T or P^T, and family 64's
+  // dropout instance spilled 244 bytes so (92 without): they keep dQ in its block.
+  static constexpr bool kDqBehind = kDqBulkReduce;
+  static constexpr int kDsBuffers = kDqBehind ? 2 : 1;
+
   // Shared-memory plan, byte offsets from a 1024-byte aligned base (the 128-byte swizzle's period):
   //   [ dQ staging (kDqBulkReduce) | K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | ... |
-  //     dS^T | P^T (split only) | LSE x kStages | dot x kStages |
+  //     dS^T x kDsBuffers | P^T (split only) | LSE x kStages | dot x kStages |
   //     drop marks x 2, Philox round keys (dropout only) ]
   static constexpr int kStageBytes = 2 * QTile::kBytes;
   static constexpr int kRowStatsBytes = kBlockM * static_cast<int>(sizeof(float));
@@ -175,7 +194,7 @@ struct BwdKernelTraits {
   // bench/NOTES.md, session 21), else two (family 256's split layout). + 1024: the dynamic
   // shared-memory base is only 16-byte aligned; the kernel rounds it up.
   static constexpr int kBytesBesideStages =
-      kDqStagingBytes + 2 * KvTile::kBytes + (kSplitHeadDim ? 2 : 1) * PTile::kBytes +
+      kDqStagingBytes + 2 * KvTile::kBytes + (kSplitHeadDim ? 2 : kDsBuffers) * PTile::kBytes +
       (kDropout ? kMarkStages * kDropoutStageBytes + static_cast<int>(sizeof(PhiloxRoundKeys)) : 0) + 1024;
   static constexpr int kStages = kBytesBesideStages + 3 * (kStageBytes + 2 * kRowStatsBytes) <= 227 * 1024 ? 3 : 2;
   static constexpr int kDqOffset = 0;
@@ -184,7 +203,7 @@ struct BwdKernelTraits {
   static constexpr int kQOffset = kVOffset + KvTile::kBytes;
   static constexpr int kDoOffset = kQOffset + QTile::kBytes;
   static constexpr int kDsOffset = kQOffset + kStages * kStageBytes;
-  static constexpr int kPOffset = kDsOffset + PTile::kBytes;
+  static constexpr int kPOffset = kDsOffset + kDsBuffers * PTile::kBytes;
   static constexpr int kLseOffset = kPOffset + (kSplitHeadDim ? PTile::kBytes : 0);
   static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
   static constexpr int kDropoutOffset = kDotOffset + kStages * kRowStatsBytes;
@@ -559,6 +578,24 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const uint32_t k_rows = smem + Traits::kKOffset + wg_key0 * 128;
     const uint32_t v_rows = smem + Traits::kVOffset + wg_key0 * 128;
 
+    // This warpgroup's dQ part of a block (64 queries x kDqColumns) into the accumulator: staged
+    // for the copy engine's reductions, or atomic adds.
+    float acc_dq[Traits::kDqTiles][4];
+    auto add_dq = [&](int dq_m0) {
+      const int first_row = dq_m0 + dq_query_part * 64 + warp * 16;
+      const int first_col = dq_column_part * Traits::kDqColumns;
+      if constexpr (Traits::kDqBulkReduce) {
+        reduce_dq_in_bulk<Traits>(dq_map, acc_dq, smem_aligned, first_row, first_col, loc.len_q, loc.head,
+                                  loc.q_flat, p.head_dim);
+      } else {
+        sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, first_row, first_col, loc.len_q,
+                                            p.head_dim);
+      }
+    };
+    auto key_gradients_landed = [&] {
+      wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dk[0][0][0]);
+      wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dv[0][0][0]);
+    };
     // Deterministic mode: the semaphore of the query block whose dQ adds this CTA made last and has
     // not published yet.
     [[maybe_unused]] int* unpublished = nullptr;
@@ -569,8 +606,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       fence_proxy_async_shared();  // this thread's copies, before wgmma reads them
       __syncthreads();
       const bool prefetch = m_block + 1 < visible.end;  // (the next block's drop marks)
-      // The loads of block m_block + kStages - 1 into the stage the previous block used (its
-      // products all landed before this barrier), or an empty group.
+      // The loads of block m_block + kStages - 1 into the stage the previous block used, or an
+      // empty group: once that block's products have all landed, in both warpgroups (before this
+      // barrier; with kDqBehind, before the second one).
       auto load_ahead = [&] {
         const int ahead = m_block + Traits::kStages - 1;
         if (ahead < visible.end) {
@@ -579,7 +617,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           sm80::cp_async_commit();
         }
       };
-      if (!Traits::kDeterministic) load_ahead();
+      if (!Traits::kDeterministic && !Traits::kDqBehind) load_ahead();
       const int marks_stage = (m_block - visible.begin) % Traits::kMarkStages;
       const uint32_t q_tile = smem + Traits::kQOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const uint32_t do_tile = smem + Traits::kDoOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
@@ -589,15 +627,28 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float* dot_rows =
           reinterpret_cast<const float*>(smem_aligned + Traits::kDotOffset + stage * Traits::kRowStatsBytes);
 
+      const uint32_t ds_tile =
+          smem + Traits::kDsOffset + static_cast<uint32_t>((m_block - visible.begin) % Traits::kDsBuffers * PTile::kBytes);
+
       // S^T = K Q^T and dP^T = V dO^T over this warpgroup's 64 keys x its queries, in kQueryParts
-      // parts of kPartM queries: 2 x kQueryParts groups in flight, part 0's first.
+      // parts of kPartM queries: 2 x kQueryParts groups in flight, part 0's first. With kDqBehind,
+      // the previous block's dQ is added once S^T_0 is issued, while it runs.
       float acc_s[kQueryParts][1][kPartM / 8][4];
       float acc_dp[kQueryParts][1][kPartM / 8][4];
+      if constexpr (Traits::kDqBehind) {
+        wgmma_wait<0>();  // the previous block's dV, dK and dQ
+        wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
+        key_gradients_landed();
+      }
       wgmma_fence();
 #pragma unroll
       for (int h = 0; h < kQueryParts; ++h) {
         const uint32_t part_rows = static_cast<uint32_t>((wg_query0 + h * kPartM) * 128);
         issue_scores<Traits>(&acc_s[h][0][0][0], k_rows, q_tile + part_rows);
+        if (Traits::kDqBehind && h == 0 && m_block > visible.begin) {
+          add_dq(m0 - kBlockM);
+          wgmma_fence();  // the adds read registers that dP^T's accumulator may take over
+        }
         issue_scores<Traits>(&acc_dp[h][0][0][0], v_rows, do_tile + part_rows);
       }
       if constexpr (Traits::kDeterministic) {
@@ -670,9 +721,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         }
         if constexpr ((Traits::kDropout || Traits::kDqBulkReduce) && !Traits::kSplitHeadDim) {
           pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
-          store_a_operand<Traits>(smem + Traits::kDsOffset, ds_frag[h], warp_key0, first_query / 8);
+          store_a_operand<Traits>(ds_tile, ds_frag[h], warp_key0, first_query / 8);
         } else {
-          sm80::store_keys_by_queries<PartScores>(smem + Traits::kDsOffset, acc_dp[h], warp_key0, first_query / 8);
+          sm80::store_keys_by_queries<PartScores>(ds_tile, acc_dp[h], warp_key0, first_query / 8);
           if constexpr (!Traits::kSplitHeadDim) pack_a_operand<Element>(acc_dp[h], ds_frag[h]);
         }
         if constexpr (!Traits::kSplitHeadDim) {
@@ -689,11 +740,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if constexpr (Traits::kDeterministic) dq_turn_seen = load_relaxed(dq_turn.semaphore);
       fence_proxy_async_shared();  // the P^T / dS^T stores, before the wgmmas read them
       __syncthreads();  // P^T / dS^T complete
+      if constexpr (Traits::kDqBehind) load_ahead();
 
       // dQ part = dS K: A = dS (64 queries x 16 keys per step) read transposed from dS^T, B = K
       // (16 keys x kDqColumns columns) read MN-major.
-      float acc_dq[Traits::kDqTiles][4];
-      const uint32_t ds_columns = smem + Traits::kDsOffset + dq_query_part * PTile::kColumnBlockBytes;
+      const uint32_t ds_columns = ds_tile + dq_query_part * PTile::kColumnBlockBytes;
       const uint32_t k_columns =
           smem + Traits::kKOffset + dq_column_part * (Traits::kDqColumns / 64) * KvTile::kColumnBlockBytes;
       const SharedDescriptor ds_desc = mn_major_descriptor<PTile::kColumnBlockBytes>(ds_columns);
@@ -709,38 +760,37 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         // behind dQ so that its reductions below run while these products do.
         const uint32_t kv_columns = static_cast<uint32_t>((wg_kv_col0 / 64) * QTile::kColumnBlockBytes);
         issue_key_gradient_from_tile<Traits>(&acc_dv[0][0][0], smem + Traits::kPOffset, do_tile + kv_columns);
-        issue_key_gradient_from_tile<Traits>(&acc_dk[0][0][0], smem + Traits::kDsOffset, q_tile + kv_columns);
+        issue_key_gradient_from_tile<Traits>(&acc_dk[0][0][0], ds_tile, q_tile + kv_columns);
         wgmma_commit();
       }
-      auto key_gradients_landed = [&] {
-        wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dk[0][0][0]);
-        wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dv[0][0][0]);
-      };
-      wgmma_wait<Traits::kSplitHeadDim ? 1 : 0>();  // dQ (without the split: everything) landed
-      wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
-      if constexpr (!Traits::kSplitHeadDim) key_gradients_landed();
+      // dQ landed and added in this block (kDqBehind: during the next block, or after the loop).
+      if constexpr (!Traits::kDqBehind) {
+        wgmma_wait<Traits::kSplitHeadDim ? 1 : 0>();  // dQ (without the split: everything) landed
+        wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
+        if constexpr (!Traits::kSplitHeadDim) key_gradients_landed();
 
-      if constexpr (Traits::kDeterministic) {
-        while (dq_turn_seen != dq_turn.turn) dq_turn_seen = load_relaxed(dq_turn.semaphore);
-        fence_acquire();
-        unpublished = dq_turn.semaphore;
-      }
-      if constexpr (Traits::kDqBulkReduce) {
-        reduce_dq_in_bulk<Traits>(dq_map, acc_dq, smem_aligned, m0 + dq_query_part * 64 + warp * 16,
-                                  dq_column_part * Traits::kDqColumns, loc.len_q, loc.head, loc.q_flat, p.head_dim);
-      } else {
-        sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, m0 + dq_query_part * 64 + warp * 16,
-                                            dq_column_part * Traits::kDqColumns, loc.len_q, p.head_dim);
-      }
-      if constexpr (Traits::kSplitHeadDim) {
-        if constexpr (Traits::kDropout) {
-          if (prefetch) store_drop_marks(m_block + 1, marks_stage ^ 1);
+        if constexpr (Traits::kDeterministic) {
+          while (dq_turn_seen != dq_turn.turn) dq_turn_seen = load_relaxed(dq_turn.semaphore);
+          fence_acquire();
+          unpublished = dq_turn.semaphore;
         }
-        // The key gradients' reads of this stage's Q and dO and of P^T and dS^T finish before the
-        // next block's barrier lets anyone overwrite them.
-        wgmma_wait<0>();
-        key_gradients_landed();
+        add_dq(m0);
+        if constexpr (Traits::kSplitHeadDim) {
+          if constexpr (Traits::kDropout) {
+            if (prefetch) store_drop_marks(m_block + 1, marks_stage ^ 1);
+          }
+          // The key gradients' reads of this stage's Q and dO and of P^T and dS^T finish before the
+          // next block's barrier lets anyone overwrite them.
+          wgmma_wait<0>();
+          key_gradients_landed();
+        }
       }
+    }
+    if constexpr (Traits::kDqBehind) {  // the last block's dQ (the loop ran at least once)
+      wgmma_wait<0>();
+      wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
+      key_gradients_landed();
+      add_dq((visible.end - 1) * kBlockM);
     }
     if constexpr (Traits::kDeterministic) {
       if (unpublished != nullptr) {
