@@ -18,8 +18,10 @@
 #include <string>
 #include <vector>
 
+#include "common/bwd_problem.h"
 #include "common/fwd_problem.h"
 #include "common/half_float.h"
+#include "cuda/sm90/bwd_sm90.h"
 #include "cuda/sm90/fwd_sm90.h"
 #include "cuda/sm90/mbarrier.cuh"
 #include "cuda/sm90/tensor_map.h"
@@ -552,6 +554,30 @@ TEST(Sm90Coverage, DropoutRunsOnSm90AndAttnProbsOnSm80) {
   dropout.attn_probs = &probs;
   EXPECT_NE(fwd_unsupported_reason(dropout).find("attn_probs"), std::string::npos)
       << fwd_unsupported_reason(dropout);
+}
+
+// The sm90 backward loads q and dout through tensor maps: a dout the copy engine cannot read (a row
+// stride that is not a multiple of 16 bytes, an unaligned base) sends the problem to the sm80 path.
+TEST(Sm90Coverage, BackwardNeedsQAndDoutTheCopyEngineReads) {
+  BwdProblem bp;
+  bp.fwd = contiguous_problem(2, 300, 500, 4, 128);
+  bp.dout = bp.fwd.q;
+  bp.dout_row_stride = bp.fwd.q_row_stride;
+  bp.dout_head_stride = bp.fwd.q_head_stride;
+  bp.dout_batch_stride = bp.fwd.q_batch_stride;
+  EXPECT_EQ(bwd_unsupported_reason(bp), "");
+  BwdProblem odd_rows = bp;
+  odd_rows.dout_row_stride += 4;  // 8 bytes past a multiple of 16
+  EXPECT_NE(bwd_unsupported_reason(odd_rows).find("dout row stride"), std::string::npos)
+      << bwd_unsupported_reason(odd_rows);
+  BwdProblem unaligned = bp;
+  unaligned.dout = static_cast<const char*>(bp.dout) + 8;
+  EXPECT_NE(bwd_unsupported_reason(unaligned).find("dout is not 16-byte aligned"), std::string::npos)
+      << bwd_unsupported_reason(unaligned);
+  BwdProblem q_heads = bp;
+  q_heads.fwd.q_head_stride = 132;  // 264 bytes
+  EXPECT_NE(bwd_unsupported_reason(q_heads).find("q head stride"), std::string::npos)
+      << bwd_unsupported_reason(q_heads);
 }
 
 }  // namespace

@@ -200,8 +200,9 @@ struct BwdBlockLocation {
   const Element* dout;
   const float* lse;  // lse[row]
   const float* dot;  // dot[row]
+  int64_t stats_row0;  // row 0's index in the workspace's dot and lse regions
 
-  __device__ __forceinline__ static BwdBlockLocation locate(const BwdProblem& bp, const float* dot,
+  __device__ __forceinline__ static BwdBlockLocation locate(const BwdProblem& bp, const BwdWorkspacePointers& ws,
                                                              int block_n) {
     // Linear grid (no 65,535 limit on batch x heads), key blocks fastest. By default the first key
     // blocks start first: under a causal mask they see the most queries, so the heaviest CTAs run
@@ -209,12 +210,12 @@ struct BwdBlockLocation {
     // lower block index (started earlier), so it runs the grid backwards: last key blocks first.
     const int num_n_blocks = (bp.fwd.seqlen_k + block_n - 1) / block_n;
     const int linear = static_cast<int>(bp.deterministic ? gridDim.x - 1 - blockIdx.x : blockIdx.x);
-    return at(bp, dot, linear % num_n_blocks, linear / num_n_blocks);
+    return at(bp, ws, linear % num_n_blocks, linear / num_n_blocks);
   }
 
   // Key block `n_block` of (batch, query head) number `batch_head` (= batch * heads_q + head).
-  __device__ __forceinline__ static BwdBlockLocation at(const BwdProblem& bp, const float* dot, int n_block,
-                                                         int batch_head) {
+  __device__ __forceinline__ static BwdBlockLocation at(const BwdProblem& bp, const BwdWorkspacePointers& ws,
+                                                         int n_block, int batch_head) {
     const FwdProblem& p = bp.fwd;
     BwdBlockLocation loc;
     loc.n_block = n_block;
@@ -247,7 +248,8 @@ struct BwdBlockLocation {
     loc.dout = static_cast<const Element*>(bp.dout) + b * bp.dout_batch_stride +
                q_token * bp.dout_row_stride + loc.head * bp.dout_head_stride;
     loc.lse = p.lse + b * p.lse_batch_stride + loc.head * p.lse_head_stride;
-    loc.dot = dot + (b * p.heads_q + loc.head) * p.seqlen_q;
+    loc.stats_row0 = (b * p.heads_q + loc.head) * ws.stats_rows;
+    loc.dot = ws.dot + loc.stats_row0;
     return loc;
   }
 };
@@ -627,7 +629,7 @@ __global__ void __launch_bounds__(Traits::kThreads, Traits::kMinBlocksPerSm)
   const typename KvTile::LaneAddresses col_addr(smem_base, lane % 8 + (lane / 16) * 8, (lane / 8) % 2);
   const typename PTile::LaneAddresses p_row_addr(smem_base + kv_key_bytes, lane % 16, lane / 16);
 
-  const BwdBlockLocation<Element> loc = BwdBlockLocation<Element>::locate(bp, ws.dot, kBlockN);
+  const BwdBlockLocation<Element> loc = BwdBlockLocation<Element>::locate(bp, ws, kBlockN);
   const int n0 = loc.n_block * kBlockN;
   if (n0 >= loc.len_k_rows) return;  // varlen: this sequence is shorter than max_seqlen_k
   const int head_chunks = p.head_dim / 8;

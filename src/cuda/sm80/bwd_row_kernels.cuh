@@ -1,8 +1,9 @@
 // src/cuda/sm80/bwd_row_kernels.cuh
 // \brief The backward's memory-bound kernels around the main one, one warp per row of head_dim
 // elements (each lane moves one 16-byte chunk of 8 elements, head_dim <= 256):
-//   bwd_preprocess_kernel  dot(dout, out) per query row (fp32) and zeroing of the dq accumulator
-//                          (kKeepScaled: dot times 1 - p, for the sm90 backward's dropout instances)
+//   bwd_preprocess_kernel  dot(dout, out) per query row (fp32), the row's LSE copied beside it
+//                          (bwd_workspace.h), and zeroing of the dq accumulator (kKeepScaled: dot
+//                          times 1 - p, for the sm90 backward's dropout instances)
 //   bwd_dq_convert_kernel  dq = scale * dq accumulator, rounded to the element type
 //   bwd_group_sum_kernel   GQA/MQA: dk, dv of a kv head = sum over its query heads, in head order
 // Rows are numbered (batch, head, row within the sequence), row fastest; rows past a varlen
@@ -101,7 +102,11 @@ __global__ void __launch_bounds__(kRowKernelWarps * 32)
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xffffffffu, sum, offset);
   if constexpr (kKeepScaled) sum *= 1.0f - p.dropout_p;
-  if (lane == 0) ws.dot[(b * p.heads_q + r.head) * p.seqlen_q + r.row] = sum;
+  if (lane == 0) {
+    const int64_t row = (b * p.heads_q + r.head) * ws.stats_rows + r.row;
+    ws.dot[row] = sum;
+    ws.lse[row] = p.lse[b * p.lse_batch_stride + r.head * p.lse_head_stride + r.row];
+  }
 }
 
 template <typename Element>

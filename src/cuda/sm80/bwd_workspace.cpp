@@ -33,7 +33,10 @@ BwdWorkspaceLayout BwdWorkspaceLayout::of(const BwdProblem& problem) {
     return start;
   };
   layout.dq_accum = region(static_cast<size_t>(problem.total_q) * heads_q * head_dim * sizeof(float));
-  layout.dot = region(static_cast<size_t>(f.batch) * heads_q * static_cast<size_t>(f.seqlen_q) * sizeof(float));
+  const size_t stats_bytes =
+      static_cast<size_t>(f.batch) * heads_q * static_cast<size_t>(bwd_row_stats_rows(f.seqlen_q)) * sizeof(float);
+  layout.dot = region(stats_bytes);
+  layout.lse = region(stats_bytes);
   const size_t expanded = grouped ? static_cast<size_t>(problem.total_k) * heads_q * head_dim * sizeof(float) : 0;
   layout.dk_expanded = region(expanded);
   layout.dv_expanded = region(expanded);

@@ -6,15 +6,14 @@
 // head): two warpgroups, 64 keys each, hold their dK and dV in registers and walk the query
 // blocks whose forward pass visited the key block (sm80::VisibleQueryBlocks, the same test and
 // skips as the sm80 kernel). K and V stay in shared
-// memory; Q, dO and the rows' LSE and dot(dO, O) come with cp.async through kStages stages (three
-// where they fit, else two), each query block's loads issued kStages - 1 blocks ahead (no producer
-// warp, and TMA only for dQ's reductions):
+// memory (cp.async, once); Q, dO and the rows' LSE and dot(dO, O) come by the copy engine (TMA,
+// issued by thread 0, no producer warp) through kStages stages (three where they fit, else two),
+// each on its stage's mbarrier, each query block's loads issued kStages - 1 blocks ahead:
 //
-//   prologue     cp.async K, V, then Q, dO, LSE, dot of the first kStages - 1 query blocks
-//   per block    wait for stage s; proxy fence; barrier   (cp.async writes are generic-proxy
-//                                                          stores, wgmma reads through the async
-//                                                          proxy)
-//                cp.async the query block kStages - 1 ahead into the stage the last one used
+//   prologue     cp.async K, V; TMA Q, dO, LSE, dot of the first kStages - 1 query blocks
+//   per block    wait for stage s's barrier; a block past the sequence's end zeroes its rows
+//                past it (zero_rows_past); barrier
+//                TMA the query block kStages - 1 ahead into the stage the last one used
 //                                                         (kDqBehind: after the second barrier)
 //                S^T = K_w Q^T, dP^T = V_w dO^T           (wgmma ss, in one or two parts of the
 //                                                          queries (tile config): issued together;
@@ -177,10 +176,14 @@ struct BwdKernelTraits {
 
   // Shared-memory plan, byte offsets from a 1024-byte aligned base (the 128-byte swizzle's period):
   //   [ dQ staging (kDqBulkReduce) | K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | ... |
-  //     dS^T x kDsBuffers | P^T (split only) | LSE x kStages | dot x kStages |
+  //     dS^T x kDsBuffers | P^T (split only) | LSE x kStages | dot x kStages | stage barriers |
   //     drop marks x 2, Philox round keys (dropout only) ]
   static constexpr int kStageBytes = 2 * QTile::kBytes;
   static constexpr int kRowStatsBytes = kBlockM * static_cast<int>(sizeof(float));
+  // A stage's mbarrier (8 bytes), in 16 so that the dropout exchange after them stays 16-byte aligned.
+  static constexpr int kBarrierBytes = 16;
+  // What the copy engine brings per stage: Q, dO and the LSE and dot rows.
+  static constexpr int kStageTxBytes = kStageBytes + 2 * kRowStatsBytes;
   // Dropout: the drop marks the two warps of a 32-key block pass each other
   // (sm80::store_transposed_marks_pair), in two stages (drawn one block ahead), per warp pair and
   // query part kPartM / 16 row blocks x 32 chunks of 16 bytes (4 marks words).
@@ -196,7 +199,7 @@ struct BwdKernelTraits {
   static constexpr int kBytesBesideStages =
       kDqStagingBytes + 2 * KvTile::kBytes + (kSplitHeadDim ? 2 : kDsBuffers) * PTile::kBytes +
       (kDropout ? kMarkStages * kDropoutStageBytes + static_cast<int>(sizeof(PhiloxRoundKeys)) : 0) + 1024;
-  static constexpr int kStages = kBytesBesideStages + 3 * (kStageBytes + 2 * kRowStatsBytes) <= 227 * 1024 ? 3 : 2;
+  static constexpr int kStages = kBytesBesideStages + 3 * (kStageTxBytes + kBarrierBytes) <= 227 * 1024 ? 3 : 2;
   static constexpr int kDqOffset = 0;
   static constexpr int kKOffset = kDqOffset + kDqStagingBytes;
   static constexpr int kVOffset = kKOffset + KvTile::kBytes;
@@ -206,7 +209,8 @@ struct BwdKernelTraits {
   static constexpr int kPOffset = kDsOffset + kDsBuffers * PTile::kBytes;
   static constexpr int kLseOffset = kPOffset + (kSplitHeadDim ? PTile::kBytes : 0);
   static constexpr int kDotOffset = kLseOffset + kStages * kRowStatsBytes;
-  static constexpr int kDropoutOffset = kDotOffset + kStages * kRowStatsBytes;
+  static constexpr int kBarrierOffset = kDotOffset + kStages * kRowStatsBytes;
+  static constexpr int kDropoutOffset = kBarrierOffset + kStages * kBarrierBytes;
   // And the Philox round keys (PhiloxRoundKeys), read by every draw.
   static constexpr int kRoundKeysOffset = kDropoutOffset + kMarkStages * kDropoutStageBytes;
   // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
@@ -220,11 +224,10 @@ struct BwdKernelTraits {
                 "the dQ parts are one per warpgroup, whole swizzle atoms wide");
   static_assert(!kSplitHeadDim || (kBlockN == 64 && kQueryParts == 1 && kKvColumns % 64 == 0),
                 "the split shares one 64-key block and halves whole swizzle atoms of the head dim");
-  static_assert(2 * kBlockM <= kThreads, "one thread per LSE / dot row copy");
   static_assert(kRoundKeysOffset % 16 == 0, "the round keys load as 16-byte vectors");
   static_assert(kDqStagingBytes % 1024 == 0, "K, V, Q and dO start on the swizzle's period");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
-  static_assert(kSmemBytes == kBytesBesideStages + kStages * (kStageBytes + 2 * kRowStatsBytes),
+  static_assert(kSmemBytes == kBytesBesideStages + kStages * (kStageTxBytes + kBarrierBytes),
                 "the stage count's estimate is the plan");
 };
 
@@ -422,6 +425,30 @@ __device__ __forceinline__ void reduce_dq_in_bulk(const CUtensorMap& map, const 
   }
 }
 
+// A query block that reaches past its sequence: rows [valid, kBlockM) of its stage's Q and dO tiles
+// and of its LSE and dot rows set to zero, every thread a share (the copy engine brought the next
+// sequence's rows there, or zeros past the tensor, and the workspace rows past a sequence hold
+// anything).
+template <typename Traits>
+__device__ __forceinline__ void zero_rows_past(unsigned char* smem, int stage, int valid) {
+  using QTile = typename Traits::QTile;
+  const int tid = static_cast<int>(threadIdx.x);
+  unsigned char* const q_tile = smem + Traits::kQOffset + stage * Traits::kStageBytes;
+  unsigned char* const do_tile = smem + Traits::kDoOffset + stage * Traits::kStageBytes;
+  const int chunks = (Traits::kBlockM - valid) * QTile::kChunksPerRow;
+  for (int i = tid; i < chunks; i += Traits::kThreads) {
+    const uint32_t offset = QTile::chunk_offset(valid + i / QTile::kChunksPerRow, i % QTile::kChunksPerRow);
+    *reinterpret_cast<uint4*>(q_tile + offset) = make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(do_tile + offset) = make_uint4(0u, 0u, 0u, 0u);
+  }
+  float* const lse = reinterpret_cast<float*>(smem + Traits::kLseOffset + stage * Traits::kRowStatsBytes);
+  float* const dot = reinterpret_cast<float*>(smem + Traits::kDotOffset + stage * Traits::kRowStatsBytes);
+  for (int row = valid + tid; row < Traits::kBlockM; row += Traits::kThreads) {
+    lse[row] = 0.0f;
+    dot[row] = 0.0f;
+  }
+}
+
 // Deterministic mode's order of the grid. The sm80 order (the grid backwards, each (batch, head)'s
 // key blocks together) starts all key blocks of a head at once, and without a causal mask they then
 // meet each query block together: key block n waits for n + 1, which waits for n + 2, ..., a chain
@@ -434,7 +461,7 @@ __device__ __forceinline__ void reduce_dq_in_bulk(const CUtensorMap& map, const 
 // in L2 as one head's do in the sm80 order.
 template <typename Element>
 __device__ __forceinline__ sm80::BwdBlockLocation<Element> deterministic_location(
-    const BwdProblem& bp, const float* dot, int block_n) {
+    const BwdProblem& bp, const sm80::BwdWorkspacePointers& ws, int block_n) {
   constexpr int64_t kChunkBytes = int64_t{24} << 20;
   const FwdProblem& p = bp.fwd;
   const int num_n_blocks = (p.seqlen_k + block_n - 1) / block_n;
@@ -446,13 +473,14 @@ __device__ __forceinline__ sm80::BwdBlockLocation<Element> deterministic_locatio
   const int first_head = linear / (chunk * num_n_blocks) * chunk;
   const int heads = min(chunk, batch_heads - first_head);
   const int turn = linear - first_head * num_n_blocks;
-  return sm80::BwdBlockLocation<Element>::at(bp, dot, num_n_blocks - 1 - turn / heads,
+  return sm80::BwdBlockLocation<Element>::at(bp, ws, num_n_blocks - 1 - turn / heads,
                                              first_head + turn % heads);
 }
 
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kThreads, 1)
     bwd_kernel(const __grid_constant__ BwdProblem bp, const sm80::BwdWorkspacePointers ws,
+               const __grid_constant__ CUtensorMap q_map, const __grid_constant__ CUtensorMap do_map,
                const __grid_constant__ CUtensorMap dq_map) {
   using Element = typename Traits::Element;
   using KvTile = typename Traits::KvTile;
@@ -486,8 +514,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const int dq_column_part = warpgroup / Traits::kDqQueryParts;
 
   const sm80::BwdBlockLocation<Element> loc = Traits::kDeterministic
-                                                  ? deterministic_location<Element>(bp, ws.dot, kBlockN)
-                                                  : sm80::BwdBlockLocation<Element>::locate(bp, ws.dot, kBlockN);
+                                                  ? deterministic_location<Element>(bp, ws, kBlockN)
+                                                  : sm80::BwdBlockLocation<Element>::locate(bp, ws, kBlockN);
   const int n0 = loc.n_block * kBlockN;
   if (n0 >= loc.len_k_rows) return;  // varlen: this sequence is shorter than max_seqlen_k
   const int head_chunks = p.head_dim / 8;
@@ -513,43 +541,49 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
   const uint32_t batch_head = static_cast<uint32_t>(loc.batch * p.heads_q + loc.head);
 
   if (visible.begin < visible.end) {
+    const bool varlen = p.cu_seqlens_q != nullptr;  // the maps are rank 3 [D, total, heads]
+    // One barrier per stage of Q, dO, LSE and dot, completed by the copy engine's bytes.
+    const uint32_t stage_bars = smem + Traits::kBarrierOffset;
+    if (tid == 0) {
+      for (int stage = 0; stage < Traits::kStages; ++stage) {
+        mbarrier_init(stage_bars + static_cast<uint32_t>(stage * Traits::kBarrierBytes), 1);
+      }
+      mbarrier_init_fence();
+      tma_prefetch_map(q_map);
+      tma_prefetch_map(do_map);
+    }
+    __syncthreads();
     sm80::load_tile_async<Traits, KvTile>(smem + Traits::kKOffset,
                                           loc.k + static_cast<int64_t>(n0) * p.k_row_stride,
                                           p.k_row_stride, loc.len_k - n0, head_chunks);
     sm80::load_tile_async<Traits, KvTile>(smem + Traits::kVOffset,
                                           loc.v + static_cast<int64_t>(n0) * p.v_row_stride,
                                           p.v_row_stride, loc.len_k - n0, head_chunks);
-    // Q, dO, LSE and dot of query block m into pipeline stage `stage`.
+    // Q, dO, LSE and dot of query block m into pipeline stage `stage` by the copy engine, completing on
+    // the stage's barrier; issued by thread 0. Rows past the sequence are the next sequence's (varlen)
+    // or zeros (past the tensor), and the workspace's LSE and dot rows past it anything: the block
+    // zeroes them on arrival (below).
     auto load_query_block = [&](int m_block, int stage) {
       const int m0 = m_block * kBlockM;
+      const uint32_t bar = stage_bars + static_cast<uint32_t>(stage * Traits::kBarrierBytes);
       const uint32_t stage_offset = static_cast<uint32_t>(stage * Traits::kStageBytes);
-      sm80::load_tile_async<Traits, QTile>(smem + Traits::kQOffset + stage_offset,
-                                           loc.q + static_cast<int64_t>(m0) * p.q_row_stride,
-                                           p.q_row_stride, loc.len_q - m0, head_chunks);
-      sm80::load_tile_async<Traits, QTile>(smem + Traits::kDoOffset + stage_offset,
-                                           loc.dout + static_cast<int64_t>(m0) * bp.dout_row_stride,
-                                           bp.dout_row_stride, loc.len_q - m0, head_chunks);
-      if (tid < 2 * kBlockM) {
-        const int row = tid % kBlockM;
-        const bool is_lse = tid < kBlockM;
-        const uint32_t dst = smem + (is_lse ? Traits::kLseOffset : Traits::kDotOffset) +
-                             static_cast<uint32_t>(stage * Traits::kRowStatsBytes + row * 4);
-        const float* rows = is_lse ? loc.lse : loc.dot;
-        const bool valid = m0 + row < loc.len_q;
-        sm80::cp_async_4(dst, valid ? rows + m0 + row : rows, valid);
-      }
-      sm80::cp_async_commit();
+      const int row = static_cast<int>(varlen ? loc.q_flat + m0 : m0);
+      mbarrier_arrive_expect_tx(bar, Traits::kStageTxBytes);
+      tma_load_tile<QTile>(smem + Traits::kQOffset + stage_offset, q_map, bar, varlen, row, loc.head, loc.batch);
+      tma_load_tile<QTile>(smem + Traits::kDoOffset + stage_offset, do_map, bar, varlen, row, loc.head, loc.batch);
+      const uint32_t stats = static_cast<uint32_t>(stage * Traits::kRowStatsBytes);
+      bulk_load(smem + Traits::kLseOffset + stats, ws.lse + loc.stats_row0 + m0, Traits::kRowStatsBytes, bar);
+      bulk_load(smem + Traits::kDotOffset + stats, ws.dot + loc.stats_row0 + m0, Traits::kRowStatsBytes, bar);
     };
-    load_query_block(visible.begin, 0);
-    // The next kStages - 2 blocks' loads; past the last block, an empty group, so that every
-    // iteration below can wait for all but the newest kStages - 2 groups.
-    for (int ahead = 1; ahead + 1 < Traits::kStages; ++ahead) {
-      if (visible.begin + ahead < visible.end) {
+    if (tid == 0) {
+      for (int ahead = 0; ahead + 1 < Traits::kStages && visible.begin + ahead < visible.end; ++ahead) {
         load_query_block(visible.begin + ahead, ahead);
-      } else {
-        sm80::cp_async_commit();
       }
     }
+    // K and V in place (their copies, and the barrier below, before the first block's products).
+    sm80::cp_async_commit();
+    sm80::cp_async_wait<0>();
+    fence_proxy_async_shared();
     // Dropout: the drop marks of query block m into stage `stage` of the exchange, each query part's
     // in its warp pair's buffer (read after the next barrier: load_transposed_marks).
     const int first_key = n0 + warp_key0;
@@ -602,20 +636,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     for (int m_block = visible.begin, stage = 0; m_block < visible.end;
          ++m_block, stage = stage + 1 == Traits::kStages ? 0 : stage + 1) {
       const int m0 = m_block * kBlockM;
-      sm80::cp_async_wait<Traits::kStages - 2>();  // this block's group
-      fence_proxy_async_shared();  // this thread's copies, before wgmma reads them
+      // This block's Q, dO, LSE and dot landed. In a block that reaches past the sequence, its rows
+      // past the end become zeros, so that they add nothing to dV and dK (their P^T is
+      // exp2(0 - 0) = 1 times dO = 0, and dS^T = P^T (0 - 0)): the products then read them.
+      mbarrier_wait(stage_bars + static_cast<uint32_t>(stage * Traits::kBarrierBytes),
+                    static_cast<uint32_t>((m_block - visible.begin) / Traits::kStages) & 1u);
+      if (m0 + kBlockM > loc.len_q) {
+        zero_rows_past<Traits>(smem_aligned, stage, loc.len_q - m0);
+        fence_proxy_async_shared();  // the zeros, before wgmma reads them
+      }
       __syncthreads();
       const bool prefetch = m_block + 1 < visible.end;  // (the next block's drop marks)
-      // The loads of block m_block + kStages - 1 into the stage the previous block used, or an
-      // empty group: once that block's products have all landed, in both warpgroups (before this
-      // barrier; with kDqBehind, before the second one).
+      // The loads of block m_block + kStages - 1 (if there is one) into the stage the previous block
+      // used, once that block's products have all landed in both warpgroups (before this barrier;
+      // with kDqBehind, before the second one).
       auto load_ahead = [&] {
         const int ahead = m_block + Traits::kStages - 1;
-        if (ahead < visible.end) {
-          load_query_block(ahead, stage == 0 ? Traits::kStages - 1 : stage - 1);
-        } else {
-          sm80::cp_async_commit();
-        }
+        if (tid == 0 && ahead < visible.end) load_query_block(ahead, stage == 0 ? Traits::kStages - 1 : stage - 1);
       };
       if (!Traits::kDeterministic && !Traits::kDqBehind) load_ahead();
       const int marks_stage = (m_block - visible.begin) % Traits::kMarkStages;

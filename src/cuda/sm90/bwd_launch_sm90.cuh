@@ -26,9 +26,10 @@ using BwdTraitsOf = BwdKernelTraits<typename sm80::ElementOf<kDType>::type, kHea
                                     bwd_tile_config(kHeadDimFamily).split_head_dim, kDeterministic, kDropout>;
 
 // A kernel instance, the dynamic shared memory its traits plan, and whether it adds dQ through the
-// accumulator's tensor map (BwdKernelTraits::kDqBulkReduce).
+// accumulator's tensor map (BwdKernelTraits::kDqBulkReduce). Its parameters: the problem, the
+// workspace, and the tensor maps of q, dout and the dQ accumulator.
 struct BwdInstance {
-  void (*kernel)(BwdProblem, sm80::BwdWorkspacePointers, CUtensorMap);
+  void (*kernel)(BwdProblem, sm80::BwdWorkspacePointers, CUtensorMap, CUtensorMap, CUtensorMap);
   int smem_bytes;
   bool reduces_dq_in_bulk;
 };
@@ -93,11 +94,19 @@ void run_bwd(const BwdProblem& problem, void* stream) {
     cuda::check(cudaFuncSetAttribute(instance.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                      instance.smem_bytes),
                 "cudaFuncSetAttribute(sm90 bwd_kernel, max dynamic shared memory)");
+    // Q and dO come by the copy engine, a query block (BlockM rows) per box.
+    const FwdProblem& p = problem.fwd;
+    const int64_t rows = p.is_varlen() ? p.total_q : p.seqlen_q;
+    const CUtensorMap q_map = input_tensor_map(p, p.q, rows, p.heads_q, p.q_row_stride, p.q_head_stride,
+                                               p.q_batch_stride, Traits::kBlockM, "q");
+    const CUtensorMap do_map =
+        input_tensor_map(p, problem.dout, rows, p.heads_q, problem.dout_row_stride, problem.dout_head_stride,
+                         problem.dout_batch_stride, Traits::kBlockM, "dout");
     // The instances that add dQ with atomics never read the map: no encoding for them.
     const CUtensorMap dq_map =
         instance.reduces_dq_in_bulk ? dq_accum_tensor_map(problem, ws, Traits::kDqBoxColumns) : CUtensorMap{};
-    instance.kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, instance.smem_bytes, s>>>(problem, ws,
-                                                                                                     dq_map);
+    instance.kernel<<<static_cast<unsigned>(num_blocks), Traits::kThreads, instance.smem_bytes, s>>>(
+        problem, ws, q_map, do_map, dq_map);
     cuda::check_last_launch("sm90 bwd_kernel");
   }
   sm80::launch_bwd_postprocess<Element>(problem, ws, s);

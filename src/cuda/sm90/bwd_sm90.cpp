@@ -6,6 +6,7 @@
 #include <string>
 
 #include "cuda/sm80/fwd_sm80.h"
+#include "cuda/sm90/tma_layout.h"
 
 namespace flashkit::sm90 {
 
@@ -17,6 +18,17 @@ std::string bwd_unsupported_reason(const BwdProblem& problem) {
   if (!covered) {
     return "head dim " + std::to_string(p.head_dim) + " (family " + std::to_string(family) +
            ") is not one of the sm90 backward's families 64, 128 and 256";
+  }
+  // The copy engine reads q and dout (K, V and the rest are read by the threads).
+  const bool varlen = p.is_varlen();
+  const int64_t rows = varlen ? p.total_q : p.seqlen_q;
+  const TmaTensorLayout tensors[] = {
+      {"q", p.q, rows, p.heads_q, p.batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride},
+      {"dout", problem.dout, rows, p.heads_q, p.batch, problem.dout_row_stride, problem.dout_head_stride,
+       problem.dout_batch_stride},
+  };
+  for (const TmaTensorLayout& t : tensors) {
+    if (std::string why = tma_layout_problem(t, varlen); !why.empty()) return why;
   }
   return "";
 }

@@ -14,7 +14,8 @@ namespace flashkit::sm90 {
 // one of these.
 constexpr int kBwdHeadDimFamilies[] = {64, 128, 256};
 
-// Why the sm90 backward cannot run `problem` (options it does not cover), or "" when it can.
+// Why the sm90 backward cannot run `problem` (a head dim it does not cover, or a q or dout layout its
+// copy engine cannot read: tma_layout.h), or "" when it can.
 // Whether the (dtype, family) instance was compiled is the dispatcher's question, not this.
 std::string bwd_unsupported_reason(const BwdProblem& problem);
 

@@ -407,22 +407,6 @@ __device__ __forceinline__ int take_next_tile(unsigned* counter, int linear, int
   return static_cast<int>(gridDim.x) + static_cast<int>(__shfl_sync(0xffffffffu, taken, 0));
 }
 
-// Copies rows [row, row + box rows) of the (head, batch) slice of a tensor, all column blocks, into
-// the tile at `dst`, completing on `bar`.
-template <typename Tile>
-__device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap& map, uint32_t bar,
-                                              bool varlen, int row, int head, int batch) {
-#pragma unroll
-  for (int cb = 0; cb < Tile::kColumnBlocks; ++cb) {
-    const uint32_t block_dst = dst + cb * Tile::kColumnBlockBytes;
-    if (varlen) {
-      tma_load_3d(block_dst, map, bar, cb * kSwizzleAtomElements, row, head);
-    } else {
-      tma_load_4d(block_dst, map, bar, cb * kSwizzleAtomElements, row, head, batch);
-    }
-  }
-}
-
 template <typename Traits>
 __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t smem,
                                               typename Traits::Barriers& bars, int num_tiles) {

@@ -78,4 +78,24 @@ CUtensorMap encode_fp32_tensor_map(const StridedTensor& tensor, const uint32_t* 
   return encode(tensor, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, boxes, what);
 }
 
+CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64_t rows, int heads, int64_t row_stride,
+                             int64_t head_stride, int64_t batch_stride, int box_rows, const char* what) {
+  StridedTensor t;
+  t.base = base;
+  t.rank = p.is_varlen() ? 3 : 4;
+  const bool empty = rows <= 0;
+  const int64_t extents[4] = {p.head_dim, empty ? 1 : rows, empty ? 1 : heads, empty ? 1 : p.batch};
+  const int64_t strides[3] = {row_stride, head_stride, batch_stride};
+  int64_t span = 2 * p.head_dim;  // bytes covered by the dims inside the current one
+  for (int i = 0; i < 4; ++i) t.extents[i] = static_cast<uint64_t>(extents[i]);
+  for (int i = 0; i < t.rank - 1; ++i) {
+    const int64_t bytes = 2 * strides[i];
+    const bool usable = bytes > 0 && bytes % 16 == 0;
+    const int64_t rounded = (span + 15) / 16 * 16;
+    t.byte_strides[i] = static_cast<uint64_t>(usable || extents[i + 1] != 1 ? bytes : rounded);
+    span = static_cast<int64_t>(t.byte_strides[i]) * extents[i + 1];
+  }
+  return encode_tensor_map(t, p.dtype == DType::kBFloat16, box_rows, what);
+}
+
 }  // namespace flashkit::sm90

@@ -1,7 +1,8 @@
 // src/cuda/sm90/tensor_map.h
 // \brief Host side of the bulk tensor copy engine: the CUtensorMap of a strided tensor of 16-bit
 // elements, tiled in boxes of 64 elements (128 bytes: the 128-byte swizzle atom) by `box_rows` rows,
-// and of an fp32 one, tiled in boxes of 32.
+// and of an fp32 one, tiled in boxes of 32; and the maps of the API's q / k / v / out / dout layouts
+// that the sm90 kernels load and store through.
 //
 // cuTensorMapEncodeTiled is a driver API function; it is fetched through the runtime's driver
 // entry point, so flashkit does not link libcuda.
@@ -10,6 +11,8 @@
 #include <cuda.h>
 
 #include <cstdint>
+
+#include "common/fwd_problem.h"
 
 namespace flashkit::sm90 {
 
@@ -35,5 +38,13 @@ CUtensorMap encode_tensor_map(const StridedTensor& tensor, bool bf16, int box_ro
 // most 32: one swizzle row). The sm90 backward adds its dQ parts to the fp32 dQ accumulator through
 // it. Throws as above.
 CUtensorMap encode_fp32_tensor_map(const StridedTensor& tensor, const uint32_t* box, const char* what);
+
+// The tensor map of q, k, v or out: [D, seqlen, heads, batch] (fixed) or [D, total, heads] (varlen),
+// tiled in 64 x box_rows boxes. The driver wants every extent >= 1 and every stride a positive
+// multiple of 16 bytes: a tensor with no rows (no keys at all: nothing is ever loaded, and its
+// strides may be 0) gets a map of one row, and a dim of extent 1, whose stride is never used and may
+// be anything, gets the span of the dims inside it when its own stride does not qualify.
+CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64_t rows, int heads, int64_t row_stride,
+                             int64_t head_stride, int64_t batch_stride, int box_rows, const char* what);
 
 }  // namespace flashkit::sm90

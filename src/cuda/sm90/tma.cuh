@@ -10,6 +10,8 @@
 
 #include <cstdint>
 
+#include "cuda/sm90/tensor_map.h"
+
 namespace flashkit::sm90 {
 
 // The tensor map must live in kernel-parameter, constant or global memory (a __grid_constant__
@@ -34,6 +36,31 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap& map
       " [%0], [%1, {%3, %4, %5, %6}], [%2];\n" ::"r"(dst),
       "l"(reinterpret_cast<uint64_t>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+
+// Copies rows [row, row + box rows) of the (head, batch) slice of a tensor, all column blocks, into
+// the tile at `dst`, completing on `bar`.
+template <typename Tile>
+__device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap& map, uint32_t bar,
+                                              bool varlen, int row, int head, int batch) {
+#pragma unroll
+  for (int cb = 0; cb < Tile::kColumnBlocks; ++cb) {
+    const uint32_t block_dst = dst + cb * Tile::kColumnBlockBytes;
+    if (varlen) {
+      tma_load_3d(block_dst, map, bar, cb * kSwizzleAtomElements, row, head);
+    } else {
+      tma_load_4d(block_dst, map, bar, cb * kSwizzleAtomElements, row, head, batch);
+    }
+  }
+}
+
+// Copies `bytes` (a multiple of 16) from global memory at `src` (16-byte aligned) into shared memory
+// at `dst` (16-byte aligned), completing on `bar` as transaction bytes: a bulk copy without a
+// tensor map, for contiguous runs.
+__device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(reinterpret_cast<uint64_t>(src)), "r"(bytes), "r"(bar)
+               : "memory");
 }
 
 // Stores and bulk reductions. The writes to shared memory that one reads must be ordered before it
