@@ -394,16 +394,23 @@ __device__ __forceinline__ void reduce_dq_in_bulk(const CUtensorMap& map, const 
   __syncwarp();
   const int g = lane / 4;
   const int t = lane % 4;
+  // Each store instruction i writes, in lanes with t < 2, tile dt = i and, in lanes with t >= 2, tile
+  // dt = i ^ 2 (same box): a half warp (g 0-3 or 4-7) then covers all eight 16-byte chunks of the
+  // 128-byte rows once ((2 (dt % 4) + t / 2) ^ g differs in bit 2 between the two lane halves),
+  // where storing tile i in every lane hit each chunk twice (4 shared wavefronts per store instead
+  // of 2). The selects cost one instruction per register moved.
+  const bool swapped = t >= 2;
   auto stage = [&](bool row_g, bool row_g8) {
 #pragma unroll
-    for (int dt = 0; dt < Traits::kDqTiles; ++dt) {
+    for (int i = 0; i < Traits::kDqTiles; ++i) {
+      const int dt_lo = i, dt_hi = i ^ 2;
       // Columns 8 dt + 2t, + 1: box dt / 4, 16-byte chunk 2 (dt % 4) + t / 2, its half t % 2.
-      const int chunk = 2 * (dt % 4) + t / 2;
-      unsigned char* const box = staging + (dt / 4) * Traits::kDqBoxBytes + (t % 2) * 8 + (chunk ^ g) * 16;
-      *reinterpret_cast<float2*>(box + g * 128) =
-          row_g ? make_float2(acc[dt][0], acc[dt][1]) : make_float2(0.0f, 0.0f);
-      *reinterpret_cast<float2*>(box + (g + 8) * 128) =
-          row_g8 ? make_float2(acc[dt][2], acc[dt][3]) : make_float2(0.0f, 0.0f);
+      const int chunk = 2 * ((swapped ? dt_hi : dt_lo) % 4) + t / 2;
+      unsigned char* const box = staging + (i / 4) * Traits::kDqBoxBytes + (t % 2) * 8 + (chunk ^ g) * 16;
+      const float2 upper = swapped ? make_float2(acc[dt_hi][0], acc[dt_hi][1]) : make_float2(acc[dt_lo][0], acc[dt_lo][1]);
+      const float2 lower = swapped ? make_float2(acc[dt_hi][2], acc[dt_hi][3]) : make_float2(acc[dt_lo][2], acc[dt_lo][3]);
+      *reinterpret_cast<float2*>(box + g * 128) = row_g ? upper : make_float2(0.0f, 0.0f);
+      *reinterpret_cast<float2*>(box + (g + 8) * 128) = row_g8 ? lower : make_float2(0.0f, 0.0f);
     }
   };
   if (first_row + 16 <= len_q) {  // the same for the whole warp
