@@ -12,9 +12,12 @@
 //
 //   prologue     cp.async K, V; TMA Q, dO, LSE, dot of the first kStages - 1 query blocks
 //   per block    wait for stage s's barrier; a block past the sequence's end zeroes its rows
-//                past it (zero_rows_past); barrier
+//                past it (zero_rows_past); kDqBehind with one dS^T buffer: wait for the previous
+//                block's products; barrier
 //                TMA the query block kStages - 1 ahead into the stage the last one used
-//                                                         (kDqBehind: after the second barrier)
+//                                                         (two dS^T buffers: after the second
+//                                                          barrier, the wait for the previous
+//                                                          block's products after this one)
 //                S^T = K_w Q^T, dP^T = V_w dO^T           (wgmma ss, in one or two parts of the
 //                                                          queries (tile config): issued together;
 //                                                          kDqBehind: the previous block's dQ
@@ -162,17 +165,15 @@ struct BwdKernelTraits {
   static constexpr int kDqStagingBytes = kDqBulkReduce ? kThreads / 32 * kDqWarpBytes : 0;
 
   // dQ one block behind (default mode, families 64 and 128): a block's dQ product is issued after
-  // its second barrier and left running; the next block issues its S^T first, then waits for that
-  // dQ (and the block's dV, dK) and adds it to the accumulator while S^T runs on the tensor cores.
-  // So the adds, the loop's top barrier and the S^T issue no longer sit between two blocks'
-  // products with the tensor cores idle. The next block's dS^T then cannot overwrite the tile that
-  // dQ reads: dS^T has two buffers, and the loads into a stage wait until the second barrier, when
-  // both warpgroups have seen the previous block's products land. The instances of the staging
-  // (kDqBulkReduce): deterministic mode adds in turn (the wait for the turn would then hold up the
-  // next block's scores), the split layout has no room for a second dS^T or P^T, and family 64's
-  // dropout instance spilled 244 bytes so (92 without): they keep dQ in its block.
+  // its second barrier and left running; the next block waits for it (and for the dV and dK
+  // products), issues S^T_0 and adds the previous dQ to the accumulator while S^T runs on the tensor
+  // cores. So the adds no longer sit between two blocks' products with the tensor cores idle.
+  // Where that wait happens depends on kDsBuffers (below). (Waiting after S^T_0's issue instead
+  // made ptxas serialize every wgmma: it does not follow a group across the loop's back edge.) The
+  // instances of the staging (kDqBulkReduce): deterministic mode adds in turn (the wait for the
+  // turn would then hold up the next block's scores), and family 64's dropout instance spilled 244
+  // bytes so (92 without): they keep dQ in its block, as does the split layout.
   static constexpr bool kDqBehind = kDqBulkReduce;
-  static constexpr int kDsBuffers = kDqBehind ? 2 : 1;
 
   // Shared-memory plan, byte offsets from a 1024-byte aligned base (the 128-byte swizzle's period):
   //   [ dQ staging (kDqBulkReduce) | K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | ... |
@@ -196,10 +197,21 @@ struct BwdKernelTraits {
   // one and the dQ staging, the d128 kernel stood waiting for them in 13% of its stall samples:
   // bench/NOTES.md, session 21), else two (family 256's split layout). + 1024: the dynamic
   // shared-memory base is only 16-byte aligned; the kernel rounds it up.
-  static constexpr int kBytesBesideStages =
-      kDqStagingBytes + 2 * KvTile::kBytes + (kSplitHeadDim ? 2 : kDsBuffers) * PTile::kBytes +
+  static constexpr int kBytesBesideStagesAndDs =
+      kDqStagingBytes + 2 * KvTile::kBytes + (kSplitHeadDim ? PTile::kBytes : 0) +
       (kDropout ? kMarkStages * kDropoutStageBytes + static_cast<int>(sizeof(PhiloxRoundKeys)) : 0) + 1024;
-  static constexpr int kStages = kBytesBesideStages + 3 * (kStageTxBytes + kBarrierBytes) <= 227 * 1024 ? 3 : 2;
+  static constexpr int kThreeStagesBytes = 3 * (kStageTxBytes + kBarrierBytes);
+  // dS^T's buffers. With kDqBehind, two where three stages still fit beside them (family 128 at
+  // p = 0): the next block's dS^T goes to the other one, so the wait for the previous block's
+  // products can follow the first barrier, and the loads into the previous block's stage wait for
+  // the second. Elsewhere one buffer: the wait comes before the first barrier, which then frees
+  // dS^T and the stage (three stages instead of two for family 64 and family 128 with dropout:
+  // H200, bf16, d64 +1-6%, d128 p = 0.1 +3-9%; at d128 p = 0 the two buffers measured 2-3% faster
+  // than one: bench/NOTES.md, session 22).
+  static constexpr int kDsBuffers =
+      kDqBehind && kBytesBesideStagesAndDs + 2 * PTile::kBytes + kThreeStagesBytes <= 227 * 1024 ? 2 : 1;
+  static constexpr int kBytesBesideStages = kBytesBesideStagesAndDs + kDsBuffers * PTile::kBytes;
+  static constexpr int kStages = kBytesBesideStages + kThreeStagesBytes <= 227 * 1024 ? 3 : 2;
   static constexpr int kDqOffset = 0;
   static constexpr int kKOffset = kDqOffset + kDqStagingBytes;
   static constexpr int kVOffset = kKOffset + KvTile::kBytes;
@@ -652,16 +664,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         zero_rows_past<Traits>(smem_aligned, stage, loc.len_q - m0);
         fence_proxy_async_shared();  // the zeros, before wgmma reads them
       }
+      auto previous_products_landed = [&] {  // kDqBehind: the previous block's dV, dK and dQ
+        wgmma_wait<0>();
+        wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
+        key_gradients_landed();
+      };
+      if constexpr (Traits::kDqBehind && Traits::kDsBuffers == 1) previous_products_landed();
       __syncthreads();
       const bool prefetch = m_block + 1 < visible.end;  // (the next block's drop marks)
       // The loads of block m_block + kStages - 1 (if there is one) into the stage the previous block
       // used, once that block's products have all landed in both warpgroups (before this barrier;
-      // with kDqBehind, before the second one).
+      // with two dS^T buffers, before the second one).
       auto load_ahead = [&] {
         const int ahead = m_block + Traits::kStages - 1;
         if (tid == 0 && ahead < visible.end) load_query_block(ahead, stage == 0 ? Traits::kStages - 1 : stage - 1);
       };
-      if (!Traits::kDeterministic && !Traits::kDqBehind) load_ahead();
+      constexpr bool kLoadsAfterSecondBarrier = Traits::kDsBuffers == 2;
+      if (!Traits::kDeterministic && !kLoadsAfterSecondBarrier) load_ahead();
       const int marks_stage = (m_block - visible.begin) % Traits::kMarkStages;
       const uint32_t q_tile = smem + Traits::kQOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
       const uint32_t do_tile = smem + Traits::kDoOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
@@ -679,11 +698,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // the previous block's dQ is added once S^T_0 is issued, while it runs.
       float acc_s[kQueryParts][1][kPartM / 8][4];
       float acc_dp[kQueryParts][1][kPartM / 8][4];
-      if constexpr (Traits::kDqBehind) {
-        wgmma_wait<0>();  // the previous block's dV, dK and dQ
-        wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
-        key_gradients_landed();
-      }
+      if constexpr (Traits::kDqBehind && Traits::kDsBuffers == 2) previous_products_landed();
       wgmma_fence();
 #pragma unroll
       for (int h = 0; h < kQueryParts; ++h) {
@@ -784,7 +799,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       if constexpr (Traits::kDeterministic) dq_turn_seen = load_relaxed(dq_turn.semaphore);
       fence_proxy_async_shared();  // the P^T / dS^T stores, before the wgmmas read them
       __syncthreads();  // P^T / dS^T complete
-      if constexpr (Traits::kDqBehind) load_ahead();
+      if constexpr (kLoadsAfterSecondBarrier) load_ahead();
 
       // dQ part = dS K: A = dS (64 queries x 16 keys per step) read transposed from dS^T, B = K
       // (16 keys x kDqColumns columns) read MN-major.

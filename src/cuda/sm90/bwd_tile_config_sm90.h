@@ -19,10 +19,10 @@
 // S^T + dP^T = 2 * 64 * BlockM / 128 = BlockM; dQ = 64 * 64 / 128 = 32; P^T and dS^T packed to
 // 16 bits for the register operand, BlockM / 4 each.
 //
-//   family | BlockM | BlockN | dK+dV | S^T+dP^T | P,dS packed | dQ | smem (dQ staging, K, V, stages x (Q, dO), 2 x dS^T, rows)
-//   64     | 128    | 128    | 64    | 128      | 64          | 32 | 32+16+16+2x32+2x32+2 = 194 KiB (3 stages: 228 > 227)
-//   128    | 64     | 128    | 128   | 64       | 32          | 32 | 32+32+32+3x32+2x16+1.5 = 225.5 KiB
-// (dS^T twice: dQ is added one block behind, BwdKernelTraits::kDqBehind)
+//   family | BlockM | BlockN | dK+dV | S^T+dP^T | P,dS packed | dQ | smem (dQ staging, K, V, 3 x (Q, dO), dS^T, rows)
+//   64     | 128    | 128    | 64    | 128      | 64          | 32 | 32+16+16+96+32+3 = 195 KiB
+//   128    | 64     | 128    | 128   | 64       | 32          | 32 | 32+32+32+96+2x16+1.5 = 225.5 KiB
+// (d128 at p = 0 has room for a second dS^T buffer: BwdKernelTraits::kDsBuffers)
 // (the default mode's plan: BwdKernelTraits in bwd_kernel_sm90.cuh has the others)
 // Both stay under ~200 live registers at the peak (scores and dS: dK + dV + S^T + dP^T = 192), so
 // one CTA of 256 threads per SM at <= 255 registers; shared memory would allow one CTA too.
