@@ -419,8 +419,10 @@ __device__ __forceinline__ void reduce_dq_in_bulk(const CUtensorMap& map, const 
       // Columns 8 dt + 2t, + 1: box dt / 4, 16-byte chunk 2 (dt % 4) + t / 2, its half t % 2.
       const int chunk = 2 * ((swapped ? dt_hi : dt_lo) % 4) + t / 2;
       unsigned char* const box = staging + (i / 4) * Traits::kDqBoxBytes + (t % 2) * 8 + (chunk ^ g) * 16;
-      const float2 upper = swapped ? make_float2(acc[dt_hi][0], acc[dt_hi][1]) : make_float2(acc[dt_lo][0], acc[dt_lo][1]);
-      const float2 lower = swapped ? make_float2(acc[dt_hi][2], acc[dt_hi][3]) : make_float2(acc[dt_lo][2], acc[dt_lo][3]);
+      const float2 upper =
+          swapped ? make_float2(acc[dt_hi][0], acc[dt_hi][1]) : make_float2(acc[dt_lo][0], acc[dt_lo][1]);
+      const float2 lower =
+          swapped ? make_float2(acc[dt_hi][2], acc[dt_hi][3]) : make_float2(acc[dt_lo][2], acc[dt_lo][3]);
       *reinterpret_cast<float2*>(box + g * 128) = row_g ? upper : make_float2(0.0f, 0.0f);
       *reinterpret_cast<float2*>(box + (g + 8) * 128) = row_g8 ? lower : make_float2(0.0f, 0.0f);
     }
@@ -677,7 +679,9 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       // with two dS^T buffers, before the second one).
       auto load_ahead = [&] {
         const int ahead = m_block + Traits::kStages - 1;
-        if (tid == 0 && ahead < visible.end) load_query_block(ahead, stage == 0 ? Traits::kStages - 1 : stage - 1);
+        if (tid == 0 && ahead < visible.end) {
+          load_query_block(ahead, stage == 0 ? Traits::kStages - 1 : stage - 1);
+        }
       };
       constexpr bool kLoadsAfterSecondBarrier = Traits::kDsBuffers == 2;
       if (!Traits::kDeterministic && !kLoadsAfterSecondBarrier) load_ahead();
@@ -690,8 +694,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const float* dot_rows =
           reinterpret_cast<const float*>(smem_aligned + Traits::kDotOffset + stage * Traits::kRowStatsBytes);
 
-      const uint32_t ds_tile =
-          smem + Traits::kDsOffset + static_cast<uint32_t>((m_block - visible.begin) % Traits::kDsBuffers * PTile::kBytes);
+      const int ds_buffer = (m_block - visible.begin) % Traits::kDsBuffers;
+      const uint32_t ds_tile = smem + Traits::kDsOffset + static_cast<uint32_t>(ds_buffer * PTile::kBytes);
 
       // S^T = K Q^T and dP^T = V dO^T over this warpgroup's 64 keys x its queries, in kQueryParts
       // parts of kPartM queries: 2 x kQueryParts groups in flight, part 0's first. With kDqBehind,
