@@ -83,7 +83,8 @@
 // (its fence waits while the tensor cores work) and before it issues the next block's loads: its
 // fence waits for the thread's memory operations in flight, and with the loads first that cost
 // 2.5-4.7% of deterministic mode's time at d128 and d256 (bench/NOTES.md, "deterministic mode's
-// hand-over").
+// hand-over"; measured when the loads were every thread's cp.async copies, before thread 0 issued
+// them to the copy engine: not measured again since).
 #pragma once
 
 #include <cuda_bf16.h>
