@@ -652,6 +652,12 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dk[0][0][0]);
       wgmma_fence_registers<Traits::kKvColumns / 2>(&acc_dv[0][0][0]);
     };
+    // kDqBehind: every product issued so far (the previous block's dV, dK and dQ) landed.
+    auto previous_products_landed = [&] {
+      wgmma_wait<0>();
+      wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
+      key_gradients_landed();
+    };
     // Deterministic mode: the semaphore of the query block whose dQ adds this CTA made last and has
     // not published yet.
     [[maybe_unused]] int* unpublished = nullptr;
@@ -667,11 +673,6 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
         zero_rows_past<Traits>(smem_aligned, stage, loc.len_q - m0);
         fence_proxy_async_shared();  // the zeros, before wgmma reads them
       }
-      auto previous_products_landed = [&] {  // kDqBehind: the previous block's dV, dK and dQ
-        wgmma_wait<0>();
-        wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
-        key_gradients_landed();
-      };
       if constexpr (Traits::kDqBehind && Traits::kDsBuffers == 1) previous_products_landed();
       __syncthreads();
       const bool prefetch = m_block + 1 < visible.end;  // (the next block's drop marks)
@@ -851,9 +852,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       }
     }
     if constexpr (Traits::kDqBehind) {  // the last block's dQ (the loop ran at least once)
-      wgmma_wait<0>();
-      wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
-      key_gradients_landed();
+      previous_products_landed();
       add_dq((visible.end - 1) * kBlockM);
     }
     if constexpr (Traits::kDeterministic) {
