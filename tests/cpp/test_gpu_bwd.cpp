@@ -129,6 +129,14 @@ std::vector<BwdCase> dropout_cases() {
   return as_bwd_cases(finish(with_dropout(cases, 0xD0D0), 0x17000));
 }
 
+// Head dims that end inside a 32-column box of the sm90 kernels' dQ reductions (80 and 112 in family
+// 128, 208 and 224 in family 256): the box that straddles head_dim must be clipped by the copy
+// engine and the boxes past it dropped, or the neighbouring head's dQ takes the adds.
+// mask x {fixed, varlen} x heads {6/6, 6/2} over the four head dims: 32 cases.
+std::vector<BwdCase> partial_head_dim_cases() {
+  return as_bwd_cases(finish(shape_grid({80, 112, 208, 224}, {{6, 6}, {6, 2}}, 1, 0xB9A27), 0x18000));
+}
+
 // seqlen_k == 0: every dq row is zero. seqlen_q == 0: every dk / dv row is zero.
 std::vector<BwdCase> no_key_no_query_cases() {
   std::vector<FwdCase> cases;
@@ -221,6 +229,8 @@ INSTANTIATE_TEST_SUITE_P(EmptyRows, GpuBwdCaseTest, ::testing::ValuesIn(empty_ro
 INSTANTIATE_TEST_SUITE_P(NoKeysNoQueries, GpuBwdCaseTest,
                          ::testing::ValuesIn(no_key_no_query_cases()), bwd_param_name);
 INSTANTIATE_TEST_SUITE_P(Dropout, GpuBwdCaseTest, ::testing::ValuesIn(dropout_cases()),
+                         bwd_param_name);
+INSTANTIATE_TEST_SUITE_P(PartialHeadDims, GpuBwdCaseTest, ::testing::ValuesIn(partial_head_dim_cases()),
                          bwd_param_name);
 
 // ------------------------------------------------------------------------------------------------

@@ -40,10 +40,11 @@
 //                                                          adds them, two tensor-map bulk
 //                                                          reductions of 16 x 32, during the
 //                                                          next block's S^T (kDqBehind) or
-//                                                          after the last block; deterministic
-//                                                          mode, family 256 and family 64's
-//                                                          dropout instance: in this block, by
-//                                                          fp32 vector reductions as sm80,
+//                                                          after the last block; family 256:
+//                                                          in this block, below; deterministic
+//                                                          mode and family 64's dropout
+//                                                          instance: in this block, by fp32
+//                                                          vector reductions as sm80,
 //                                                          deterministic mode's in key-block
 //                                                          order, below)
 //   epilogue     dK * scale, dV -> dk, dv (MHA) or the fp32 per-query-head workspace (GQA/MQA)
@@ -52,7 +53,9 @@
 // 256 columns of dK + dV would take 256 registers per thread. Warpgroup w computes S^T / dP^T for
 // the w-th half of the queries and stores P^T as well as dS^T; after the barrier it issues dQ for
 // the w-th half of the head dim, then dV += P^T dO and dK += dS^T Q for that half (both operands
-// from shared memory), whose products run during dQ's reductions.
+// from shared memory). Once all three have landed, its dQ half is staged in the block's Q and dO
+// stage, in the columns its dV and dK products read, and the copy engine adds it while the next
+// block runs (kDqInStage; the next load into that stage waits for the engine to have read it).
 //
 // The sm80 kernel's arch-independent pieces are reused as they are: block location, visible query
 // blocks, score transform and masks on S^T fragments (a warp's 16 keys x the part's queries
@@ -152,18 +155,24 @@ struct BwdKernelTraits {
 
   // dQ's way into the accumulator: atomic adds from the registers (sm80::add_dq_rows: ~160
   // instructions per warp and query block on the consumers' path) or, with kDqBulkReduce, each
-  // warp's 16 x 64 part staged in shared memory and added by the copy engine in two boxes of 16
+  // warp's 16 x kDqColumns part staged in shared memory and added by the copy engine in boxes of 16
   // rows x 32 columns (reduce_dq_in_bulk). Not in deterministic mode, whose adds wait for their turn
-  // in the consumers, nor in the split layout (64 x 128 per warpgroup, twice the staging its plan
-  // has room for), nor in family 64's dropout instance (two query parts), where ptxas spilled 136
+  // in the consumers, nor in family 64's dropout instance (two query parts), where ptxas spilled 136
   // bytes with the staging against 92 without and the plan lost its third stage: not measured, so
   // it keeps the atomics. Measured with three stages (below; H200, bf16, bench/NOTES.md session 21):
   // +4-6% at d128, +3% at d64, d128 p = 0.1 +4-5%; either change alone, +-1%.
-  static constexpr bool kDqBulkReduce = !kDeterministic && !kSplitHeadDim && !(kDropout && kQueryParts == 2);
+  static constexpr bool kDqBulkReduce = !kDeterministic && !(kDropout && kQueryParts == 2);
+  // The split layout's dQ (64 x 128 per warpgroup, 32 KiB) has no room of its own: it is staged in
+  // the block's own Q and dO stage, in the bytes that only its warpgroup's dV and dK products read
+  // (its 128 columns of Q and of dO), once those products have landed. The next load into that
+  // stage waits for the engine to have read them. With atomics there, 16-byte reductions of one
+  // 32-byte sector each kept the crossbar into L2 82% busy and the warps' shuffles and selects
+  // that build them held a third of the stall samples (bf16 d256 8k, H200, bench/NOTES.md session 23).
+  static constexpr bool kDqInStage = kDqBulkReduce && kSplitHeadDim;
   static constexpr int kDqBoxColumns = 32;  // fp32: one 128-byte swizzle row
   static constexpr int kDqBoxBytes = 16 * kDqBoxColumns * static_cast<int>(sizeof(float));
   static constexpr int kDqWarpBytes = kDqColumns / kDqBoxColumns * kDqBoxBytes;
-  static constexpr int kDqStagingBytes = kDqBulkReduce ? kThreads / 32 * kDqWarpBytes : 0;
+  static constexpr int kDqStagingBytes = kDqBulkReduce && !kDqInStage ? kThreads / 32 * kDqWarpBytes : 0;
 
   // dQ one block behind (default mode, families 64 and 128): a block's dQ product is issued after
   // its second barrier and left running; the next block waits for it (and for the dV and dK
@@ -173,8 +182,9 @@ struct BwdKernelTraits {
   // made ptxas serialize every wgmma: it does not follow a group across the loop's back edge.) The
   // instances of the staging (kDqBulkReduce): deterministic mode adds in turn (the wait for the
   // turn would then hold up the next block's scores), and family 64's dropout instance spilled 244
-  // bytes so (92 without): they keep dQ in its block, as does the split layout.
-  static constexpr bool kDqBehind = kDqBulkReduce;
+  // bytes so (92 without): they keep dQ in its block, as does the split layout (whose staging waits
+  // for its block's dV and dK anyway).
+  static constexpr bool kDqBehind = kDqBulkReduce && !kSplitHeadDim;
 
   // Shared-memory plan, byte offsets from a 1024-byte aligned base (the 128-byte swizzle's period):
   //   [ dQ staging (kDqBulkReduce) | K | V | Q stage 0 | dO stage 0 | Q stage 1 | dO stage 1 | ... |
@@ -239,6 +249,9 @@ struct BwdKernelTraits {
                 "the split shares one 64-key block and halves whole swizzle atoms of the head dim");
   static_assert(kRoundKeysOffset % 16 == 0, "the round keys load as 16-byte vectors");
   static_assert(kDqStagingBytes % 1024 == 0, "K, V, Q and dO start on the swizzle's period");
+  static_assert(!kDqInStage || (kDqQueryParts == 1 && kDqColumns == kKvColumns &&
+                                 2 * kDqWarpBytes == kKvColumns / 64 * QTile::kColumnBlockBytes),
+                "a warpgroup's dQ staging is its Q and dO columns of the stage: two warps' boxes in each");
   static_assert(kSmemBytes <= 227 * 1024, "shared memory plan exceeds an SM");
   static_assert(kSmemBytes == kBytesBesideStages + kStages * (kStageTxBytes + kBarrierBytes),
                 "the stage count's estimate is the plan");
@@ -387,22 +400,21 @@ __device__ __forceinline__ void issue_key_gradient_from_tile(float* acc, uint32_
 // dQ accumulator += a warp's 16-row dQ fragments (the m64 accumulator rows 16 w + g, 16 w + g + 8 of
 // warp w, kDqTiles 8-column tiles) by the copy engine: `first_row` is the rows' index in the
 // sequence, `first_col` their first column, `map` the accumulator's tensor map (head dim, query
-// heads, total_q). The lanes store their fragments in the warp's staging boxes (Traits::kDqOffset
-// in the shared memory at `smem`, laid out as the map's 128-byte swizzle wants: the 16-byte chunk c
-// of row r at chunk c ^ (r % 8)), and lane 0 issues one bulk reduce-add per 32-column box. The warp
-// goes on at once; lane 0 waits for the engine to have read the boxes before the next block's
-// stores (a block later, long done) and, with the kernel's last wait, before the CTA exits. Columns
+// heads, total_q). The lanes store their fragments in the warp's staging boxes (`staging`, 1024-byte
+// aligned, laid out as the map's 128-byte swizzle wants: the 16-byte chunk c of row r at chunk
+// c ^ (r % 8)), and lane 0 issues one bulk reduce-add per 32-column box. The warp goes on at once;
+// lane 0 waits for the engine to have read the boxes before the next block's stores (a block later,
+// long done) and, with the kernel's last wait, before the CTA exits. Columns
 // past head_dim fall outside the map and are dropped. Rows past the sequence (its last block) are
 // inside the map (the next sequence's, or the next batch's): they are staged as zeros, and adding
 // zeros changes no accumulator element (the accumulator starts at +0 and a sum of floats is -0 only
 // when both terms are, so no element is -0, and x + +-0 = x for every other x).
 template <typename Traits>
 __device__ __forceinline__ void reduce_dq_in_bulk(const CUtensorMap& map, const float (&acc)[Traits::kDqTiles][4],
-                                                  unsigned char* smem, int first_row, int first_col, int len_q,
-                                                  int head, int64_t q_flat, int head_dim) {
+                                                  unsigned char* staging, int first_row, int first_col,
+                                                  int len_q, int head, int64_t q_flat, int head_dim) {
   static_assert(Traits::kDqColumns % Traits::kDqBoxColumns == 0, "whole boxes");
   const int lane = static_cast<int>(threadIdx.x) % 32;
-  unsigned char* const staging = smem + Traits::kDqOffset + static_cast<int>(threadIdx.x / 32) * Traits::kDqWarpBytes;
   if (lane == 0) tma_store_wait_read<0>();
   __syncwarp();
   const int g = lane / 4;
@@ -635,14 +647,21 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
     const uint32_t v_rows = smem + Traits::kVOffset + wg_key0 * 128;
 
     // This warpgroup's dQ part of a block (64 queries x kDqColumns) into the accumulator: staged
-    // for the copy engine's reductions, or atomic adds.
+    // for the copy engine's reductions, or atomic adds. With kDqInStage the staging is in `stage`,
+    // the block's pipeline stage: this warpgroup's columns of its Q (warps 0-1) and dO (warps 2-3).
     float acc_dq[Traits::kDqTiles][4];
-    auto add_dq = [&](int dq_m0) {
+    auto add_dq = [&](int dq_m0, [[maybe_unused]] int stage = 0) {
       const int first_row = dq_m0 + dq_query_part * 64 + warp * 16;
       const int first_col = dq_column_part * Traits::kDqColumns;
       if constexpr (Traits::kDqBulkReduce) {
-        reduce_dq_in_bulk<Traits>(dq_map, acc_dq, smem_aligned, first_row, first_col, loc.len_q, loc.head,
-                                  loc.q_flat, p.head_dim);
+        unsigned char* staging =
+            smem_aligned + Traits::kDqOffset + static_cast<int>(threadIdx.x / 32) * Traits::kDqWarpBytes;
+        if constexpr (Traits::kDqInStage) {
+          staging = smem_aligned + Traits::kQOffset + stage * Traits::kStageBytes + (warp / 2) * QTile::kBytes +
+                    (wg_kv_col0 / 64) * QTile::kColumnBlockBytes + (warp % 2) * Traits::kDqWarpBytes;
+        }
+        reduce_dq_in_bulk<Traits>(dq_map, acc_dq, staging, first_row, first_col, loc.len_q, loc.head, loc.q_flat,
+                                  p.head_dim);
       } else {
         sm80::add_dq_rows<Traits::kDqTiles>(dq_accum, dq_row_stride, acc_dq, first_row, first_col, loc.len_q,
                                             p.head_dim);
@@ -685,7 +704,8 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           load_query_block(ahead, stage == 0 ? Traits::kStages - 1 : stage - 1);
         }
       };
-      constexpr bool kLoadsAfterSecondBarrier = Traits::kDsBuffers == 2;
+      // (kDqInStage: the previous block's dQ staging in that stage is read by the engine by then.)
+      constexpr bool kLoadsAfterSecondBarrier = Traits::kDsBuffers == 2 || Traits::kDqInStage;
       if (!Traits::kDeterministic && !kLoadsAfterSecondBarrier) load_ahead();
       const int marks_stage = (m_block - visible.begin) % Traits::kMarkStages;
       const uint32_t q_tile = smem + Traits::kQOffset + static_cast<uint32_t>(stage * Traits::kStageBytes);
@@ -803,6 +823,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           sm80::DqAddTurn<kBlockM, kBlockN>::of(bp, ws, loc.batch, loc.head, window, m_block, loc.n_block);
       [[maybe_unused]] int dq_turn_seen = 0;
       if constexpr (Traits::kDeterministic) dq_turn_seen = load_relaxed(dq_turn.semaphore);
+      // kDqInStage: the engine has read the previous block's dQ staging (issued a block ago), so that
+      // the loads after the barrier may overwrite its stage.
+      if constexpr (Traits::kDqInStage) {
+        if (tid % 32 == 0) tma_store_wait_read<0>();
+      }
       fence_proxy_async_shared();  // the P^T / dS^T stores, before the wgmmas read them
       __syncthreads();  // P^T / dS^T complete
       if constexpr (kLoadsAfterSecondBarrier) load_ahead();
@@ -822,14 +847,23 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       wgmma_commit();
       if constexpr (Traits::kSplitHeadDim) {
         // dV += P^T dO and dK += dS^T Q over the block's queries and this warpgroup's columns,
-        // behind dQ so that its reductions below run while these products do.
+        // behind dQ (with atomics, its adds below run while these products do).
         const uint32_t kv_columns = static_cast<uint32_t>((wg_kv_col0 / 64) * QTile::kColumnBlockBytes);
         issue_key_gradient_from_tile<Traits>(&acc_dv[0][0][0], smem + Traits::kPOffset, do_tile + kv_columns);
         issue_key_gradient_from_tile<Traits>(&acc_dk[0][0][0], ds_tile, q_tile + kv_columns);
         wgmma_commit();
       }
       // dQ landed and added in this block (kDqBehind: during the next block, or after the loop).
-      if constexpr (!Traits::kDqBehind) {
+      if constexpr (Traits::kDqInStage) {
+        if constexpr (Traits::kDropout) {  // the next block's drop marks, while the products run
+          if (prefetch) store_drop_marks(m_block + 1, marks_stage ^ 1);
+        }
+        // Everything landed: this warpgroup's columns of the stage's Q and dO are free for dQ.
+        wgmma_wait<0>();
+        wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
+        key_gradients_landed();
+        add_dq(m0, stage);
+      } else if constexpr (!Traits::kDqBehind) {
         wgmma_wait<Traits::kSplitHeadDim ? 1 : 0>();  // dQ (without the split: everything) landed
         wgmma_fence_registers<Traits::kDqColumns / 2>(&acc_dq[0][0]);
         if constexpr (!Traits::kSplitHeadDim) key_gradients_landed();
@@ -839,7 +873,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           fence_acquire();
           unpublished = dq_turn.semaphore;
         }
-        add_dq(m0);
+        add_dq(m0, stage);
         if constexpr (Traits::kSplitHeadDim) {
           if constexpr (Traits::kDropout) {
             if (prefetch) store_drop_marks(m_block + 1, marks_stage ^ 1);

@@ -3,7 +3,8 @@
 // chose them; plain C++ (the dispatcher names the tile).
 //
 // Families 64 and 128 (256: below): a CTA owns BlockN = 128 keys of one (batch, query head): two
-// warpgroups of 64 keys each (wgmma's M is 64). Per query block of BlockM queries, warpgroup w computes, for its 64 keys:
+// warpgroups of 64 keys each (wgmma's M is 64). Per query block of BlockM queries, warpgroup w
+// computes, for its 64 keys:
 //   S^T  = K_w Q^T    P x m64 n(BlockM/P) k16 x D/16  A = K (smem, K-major), B = Q (smem, K-major)
 //   dP^T = V_w dO^T   P x m64 n(BlockM/P) k16 x D/16  A = V, B = dO
 //   dV  += P^T dO     m64 n(D) k16 x BlockM/16        A = P^T (registers), B = dO (smem, MN-major)
@@ -39,13 +40,18 @@
 //   dQ = dS K    warpgroup w: the 64 queries x columns [128w, 128w + 128)  m64 n128 k16 x 4, ss
 // fp32 registers per thread: dK + dV = 2 * 64 * 128 / 128 = 128 resident, S^T + dP^T = 32, dQ = 64
 // (after the scores are dead): peak ~128 + 64 + addresses. Shared memory: K, V 32 + 32 KiB,
-// 2 x (Q, dO) 128 KiB, P^T + dS^T 16 KiB, LSE/dot 1 KiB = 209 KiB (+ 1 KiB alignment) of 227.
+// 2 x (Q, dO) 128 KiB, P^T + dS^T 16 KiB, LSE/dot 1 KiB = 209 KiB (+ 1 KiB alignment) of 227:
+// no room for dQ's 64 KiB of staging, which therefore takes the block's own Q/dO stage once the
+// products that read it have landed (BwdKernelTraits::kDqInStage).
 //   family | BlockM | BlockN | split | dK+dV | S^T+dP^T | dQ
 //   256    | 64     | 64     | yes   | 128   | 32       | 64
 // Bytes per FLOP against the d128 tile: per (64-query, 64-key) pair the CTA reads Q and dO
 // (64 KiB) and reduces 64 KiB of fp32 dQ for 5 x 2 x 64 x 64 x 256 = 10.5 MFLOP, twice d128's
 // L2 traffic per FLOP (its 128-key CTAs share each Q/dO load between two warpgroups); at
-// ~300 TFLOP/s that is ~3.7 TB/s of L2, within an H200's L2 bandwidth but not free.
+// ~300 TFLOP/s that is ~3.7 TB/s of L2, within an H200's L2 bandwidth but not free. How dQ travels
+// counts too: as 16-byte atomics (one 32-byte L2 request each) they kept the crossbar into L2 82%
+// busy at ~290 TFLOP/s, as the copy engine's bulk reductions (128-byte requests) the kernel runs
+// ~1.25x faster (H200, bench/NOTES.md session 23).
 #pragma once
 
 namespace flashkit::sm90 {
