@@ -20,9 +20,10 @@
 
 namespace flashkit::sm80 {
 
-// Blocks of kRowKernelWarps warps covering `rows` one-warp rows.
-inline unsigned row_kernel_blocks(int64_t rows, const char* what) {
-  const int64_t blocks = (rows + kRowKernelWarps - 1) / kRowKernelWarps;
+// Blocks of kRowKernelWarps warps covering `rows` rows of head_dim elements (row_lanes).
+inline unsigned row_kernel_blocks(int64_t rows, int head_dim, const char* what) {
+  const int64_t rows_per_block = int64_t{kRowKernelWarps} * (32 / row_lanes(head_dim));
+  const int64_t blocks = (rows + rows_per_block - 1) / rows_per_block;
   if (blocks > INT32_MAX) {
     throw Error(std::string("mha_bwd: ") + what + " rows = " + std::to_string(rows) +
                 " exceed the 2^31 - 1 CTAs one launch can run");
@@ -44,7 +45,7 @@ void launch_bwd_preprocess(const BwdProblem& problem, const BwdWorkspacePointers
   const int64_t q_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
   if (q_rows > 0) {
     bwd_preprocess_kernel<Element, kKeepScaled>
-        <<<row_kernel_blocks(q_rows, "query"), kRowKernelWarps * 32, 0, s>>>(problem, ws);
+        <<<row_kernel_blocks(q_rows, p.head_dim, "query"), kRowKernelWarps * 32, 0, s>>>(problem, ws);
     cuda::check_last_launch("bwd_preprocess_kernel");
   }
 }
@@ -56,12 +57,12 @@ void launch_bwd_postprocess(const BwdProblem& problem, const BwdWorkspacePointer
   constexpr int kRowThreads = kRowKernelWarps * 32;
   const int64_t q_rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
   if (q_rows > 0) {
-    bwd_dq_convert_kernel<Element><<<row_kernel_blocks(q_rows, "query"), kRowThreads, 0, s>>>(problem, ws);
+    bwd_dq_convert_kernel<Element><<<row_kernel_blocks(q_rows, p.head_dim, "query"), kRowThreads, 0, s>>>(problem, ws);
     cuda::check_last_launch("bwd_dq_convert_kernel");
   }
   const int64_t kv_rows = static_cast<int64_t>(p.batch) * p.heads_kv * p.seqlen_k;
   if (p.heads_q != p.heads_kv && kv_rows > 0) {
-    bwd_group_sum_kernel<Element><<<row_kernel_blocks(kv_rows, "key"), kRowThreads, 0, s>>>(problem, ws);
+    bwd_group_sum_kernel<Element><<<row_kernel_blocks(kv_rows, p.head_dim, "key"), kRowThreads, 0, s>>>(problem, ws);
     cuda::check_last_launch("bwd_group_sum_kernel");
   }
 }
