@@ -873,7 +873,7 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
           fence_acquire();
           unpublished = dq_turn.semaphore;
         }
-        add_dq(m0, stage);
+        add_dq(m0);
         if constexpr (Traits::kSplitHeadDim) {
           if constexpr (Traits::kDropout) {
             if (prefetch) store_drop_marks(m_block + 1, marks_stage ^ 1);
