@@ -17,7 +17,8 @@
 #   cpu_tests  flashkit_cpu_tests
 #   python_tests  tests/python (pytest) against the extension the build staged in <build>/python
 #              (FLASHKIT_PYTHON=AUTO builds it where python3 imports torch), on the GPU;
-#              [-k $FLASHKIT_PYTEST_FILTER]
+#              [-k $FLASHKIT_PYTEST_FILTER]; skipped when FLASHKIT_CMAKE_ARGS has
+#              -DFLASHKIT_PYTHON=OFF (no extension to test)
 #   memcheck, racecheck, synccheck   only with FLASHKIT_SANITIZE=1: compute-sanitizer on the GPU tests
 #              [--gtest_filter=$FLASHKIT_SANITIZE_FILTER]
 #   bench      flashkit_bench (--quick with FLASHKIT_BENCH_QUICK=1; grid flags from
@@ -266,6 +267,8 @@ for t in gpu_tests gpu_tests_sm80 gpu_tests_bwd_sm80 cpu_tests python_tests; do
     skip_step $t "not in FLASHKIT_SM80_RERUNS"
   elif [ $t = gpu_tests_bwd_sm80 ] && [[ $SM80_RERUNS != *" bwd "* ]]; then
     skip_step $t "not in FLASHKIT_SM80_RERUNS"
+  elif [ $t = python_tests ] && [[ " ${FLASHKIT_CMAKE_ARGS:-} " == *" -DFLASHKIT_PYTHON=OFF "* ]]; then
+    skip_step $t "FLASHKIT_CMAKE_ARGS builds no extension (-DFLASHKIT_PYTHON=OFF)"
   elif ok build; then run_step $t
   else skip_step $t "no build"; fi
 done
