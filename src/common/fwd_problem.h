@@ -71,6 +71,10 @@ struct FwdProblem {
   int attn_probs_cols = 0;
 
   bool is_varlen() const { return cu_seqlens_q != nullptr; }
+  // The rows of q and out (k and v) along which a whole-tile reader (the sm90 copy engine's tensor
+  // maps) addresses them: the packed total when varlen, else seqlen per (batch, head).
+  int64_t q_tensor_rows() const { return is_varlen() ? total_q : seqlen_q; }
+  int64_t k_tensor_rows() const { return is_varlen() ? total_k : seqlen_k; }
   // The mask's key. A kernel calls this once, before its main loop: with a device rng_state it
   // reads global memory. Host code (the reference) only sees problems without one (validation).
   FLASHKIT_HOST_DEVICE DropoutMask dropout_mask() const {

@@ -96,7 +96,7 @@ void run_bwd(const BwdProblem& problem, void* stream) {
                 "cudaFuncSetAttribute(sm90 bwd_kernel, max dynamic shared memory)");
     // Q and dO come by the copy engine, a query block (BlockM rows) per box.
     const FwdProblem& p = problem.fwd;
-    const int64_t rows = p.is_varlen() ? p.total_q : p.seqlen_q;
+    const int64_t rows = p.q_tensor_rows();
     const CUtensorMap q_map = input_tensor_map(p, p.q, rows, p.heads_q, p.q_row_stride, p.q_head_stride,
                                                p.q_batch_stride, Traits::kBlockM, "q");
     const CUtensorMap do_map =

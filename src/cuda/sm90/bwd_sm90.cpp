@@ -21,7 +21,7 @@ std::string bwd_unsupported_reason(const BwdProblem& problem) {
   }
   // The copy engine reads q and dout (K, V and the rest are read by the threads).
   const bool varlen = p.is_varlen();
-  const int64_t rows = varlen ? p.total_q : p.seqlen_q;
+  const int64_t rows = p.q_tensor_rows();
   const TmaTensorLayout tensors[] = {
       {"q", p.q, rows, p.heads_q, p.batch, p.q_row_stride, p.q_head_stride, p.q_batch_stride},
       {"dout", problem.dout, rows, p.heads_q, p.batch, problem.dout_row_stride, problem.dout_head_stride,

@@ -47,17 +47,17 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   FwdParams params;
   params.problem = problem;
   params.tile_counter = nullptr;
-  params.q_map = input_tensor_map(problem, problem.q, varlen ? problem.total_q : problem.seqlen_q,
+  params.q_map = input_tensor_map(problem, problem.q, problem.q_tensor_rows(),
                                   problem.heads_q, problem.q_row_stride, problem.q_head_stride,
                                   problem.q_batch_stride, Traits::kBlockM, "q");
-  params.k_map = input_tensor_map(problem, problem.k, varlen ? problem.total_k : problem.seqlen_k,
+  params.k_map = input_tensor_map(problem, problem.k, problem.k_tensor_rows(),
                                   problem.heads_kv, problem.k_row_stride, problem.k_head_stride,
                                   problem.k_batch_stride, Traits::kBlockN, "k");
-  params.v_map = input_tensor_map(problem, problem.v, varlen ? problem.total_k : problem.seqlen_k,
+  params.v_map = input_tensor_map(problem, problem.v, problem.k_tensor_rows(),
                                   problem.heads_kv, problem.v_row_stride, problem.v_head_stride,
                                   problem.v_batch_stride, Traits::kBlockN, "v");
   if constexpr (Traits::kStageOutput) {  // the staged epilogue stores one consumer's 64 rows per box
-    params.o_map = input_tensor_map(problem, problem.out, varlen ? problem.total_q : problem.seqlen_q,
+    params.o_map = input_tensor_map(problem, problem.out, problem.q_tensor_rows(),
                                     problem.heads_q, problem.out_row_stride, problem.out_head_stride,
                                     problem.out_batch_stride, 64, "out");
   }

@@ -18,13 +18,13 @@ std::string fwd_unsupported_reason(const FwdProblem& p) {
   // The copy engine reads q, k and v, and the epilogue stores out the same way.
   const bool varlen = p.is_varlen();
   const TmaTensorLayout tensors[] = {
-      {"q", p.q, varlen ? p.total_q : p.seqlen_q, p.heads_q, p.batch, p.q_row_stride, p.q_head_stride,
+      {"q", p.q, p.q_tensor_rows(), p.heads_q, p.batch, p.q_row_stride, p.q_head_stride,
        p.q_batch_stride},
-      {"k", p.k, varlen ? p.total_k : p.seqlen_k, p.heads_kv, p.batch, p.k_row_stride, p.k_head_stride,
+      {"k", p.k, p.k_tensor_rows(), p.heads_kv, p.batch, p.k_row_stride, p.k_head_stride,
        p.k_batch_stride},
-      {"v", p.v, varlen ? p.total_k : p.seqlen_k, p.heads_kv, p.batch, p.v_row_stride, p.v_head_stride,
+      {"v", p.v, p.k_tensor_rows(), p.heads_kv, p.batch, p.v_row_stride, p.v_head_stride,
        p.v_batch_stride},
-      {"out", p.out, varlen ? p.total_q : p.seqlen_q, p.heads_q, p.batch, p.out_row_stride,
+      {"out", p.out, p.q_tensor_rows(), p.heads_q, p.batch, p.out_row_stride,
        p.out_head_stride, p.out_batch_stride},
   };
   for (const TmaTensorLayout& t : tensors) {
