@@ -426,7 +426,7 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
   RingCursor<Traits::kStages> cursor;
   uint32_t tail_phase = 0;
   uint32_t q_loads = 0;
-  FwdTile tile;
+  FwdTile tile{};  // (assigned per tile below; initialized so that the lambdas capture no indeterminate value)
   int batch = 0;
   // V of key block n_block into the stage of `at`.
   auto load_v = [&](int n_block, const RingCursor<Traits::kStages>& at) {
