@@ -25,17 +25,17 @@ MhaBwdParams make_bwd_params(const Case& c, const void* q, const void* k, const 
                              void* dk, void* dv, Device device) {
   MhaBwdParams p;
   const int64_t b = c.batch, s = c.seqlen, h = c.heads, d = c.head_dim;
-  auto view = [&](const void* data) {
-    return make_view(const_cast<void*>(data), c.dtype, {b, s, h, d}, device);
+  auto view = [&](const void* data, int64_t heads) {
+    return make_view(const_cast<void*>(data), c.dtype, {b, s, heads, d}, device);
   };
-  p.q = view(q);
-  p.k = view(k);
-  p.v = view(v);
-  p.out = view(out);
-  p.dout = view(dout);
-  p.dq = view(dq);
-  p.dk = view(dk);
-  p.dv = view(dv);
+  p.q = view(q, h);
+  p.k = view(k, c.kv_heads());
+  p.v = view(v, c.kv_heads());
+  p.out = view(out, h);
+  p.dout = view(dout, h);
+  p.dq = view(dq, h);
+  p.dk = view(dk, c.kv_heads());
+  p.dv = view(dv, c.kv_heads());
   p.softmax_lse = make_view(const_cast<float*>(lse), DType::kFloat32, {b, h, s}, device);
   p.mask.causal = c.causal;
   p.mask.window_left = c.window;
@@ -46,11 +46,11 @@ MhaBwdParams make_bwd_params(const Case& c, const void* q, const void* k, const 
 
 std::string gradient_note(const Case& c, const uint16_t* dq, const uint16_t* dk,
                           const uint16_t* dv) {
-  const int64_t n = c.tensor_elems();
-  const int64_t bad = count_nonfinite(dq, n, c.dtype) + count_nonfinite(dk, n, c.dtype) +
-                      count_nonfinite(dv, n, c.dtype);
+  const int64_t n = c.tensor_elems(), n_kv = c.kv_elems();
+  const int64_t bad = count_nonfinite(dq, n, c.dtype) + count_nonfinite(dk, n_kv, c.dtype) +
+                      count_nonfinite(dv, n_kv, c.dtype);
   if (bad == 0) return "";
-  return std::to_string(bad) + " of " + std::to_string(3 * n) +
+  return std::to_string(bad) + " of " + std::to_string(n + 2 * n_kv) +
          " dq / dk / dv values are NaN/inf (unwritten or overflowed)";
 }
 
@@ -105,8 +105,9 @@ Result run_gpu_bwd_case(const Case& c, Gpu& gpu) {
     const int64_t elems = c.tensor_elems();
     const size_t tensor_bytes = elems * sizeof(uint16_t);
     const int64_t lse_elems = int64_t(c.batch) * c.heads * c.seqlen;
-    // Each set is read as q, k, v, out and lse; dout and the gradients are shared.
-    const int64_t set_bytes = 4 * static_cast<int64_t>(tensor_bytes);
+    // Each set is read as q, k, v, out and lse; dout and the gradients are shared. (k, v, dk and dv
+    // get q's size whatever --gqa: their views take the first kv_elems.)
+    const int64_t set_bytes = (2 * elems + 2 * c.kv_elems()) * static_cast<int64_t>(sizeof(uint16_t));
     const int sets =
         static_cast<int>(std::max<int64_t>(1, (2 * gpu.l2_bytes + set_bytes - 1) / set_bytes));
     const Device device{DeviceKind::kCuda, gpu.device};

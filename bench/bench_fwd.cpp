@@ -63,7 +63,7 @@ const char* const kCpuMethodNote =
 const char* const kUsage =
     "usage: flashkit_bench [--dtype bf16,fp16] [--hdim 64,128,256] [--seqlen 512,1k,2k,4k,8k,16k]\n"
     "                      [--causal both|yes|no] [--op fwd,bwd,fwd_bwd] [--quick] [--json PATH]\n"
-    "                      [--dropout P] [--window L] [--energy]\n"
+    "                      [--dropout P] [--window L] [--gqa G] [--energy]\n"
     "  Times flashkit::mha_fwd, mha_bwd (default and deterministic) and both with\n"
     "  batch = 16384 / seqlen and heads = 2048 / hdim.\n"
     "  --quick     bf16, hdim 64 and 128, seqlen 2k and 8k (explicit flags still override)\n"
@@ -73,6 +73,8 @@ const char* const kUsage =
     "              sub-problems would draw another mask)\n"
     "  --window L  a causal sliding window: each query sees itself and the L keys before it\n"
     "              (window_size (L, 0)); implies --causal yes; TFLOP/s count the visible pairs\n"
+    "  --gqa G     grouped-query attention: heads / G key / value heads, G query heads each\n"
+    "              (G divides every head count of the grid; results get \"heads_kv\")\n"
     "  --energy    also the energy per call and the mean power, from the GPU's energy counter\n"
     "              (NVML) over 1 s more of launches per case; results get \"joules\" and \"watts\"\n"
     "  Lists are comma-separated; seqlens take a k suffix (2k = 2048).\n"
@@ -91,6 +93,7 @@ struct Options {
   std::string json_path;
   float dropout = 0.0f;
   int window = -1;
+  int gqa = 1;  // query heads per key / value head
   bool energy = false;
 };
 
@@ -150,7 +153,7 @@ Options parse_options(int argc, char** argv) {
   bool quick = false;
   bool energy = false;
   std::string ops = "fwd,bwd,fwd_bwd", dtypes, hdims, seqlens, causal = "both", json, dropout,
-              window;
+              window, gqa;
   for (int i = 1; i < argc; ++i) {
     std::string arg = argv[i];
     std::string value;
@@ -179,6 +182,7 @@ Options parse_options(int argc, char** argv) {
                           : arg == "--op"     ? &ops
                           : arg == "--dropout" ? &dropout
                           : arg == "--window" ? &window
+                          : arg == "--gqa"    ? &gqa
                                               : nullptr;
     if (target == nullptr) throw std::invalid_argument("unknown option " + arg);
     if (eq == std::string::npos) {
@@ -200,6 +204,15 @@ Options parse_options(int argc, char** argv) {
   if (!window.empty()) {
     opt.window = window == "0" ? 0 : parse_positive(window, true);
     opt.causal = {true};
+  }
+  if (!gqa.empty()) {
+    opt.gqa = parse_positive(gqa, false);
+    for (int d : opt.head_dims) {
+      if (std::max(1, kModelDim / d) % opt.gqa != 0) {
+        throw std::invalid_argument("--gqa " + gqa + " does not divide head dim " + std::to_string(d) +
+                                    "'s " + std::to_string(std::max(1, kModelDim / d)) + " heads");
+      }
+    }
   }
   opt.json_path = json;
   opt.energy = energy;
@@ -232,7 +245,7 @@ Options parse_options(int argc, char** argv) {
             for (bool deterministic : {false, true}) {
               if (deterministic && op == Op::kFwd) continue;
               cases.push_back(
-                  {op, dtype, batch, heads, s, d, causal, deterministic, opt.dropout, opt.window});
+                  {op, dtype, batch, heads, s, d, causal, deterministic, opt.dropout, opt.window, opt.gqa});
             }
           }
         }
@@ -330,7 +343,7 @@ void write_json(const std::string& path, const RunInfo& info, const std::vector<
     js << (i ? ",\n" : "\n") << "    {\"op\": \"" << op_name(c.op)
        << "\", \"impl\": " << json_string(impl) << ", \"dtype\": \"" << short_name(c.dtype)
        << "\", \"batch\": " << c.batch << ", \"heads_q\": " << c.heads
-       << ", \"heads_kv\": " << c.heads << ", \"seqlen_q\": " << c.seqlen
+       << ", \"heads_kv\": " << c.kv_heads() << ", \"seqlen_q\": " << c.seqlen
        << ", \"seqlen_k\": " << c.seqlen << ", \"head_dim\": " << c.head_dim
        << ", \"causal\": " << (c.causal ? "true" : "false")
        << ", \"window\": [" << c.window << ", " << (c.window >= 0 ? 0 : -1)
@@ -457,15 +470,15 @@ int run_cpu_mode(const std::string& why, const Options& opt, RunInfo info) {
 
 #ifdef FLASHKIT_BENCH_CUDA
 
-// Copies `rows` rows of one head of sequence b, starting at row0, from a device [b, s, h, d] tensor
-// into a contiguous host [rows, d] block.
-std::vector<uint16_t> copy_rows(const Case& c, const void* tensor, int b, int row0, int rows,
+// Copies `rows` rows of one head of sequence b, starting at row0, from a device [b, s, heads, d]
+// tensor into a contiguous host [rows, d] block.
+std::vector<uint16_t> copy_rows(const Case& c, const void* tensor, int heads, int b, int row0, int rows,
                                 int head) {
   const size_t row_bytes = c.head_dim * sizeof(uint16_t);
-  const int64_t offset = ((int64_t(b) * c.seqlen + row0) * c.heads + head) * c.head_dim;
+  const int64_t offset = ((int64_t(b) * c.seqlen + row0) * heads + head) * c.head_dim;
   std::vector<uint16_t> host(int64_t(rows) * c.head_dim);
   CUDA_OK(cudaMemcpy2D(host.data(), row_bytes, static_cast<const uint16_t*>(tensor) + offset,
-                       c.heads * row_bytes, row_bytes, rows, cudaMemcpyDeviceToHost));
+                       heads * row_bytes, row_bytes, rows, cudaMemcpyDeviceToHost));
   return host;
 }
 
@@ -491,9 +504,9 @@ double spot_check(const Case& c, const Gpu& gpu, const void* q, const void* k, c
   const Block blocks[] = {{0, 0, c.causal ? rows : c.seqlen, 0},
                           {c.seqlen - rows, last_key0, c.seqlen - last_key0, c.heads - 1}};
   for (const Block& blk : blocks) {
-    auto hq = copy_rows(c, q, b, blk.row0, rows, blk.head);
-    auto hk = copy_rows(c, k, b, blk.key0, blk.keys, blk.head);
-    auto hv = copy_rows(c, v, b, blk.key0, blk.keys, blk.head);
+    auto hq = copy_rows(c, q, c.heads, b, blk.row0, rows, blk.head);
+    auto hk = copy_rows(c, k, c.kv_heads(), b, blk.key0, blk.keys, blk.head / c.group);
+    auto hv = copy_rows(c, v, c.kv_heads(), b, blk.key0, blk.keys, blk.head / c.group);
     std::vector<uint16_t> ref(int64_t(rows) * c.head_dim);
     std::vector<float> lse(rows);
     flashkit::mha_fwd(make_params(one_head, rows, blk.keys, hq.data(), hk.data(), hv.data(),
@@ -516,7 +529,7 @@ Result run_gpu_case(const Case& c, Gpu& gpu) {
   Result r(c);
   try {
     const int64_t elems = c.tensor_elems();
-    const int64_t set_bytes = 3 * elems * static_cast<int64_t>(sizeof(uint16_t));
+    const int64_t set_bytes = (elems + 2 * c.kv_elems()) * static_cast<int64_t>(sizeof(uint16_t));
     const int sets =
         static_cast<int>(std::max<int64_t>(1, (2 * gpu.l2_bytes + set_bytes - 1) / set_bytes));
     void* out = gpu.out.get(elems * sizeof(uint16_t));

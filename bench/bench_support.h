@@ -61,8 +61,11 @@ struct Case {
   bool deterministic;  // the backward's deterministic mode (bwd, fwd_bwd)
   float dropout = 0.0f;  // dropout.p (see --dropout)
   int window = -1;       // >= 0: a causal sliding window, each query sees itself and `window` keys before it
+  int group = 1;         // query heads per key / value head (--gqa): heads / group heads in k and v
 
-  int64_t tensor_elems() const { return int64_t(batch) * seqlen * heads * head_dim; }
+  int kv_heads() const { return heads / group; }
+  int64_t tensor_elems() const { return int64_t(batch) * seqlen * heads * head_dim; }  // q, out, dq
+  int64_t kv_elems() const { return int64_t(batch) * seqlen * kv_heads() * head_dim; }  // k, v, dk, dv
   // The (query, key) pairs counted: all of them, half for causal (FlashAttention's convention), and
   // under a sliding window the exact count of visible pairs.
   double pairs() const {
@@ -126,10 +129,10 @@ inline std::string first_line(const std::string& s) { return s.substr(0, s.find(
 inline flashkit::MhaFwdParams make_params(const Case& c, int rows_q, int rows_k, void* q, void* k,
                                           void* v, void* out, float* lse, flashkit::Device device) {
   flashkit::MhaFwdParams p;
-  const int64_t b = c.batch, h = c.heads, d = c.head_dim;
+  const int64_t b = c.batch, h = c.heads, h_kv = c.kv_heads(), d = c.head_dim;
   p.q = flashkit::make_view(q, c.dtype, {b, rows_q, h, d}, device);
-  p.k = flashkit::make_view(k, c.dtype, {b, rows_k, h, d}, device);
-  p.v = flashkit::make_view(v, c.dtype, {b, rows_k, h, d}, device);
+  p.k = flashkit::make_view(k, c.dtype, {b, rows_k, h_kv, d}, device);
+  p.v = flashkit::make_view(v, c.dtype, {b, rows_k, h_kv, d}, device);
   p.out = flashkit::make_view(out, c.dtype, {b, rows_q, h, d}, device);
   p.softmax_lse = flashkit::make_view(lse, DType::kFloat32, {b, h, rows_q}, device);
   p.mask.causal = c.causal;

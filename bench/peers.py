@@ -20,7 +20,8 @@ cost the most time.
 
 usage: peers.py [--dtype bf16,fp16] [--hdim 64,128,256] [--seqlen 512,1k,...,16k]
                 [--causal both|yes|no] [--quick] [--ops fwd,bwd,fwd_bwd]
-                [--impls sdpa_flash,...,flex] [--json PATH] [--dropout P] [--energy]
+                [--impls sdpa_flash,...,flex] [--json PATH] [--dropout P] [--gqa G] [--energy]
+--gqa G: heads / G key / value heads (SDPA and flex with enable_gqa, FA3 natively), as flashkit_bench.
 --energy adds the energy per call and the mean power (records get "joules" and "watts"), from the
 GPU's energy counter over 1 s more of calls per case, as flashkit_bench --energy measures them.
 Environment: FLASHKIT_GIT_COMMIT, FLASHKIT_DRIVER (as for flashkit_bench).
@@ -80,6 +81,8 @@ def parse_args():
     p.add_argument("--json", help="write the results (docs/DESIGN.md format) to this path")
     p.add_argument("--dropout", type=float, default=0.0,
                    help="dropout_p of the SDPA backends (flex has none); records get \"dropout\"")
+    p.add_argument("--gqa", type=int, default=1,
+                   help="query heads per key / value head (grouped-query attention); records get heads_kv")
     p.add_argument("--energy", action="store_true",
                    help="also the energy per call and the mean power (NVML's energy counter)")
     args = p.parse_args()
@@ -94,6 +97,9 @@ def parse_args():
         args.seqlens = [parse_seqlen(x) for x in seqlens.split(",")]
     except ValueError as e:
         p.error(f"bad number in a list: {e}")
+    for d in args.hdims:
+        if args.gqa < 1 or max(1, MODEL_DIM // d) % args.gqa:
+            p.error(f"--gqa {args.gqa} does not divide head dim {d}'s {max(1, MODEL_DIM // d)} heads")
     args.dtypes = dtypes.split(",")
     args.causals = {"both": [False, True], "yes": [True], "1": [True], "true": [True]}.get(
         args.causal, [False])
@@ -111,7 +117,7 @@ def parse_args():
 def make_grid(args):
     """The cases in flashkit_bench's order: op, dtype, head dim, causal, seqlen."""
     return [dict(op=op, dtype=dt, batch=max(1, TOTAL_TOKENS // s), heads=max(1, MODEL_DIM // d),
-                 seqlen=s, head_dim=d, causal=causal, dropout=args.dropout)
+                 seqlen=s, head_dim=d, causal=causal, dropout=args.dropout, group=args.gqa)
             for op in args.op_list for dt in args.dtypes for d in args.hdims
             for causal in args.causals for s in args.seqlens]
 
@@ -191,21 +197,23 @@ class Bench:
         self.warmup_ms, self.min_timed_ms, self.min_reps = warmup_ms, min_timed_ms, min_reps
 
     def input_sets(self, c):
-        """Sets of (q, k, v): [b, h, s, d] views of [b, s, h, d] memory, enough to pass 2x L2.
-        For the backward ops, q, k and v require gradients and each set has a dout as well."""
+        """Sets of (q, k, v): [b, h, s, d] views of [b, s, h, d] memory, enough to pass 2x L2
+        (k and v with heads / group heads). For the backward ops, q, k and v require gradients and
+        each set has a dout as well."""
         torch = self.torch
         dtype = torch.bfloat16 if c["dtype"] == "bf16" else torch.float16
         shape = (c["batch"], c["seqlen"], c["heads"], c["head_dim"])
+        kv_shape = (c["batch"], c["seqlen"], c["heads"] // c.get("group", 1), c["head_dim"])
         backward = c["op"] != "fwd"
-        per_set = 4 if backward else 3
-        set_bytes = per_set * math.prod(shape) * 2
+        shapes = [shape, kv_shape, kv_shape] + ([shape] if backward else [])
+        set_bytes = sum(math.prod(s) for s in shapes) * 2
         sets = max(1, math.ceil(2 * self.l2_bytes / set_bytes))
         gen = torch.Generator(device="cuda").manual_seed(0)
 
-        def tensor(grad):
+        def tensor(shape, grad):
             t = torch.empty(shape, dtype=dtype, device="cuda").uniform_(-1, 1, generator=gen)
             return t.transpose(1, 2).requires_grad_(grad)
-        return [tuple(tensor(backward and i < 3) for i in range(per_set)) for _ in range(sets)]
+        return [tuple(tensor(s, backward and i < 3) for i, s in enumerate(shapes)) for _ in range(sets)]
 
     def time_ms(self, fn, sets):
         """Median ms of fn(i % sets) calls; returns (ms, the last call's output)."""
@@ -305,7 +313,8 @@ def impl_runner(torch, impl, flex_dynamic=False):
         def run_sdpa(c, sets, bench):
             def attend(q, k, v):
                 return F.scaled_dot_product_attention(q, k, v, is_causal=c["causal"],
-                                                      dropout_p=c["dropout"])
+                                                      dropout_p=c["dropout"],
+                                                      enable_gqa=c.get("group", 1) > 1)
             with sdpa_kernel([backend]):
                 call, _ = timed_op(torch, attend, c, sets)
                 return bench.time_ms(call, len(sets))
@@ -335,7 +344,8 @@ def impl_runner(torch, impl, flex_dynamic=False):
                 torch._dynamo.mark_static(t, 3)
                 torch._dynamo.maybe_mark_dynamic(t, 0)
                 torch._dynamo.maybe_mark_dynamic(t, 2)
-        call, _ = timed_op(torch, lambda q, k, v: flex(q, k, v, block_mask=mask), c, sets)
+        gqa = c.get("group", 1) > 1
+        call, _ = timed_op(torch, lambda q, k, v: flex(q, k, v, block_mask=mask, enable_gqa=gqa), c, sets)
         return bench.time_ms(call, len(sets))
     return run_flex
 
@@ -350,7 +360,7 @@ def failing_runner(error):
 def run_case(torch, bench, impl, runner, c, sets=None):
     """One record of the results format. sets: input sets of bench.input_sets(c) to reuse."""
     record = dict(op=c["op"], impl=impl, dtype=c["dtype"], batch=c["batch"], heads_q=c["heads"],
-                  heads_kv=c["heads"], seqlen_q=c["seqlen"], seqlen_k=c["seqlen"],
+                  heads_kv=c["heads"] // c.get("group", 1), seqlen_q=c["seqlen"], seqlen_k=c["seqlen"],
                   head_dim=c["head_dim"], causal=c["causal"], window=[-1, -1], ms=None,
                   tflops=None, tbps=None)
     if c["dropout"] > 0:
