@@ -318,6 +318,7 @@ def parse_args(argv=None):
     args.op_list = args.ops.split(",")
     args.impl_list = args.impls.split(",")
     args.dropout = 0.0  # peers.make_grid's dropout_p of the SDPA backends: none here
+    args.gqa = 1  # and its query heads per key / value head: multi-head attention here
     try:
         args.hdims = [int(x) for x in hdims.split(",")]
         args.seqlens = [int(x[:-1]) * 1024 if x[-1:] in "kK" else int(x)
