@@ -148,6 +148,9 @@ std::vector<bool> parse_causal(const std::string& s) {
   throw std::invalid_argument("--causal takes both, yes or no, not '" + s + "'");
 }
 
+// The query heads of the grid's shapes at one head dim (model dim 2048).
+int grid_heads(int head_dim) { return std::max(1, kModelDim / head_dim); }
+
 // Parses argv into Options; throws std::invalid_argument with a message on bad input.
 Options parse_options(int argc, char** argv) {
   bool quick = false;
@@ -208,9 +211,9 @@ Options parse_options(int argc, char** argv) {
   if (!gqa.empty()) {
     opt.gqa = parse_positive(gqa, false);
     for (int d : opt.head_dims) {
-      if (std::max(1, kModelDim / d) % opt.gqa != 0) {
+      if (grid_heads(d) % opt.gqa != 0) {
         throw std::invalid_argument("--gqa " + gqa + " does not divide head dim " + std::to_string(d) +
-                                    "'s " + std::to_string(std::max(1, kModelDim / d)) + " heads");
+                                    "'s " + std::to_string(grid_heads(d)) + " heads");
       }
     }
   }
@@ -241,7 +244,7 @@ Options parse_options(int argc, char** argv) {
         for (bool causal : opt.causal) {
           for (int s : opt.seqlens) {
             const int batch = static_cast<int>(std::max<int64_t>(1, kTotalTokens / s));
-            const int heads = std::max(1, kModelDim / d);
+            const int heads = grid_heads(d);
             for (bool deterministic : {false, true}) {
               if (deterministic && op == Op::kFwd) continue;
               cases.push_back(
