@@ -654,12 +654,11 @@ __global__ void __launch_bounds__(Traits::kThreads, 1)
       const int first_row = dq_m0 + dq_query_part * 64 + warp * 16;
       const int first_col = dq_column_part * Traits::kDqColumns;
       if constexpr (Traits::kDqBulkReduce) {
-        unsigned char* staging =
-            smem_aligned + Traits::kDqOffset + static_cast<int>(threadIdx.x / 32) * Traits::kDqWarpBytes;
-        if constexpr (Traits::kDqInStage) {
-          staging = smem_aligned + Traits::kQOffset + stage * Traits::kStageBytes + (warp / 2) * QTile::kBytes +
-                    (wg_kv_col0 / 64) * QTile::kColumnBlockBytes + (warp % 2) * Traits::kDqWarpBytes;
-        }
+        unsigned char* const staging =
+            Traits::kDqInStage
+                ? smem_aligned + Traits::kQOffset + stage * Traits::kStageBytes + (warp / 2) * QTile::kBytes +
+                      (wg_kv_col0 / 64) * QTile::kColumnBlockBytes + (warp % 2) * Traits::kDqWarpBytes
+                : smem_aligned + Traits::kDqOffset + static_cast<int>(threadIdx.x / 32) * Traits::kDqWarpBytes;
         reduce_dq_in_bulk<Traits>(dq_map, acc_dq, staging, first_row, first_col, loc.len_q, loc.head, loc.q_flat,
                                   p.head_dim);
       } else {
