@@ -219,6 +219,9 @@ FwdOutputs fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor&
   fill_fwd_common(fn, p, q, k, v, out, softmax_lse, alibi_slopes, dropout.spec, softmax_scale,
                   causal, window_left, window_right, softcap);
   if (dropout.s_dmask.numel() > 0) p.attn_probs = to_view(fn, "S_dmask", dropout.s_dmask);
+  // Short queries run on the decode kernel, which splits long keys over the SMs through it.
+  const size_t workspace_bytes = call_flashkit([&] { return mha_fwd_workspace_size(p); });
+  const at::Tensor workspace = allocate_workspace(p, workspace_bytes, q);
   call_flashkit([&] { mha_fwd(p, current_stream(q.device())); });
   return {out, softmax_lse, dropout.rng_state, dropout.s_dmask};
 }

@@ -2,11 +2,13 @@
 // \brief The forward entry points: validate, then run on the backend that owns the data. This is
 // the one place that chooses a CUDA kernel.
 //
-// CPU views run the reference (src/cpu/). CUDA views run, on compute capability 9.0, the sm90 (wgmma
-// + TMA) kernel of the problem's (dtype, head-dim family) when this build compiled it and it covers
-// the problem (sm90::fwd_unsupported_reason), and otherwise the sm80 (mma.sync) kernel, provided
-// this build compiled it; the generated build_config.h lists which ones it did. The environment
-// variable FLASHKIT_FWD_PATH=sm80|sm90 forces a path (for tests and for chasing a bug); forcing sm90
+// CPU views run the reference (src/cpu/). CUDA views run, for up to 16 query tokens per sequence
+// (decoding through mha_fwd), the decode kernel that mha_fwd_kvcache runs (fwd_decode_route.h says
+// which problems and why); otherwise, on compute capability 9.0, the sm90 (wgmma + TMA) kernel of
+// the problem's (dtype, head-dim family) when this build compiled it and it covers the problem
+// (sm90::fwd_unsupported_reason), and otherwise the sm80 (mma.sync) kernel, provided this build
+// compiled it; the generated build_config.h lists which ones it did. The environment variable
+// FLASHKIT_FWD_PATH=sm80|sm90|decode forces a path (for tests and for chasing a bug); forcing one
 // where it cannot run is an error, not a fallback. Everything that can be rejected without the GPU
 // is rejected before the first CUDA runtime call, so bad input never touches the device.
 #include <cstdio>
@@ -15,6 +17,7 @@
 #include <string>
 
 #include "api/dispatch_support.h"
+#include "api/fwd_decode_route.h"
 #include "api/validate_fwd.h"
 #include "build_config.h"
 #include "cpu/reference_fwd.h"
@@ -24,7 +27,9 @@
 #ifdef FLASHKIT_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "api/decode_dispatch.h"
 #include "cuda/cuda_check.h"
+#include "cuda/sm80/decode_sm80.h"
 #include "cuda/sm80/fwd_sm80.h"
 #include "cuda/sm80/fwd_tile_config.h"
 #include "cuda/sm90/fwd_sm90.h"
@@ -61,18 +66,30 @@ RunFwd find_sm90_fwd([[maybe_unused]] DType dtype, [[maybe_unused]] int family) 
   return nullptr;
 }
 
-enum class FwdPath { kAuto, kSm80, kSm90 };
+enum class FwdPath { kAuto, kSm80, kSm90, kDecode };
 
-// FLASHKIT_FWD_PATH: unset or empty for the automatic choice, "sm80" or "sm90" to force one. Read
-// on every call, so a test can switch it between calls.
+// FLASHKIT_FWD_PATH: unset or empty for the automatic choice, "sm80", "sm90" or "decode" to force
+// one. Read on every call, so a test can switch it between calls.
 FwdPath requested_fwd_path(const char* fn) {
   const char* value = std::getenv("FLASHKIT_FWD_PATH");
   if (value == nullptr || value[0] == '\0') return FwdPath::kAuto;
   if (std::strcmp(value, "sm80") == 0) return FwdPath::kSm80;
   if (std::strcmp(value, "sm90") == 0) return FwdPath::kSm90;
+  if (std::strcmp(value, "decode") == 0) return FwdPath::kDecode;
   throw Error(std::string(fn) + ": FLASHKIT_FWD_PATH is '" + value +
-              "'; it must be sm80, sm90 or unset (automatic: sm90 on compute capability 9.0 where "
-              "it covers the problem, else sm80)");
+              "'; it must be sm80, sm90, decode or unset (automatic: the decode kernel for up to " +
+              std::to_string(api::kFwdDecodeMaxSeqlenQ) + " query tokens, else sm90 on compute "
+              "capability 9.0 where it covers the problem, else sm80)");
+}
+
+// Why the decode kernel cannot run `problem` in this build, or "" when it can (the device aside).
+std::string decode_unavailable_reason(const FwdProblem& problem) {
+  if (!api::decode_kernel_built(problem.dtype, problem.head_dim)) {
+    return std::string("this build has no decode kernel for ") + build_dtype_name(problem.dtype) +
+           " head dim " + std::to_string(problem.head_dim) + " (built head dims " +
+           FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " + FLASHKIT_BUILT_DTYPES + ")";
+  }
+  return api::fwd_decode_unsupported_reason(problem);
 }
 
 // Why the sm90 kernel cannot run `problem` in this build, or "" when it can (the device aside).
@@ -101,23 +118,35 @@ bool dtype_built_for_some_family(DType dtype) {
   return false;
 }
 
-void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* stream) {
-  const FwdPath requested = requested_fwd_path(fn);
-  const std::string sm90_unavailable = sm90_unavailable_reason(problem);
-  if (requested == FwdPath::kSm90 && !sm90_unavailable.empty()) {
-    throw Error(std::string(fn) + ": FLASHKIT_FWD_PATH=sm90 but the sm90 forward cannot run this "
-                "problem: " + sm90_unavailable + "; unset FLASHKIT_FWD_PATH to let flashkit choose");
+// Throws unless the path `requested` can run `problem` in this build (the device aside): a forced
+// path that does not cover it, or a kernel the build left out.
+void check_requested_path(const char* fn, const FwdProblem& problem, FwdPath requested) {
+  if (requested == FwdPath::kSm90) {
+    const std::string why_not = sm90_unavailable_reason(problem);
+    if (!why_not.empty()) {
+      throw Error(std::string(fn) + ": FLASHKIT_FWD_PATH=sm90 but the sm90 forward cannot run "
+                  "this problem: " + why_not + "; unset FLASHKIT_FWD_PATH to let flashkit choose");
+    }
+  }
+  if (requested == FwdPath::kDecode) {
+    const std::string why_not = decode_unavailable_reason(problem);
+    if (!why_not.empty()) {
+      throw Error(std::string(fn) + ": FLASHKIT_FWD_PATH=decode but the decode kernel cannot run "
+                  "this problem: " + why_not + "; unset FLASHKIT_FWD_PATH to let flashkit choose");
+    }
   }
   const int family = sm80::fwd_head_dim_family(problem.head_dim);
-  const RunFwd run_sm80 = find_sm80_fwd(problem.dtype, family);
-  if (run_sm80 == nullptr && requested != FwdPath::kSm90) {
+  if ((requested == FwdPath::kAuto || requested == FwdPath::kSm80) &&
+      find_sm80_fwd(problem.dtype, family) == nullptr) {
     api::throw_kernel_not_built(fn, "forward", problem.dtype, problem.head_dim, family,
                                 family_built_for_some_dtype(family),
                                 dtype_built_for_some_family(problem.dtype));
   }
-  if (!api::has_query_rows(problem)) return;
+}
 
-  const api::CurrentDeviceGuard device_guard(device);
+// Which kernel runs `problem` on cuda:`device` (current; check_requested_path passed): the forced
+// one, once the device is known to run it, or the automatic choice. Launches nothing.
+FwdPath choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath requested, int device) {
   api::check_sm80_or_newer(fn, device);
   const int arch = cuda::current_device_arch();
   if (requested == FwdPath::kSm90 && arch != 90) {
@@ -125,9 +154,66 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
                 " has compute capability " + std::to_string(arch / 10) + "." +
                 std::to_string(arch % 10) + "; the sm90 kernels run on 9.0 (Hopper) only");
   }
-  const bool use_sm90 = requested == FwdPath::kSm90 ||
-                        (requested == FwdPath::kAuto && arch == 90 && sm90_unavailable.empty());
+  if (requested != FwdPath::kAuto) return requested;
+  if (api::fwd_prefers_decode(problem) && decode_unavailable_reason(problem).empty()) {
+    return FwdPath::kDecode;
+  }
+  return arch == 90 && sm90_unavailable_reason(problem).empty() ? FwdPath::kSm90 : FwdPath::kSm80;
+}
 
+// The decode kernel's plan for `decode` (the problem's decode view): the heuristic's key split when
+// the caller passed a workspace, else one split (no workspace needed).
+api::DecodePlan plan_fwd_decode(const KvcacheProblem& decode, int device, bool has_workspace) {
+  return api::plan_decode(decode, device, has_workspace ? 0 : 1);
+}
+
+void run_on_decode(const char* fn, const FwdProblem& problem, const FwdCommon& params, int device,
+                   void* stream) {
+  KvcacheProblem decode = api::decode_view_of_fwd(problem);
+  const api::DecodePlan plan = plan_fwd_decode(decode, device, params.workspace != nullptr);
+  if (plan.workspace_bytes > 0) {
+    if (params.workspace_bytes < plan.workspace_bytes) {
+      throw Error(std::string(fn) + ": workspace_bytes is " + std::to_string(params.workspace_bytes) +
+                  " but this call needs " + std::to_string(plan.workspace_bytes) + " (" + fn +
+                  "_workspace_size); pass that much, or a null workspace to run without a key "
+                  "split");
+    }
+    if (reinterpret_cast<uintptr_t>(params.workspace) % 256 != 0) {
+      char address[32];
+      std::snprintf(address, sizeof address, "%p", params.workspace);
+      throw Error(std::string(fn) + ": workspace (" + address +
+                  ") is not 256-byte aligned; pass memory from cudaMalloc or an aligned pool");
+    }
+  }
+  decode.num_splits = plan.num_splits;
+  decode.workspace = params.workspace;
+  decode.workspace_bytes = params.workspace_bytes;
+  if (debug_enabled()) {
+    std::fprintf(stderr,
+                 "flashkit: %s: cuda:%d decode kernel (up to %d query tokens), %s head dim %d "
+                 "(family %d), batch %d heads %d/%d seqlen %d/%d, %d split(s)%s, %s pipeline\n",
+                 fn, device, api::kFwdDecodeMaxSeqlenQ, build_dtype_name(problem.dtype),
+                 problem.head_dim, sm80::decode_head_dim_family(problem.head_dim), problem.batch,
+                 problem.heads_q, problem.heads_kv, problem.seqlen_q, problem.seqlen_k,
+                 plan.num_splits, params.workspace == nullptr ? " (no workspace given)" : "",
+                 plan.whole_sm ? "whole-SM" : "shared-SM");
+  }
+  api::launch_decode(decode, plan, stream);
+}
+
+void run_on_cuda(const char* fn, const FwdProblem& problem, const FwdCommon& params, int device,
+                 void* stream) {
+  const FwdPath requested = requested_fwd_path(fn);
+  check_requested_path(fn, problem, requested);
+  if (!api::has_query_rows(problem)) return;
+  const api::CurrentDeviceGuard device_guard(device);
+  const FwdPath path = choose_cuda_path(fn, problem, requested, device);
+  if (path == FwdPath::kDecode) {
+    run_on_decode(fn, problem, params, device, stream);
+    return;
+  }
+  const bool use_sm90 = path == FwdPath::kSm90;
+  const int family = sm80::fwd_head_dim_family(problem.head_dim);
   if (debug_enabled()) {
     if (use_sm90) {
       const int family90 = sm90::fwd_head_dim_family(problem.head_dim);
@@ -146,9 +232,9 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
     } else {
       const sm80::FwdTileConfig tile = sm80::fwd_tile_config(family);
       const std::string why_not_sm90 =
-          requested == FwdPath::kSm80 ? "forced by FLASHKIT_FWD_PATH=sm80"
-          : arch != 90                ? "compute capability is not 9.0"
-                                      : sm90_unavailable;
+          requested == FwdPath::kSm80         ? "forced by FLASHKIT_FWD_PATH=sm80"
+          : cuda::current_device_arch() != 90 ? "compute capability is not 9.0"
+                                              : sm90_unavailable_reason(problem);
       std::fprintf(stderr,
                    "flashkit: %s: cuda:%d sm80 forward, %s head dim %d (family %d), tile %dx%d, "
                    "%d warps, Q in %s, batch %d heads %d/%d seqlen %d/%d%s (not sm90: %s)\n",
@@ -162,20 +248,33 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, int device, void* st
   if (use_sm90) {
     find_sm90_fwd(problem.dtype, sm90::fwd_head_dim_family(problem.head_dim))(problem, stream);
   } else {
-    run_sm80(problem, stream);
+    find_sm80_fwd(problem.dtype, family)(problem, stream);
   }
+}
+
+// The workspace bytes the CUDA call of `problem` uses: the decode kernel's key split, when it runs
+// there with a workspace; 0 on every other path.
+size_t cuda_workspace_bytes(const char* fn, const FwdProblem& problem, int device) {
+  const FwdPath requested = requested_fwd_path(fn);
+  check_requested_path(fn, problem, requested);
+  if (!api::has_query_rows(problem)) return 0;
+  const api::CurrentDeviceGuard device_guard(device);
+  if (choose_cuda_path(fn, problem, requested, device) != FwdPath::kDecode) return 0;
+  return plan_fwd_decode(api::decode_view_of_fwd(problem), device, true).workspace_bytes;
 }
 
 #endif  // FLASHKIT_WITH_CUDA
 
-void run_on_backend(const char* fn, const FwdProblem& problem, const Device& device, void* stream) {
+void run_on_backend(const char* fn, const FwdProblem& problem, const FwdCommon& params,
+                    void* stream) {
+  const Device& device = params.q.device;
   if (device.kind == DeviceKind::kCpu) {
     if (debug_enabled()) std::fprintf(stderr, "flashkit: %s: cpu reference backend\n", fn);
     cpu::reference_fwd(problem);
     return;
   }
 #ifdef FLASHKIT_WITH_CUDA
-  run_on_cuda(fn, problem, device.index, stream);
+  run_on_cuda(fn, problem, params, device.index, stream);
 #else
   (void)stream;
   throw Error(std::string(fn) + ": the tensors are on cuda:" + std::to_string(device.index) +
@@ -188,12 +287,23 @@ void run_on_backend(const char* fn, const FwdProblem& problem, const Device& dev
 
 void mha_fwd(const MhaFwdParams& params, void* stream) {
   const FwdProblem problem = api::validate_mha_fwd(params);
-  run_on_backend("mha_fwd", problem, params.q.device, stream);
+  run_on_backend("mha_fwd", problem, params, stream);
+}
+
+size_t mha_fwd_workspace_size(const MhaFwdParams& params) {
+  const FwdProblem problem = api::validate_mha_fwd(params);
+  if (params.q.device.kind == DeviceKind::kCpu) return 0;
+#ifdef FLASHKIT_WITH_CUDA
+  return cuda_workspace_bytes("mha_fwd_workspace_size", problem, params.q.device.index);
+#else
+  (void)problem;
+  return 0;
+#endif
 }
 
 void mha_varlen_fwd(const MhaVarlenFwdParams& params, void* stream) {
   const FwdProblem problem = api::validate_mha_varlen_fwd(params);
-  run_on_backend("mha_varlen_fwd", problem, params.q.device, stream);
+  run_on_backend("mha_varlen_fwd", problem, params, stream);
 }
 
 bool cuda_head_dim_built(int head_dim) {

@@ -493,6 +493,20 @@ class DeviceProblem {
     stage_alibi_ = stage(in_.alibi);
     out_host_ = PinnedBuffer(in_.q.size() * 2);
     lse_host_ = PinnedBuffer(lse_elems() * sizeof(float));
+    // The workspace a fixed-length call asks for (short queries on the decode kernel split the
+    // keys through it), poisoned, allocated here for the same reason. A case the API rejects gets
+    // none: its launch reports the error.
+    if (!c_.varlen) {
+      size_t workspace_bytes = 0;
+      try {
+        workspace_bytes = flashkit::mha_fwd_workspace_size(fixed_params());
+      } catch (const flashkit::Error&) {
+      }
+      if (workspace_bytes > 0) {
+        workspace_ = DeviceBuffer(workspace_bytes);
+        workspace_.poison(nullptr);
+      }
+    }
     FK_CUDA_CHECK(cudaDeviceSynchronize());
   }
 
@@ -554,6 +568,8 @@ class DeviceProblem {
   flashkit::MhaFwdParams fixed_params() const {
     flashkit::MhaFwdParams p;
     fill_common(p);
+    p.workspace = workspace_.get();
+    p.workspace_bytes = workspace_.bytes();
     return p;
   }
 
@@ -570,12 +586,19 @@ class DeviceProblem {
     return p;
   }
 
-  // Calls the API (it throws flashkit::Error on bad input) and checks the launch.
+  // Calls the API (it throws flashkit::Error on bad input) and checks the launch. A fixed-length
+  // call whose workspace size (FLASHKIT_FWD_PATH may have changed since the constructor) exceeds
+  // the one allocated runs without one, as mha_fwd allows.
   void launch(cudaStream_t stream) const {
     if (c_.varlen) {
       flashkit::mha_varlen_fwd(varlen_params(), stream);
     } else {
-      flashkit::mha_fwd(fixed_params(), stream);
+      flashkit::MhaFwdParams p = fixed_params();
+      if (flashkit::mha_fwd_workspace_size(p) > workspace_.bytes()) {
+        p.workspace = nullptr;
+        p.workspace_bytes = 0;
+      }
+      flashkit::mha_fwd(p, stream);
     }
     FK_CUDA_CHECK(cudaGetLastError());
   }
@@ -638,6 +661,7 @@ class DeviceProblem {
   const FwdCase& c_;
   const HostInputs& in_;
   Layout layout_;
+  DeviceBuffer workspace_;  // empty unless mha_fwd_workspace_size asked for one
   int device_;
   std::vector<DeviceBuffer> inputs_;
   DeviceBuffer out_, lse_, cu_q_, cu_k_, used_k_, alibi_;

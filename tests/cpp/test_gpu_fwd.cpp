@@ -15,13 +15,14 @@
 //   LongSequences/*       2048 and 4224 tokens, few heads
 //   VarlenEdges/*         zero-length q / k sequences, max_seqlen_q == 1, seqused_k, tail tokens
 //   EmptyRows/*           windows and causal masks that leave rows without keys
+//   ShortQueries/*        up to 16 query tokens (the decode kernel), keys split over the SMs
 //   NoKeys/*              seqlen_k == 0: out 0, lse -inf
 //   GpuFwdTest.*          layout invariance, offsets past 2^31 elements, grid limits, a created
 //                         stream, bad input, a head dim left out of the build, determinism, the
 //                         forced paths (FLASHKIT_FWD_PATH)
 //
-// Each case runs on the path the dispatcher picks: sm90 on a Hopper GPU wherever it covers the case,
-// else sm80. To run the suite on both paths there, run the binary a second time with
+// Each case runs on the path the dispatcher picks: the decode kernel for up to 16 query tokens of a
+// fixed-length batch, else sm90 on a Hopper GPU wherever it covers the case, else sm80. To run the suite on both paths there, run the binary a second time with
 // FLASHKIT_FWD_PATH=sm80 (scripts/gpu_check.sh does: step gpu_tests_sm80).
 // Without a GPU every test skips itself (fixture SetUp). FLASHKIT_TEST_VERBOSE=1 prints the errors
 // measured for passing cases too.
@@ -101,6 +102,32 @@ std::vector<FwdCase> no_key_cases() {
   return finish(cases, 0x6000);
 }
 
+// Short queries (the decode kernel's path, src/api/fwd_decode_route.h): mask x seqlen_q {1, 2, 7,
+// 16} x 2 draws of (dtype, head dim, heads, seqlen_k, batch); keys up to 1500 long, so that the
+// few CTAs of batch 1-2 split them (the harness passes the workspace the size query asks for).
+// 8 x 4 x 2 = 64 cases.
+std::vector<FwdCase> short_query_cases() {
+  const std::vector<std::pair<int, int>> heads = {{8, 2}, {4, 1}, {6, 6}, {16, 2}};
+  const std::vector<int> head_dims = {40, 64, 96, 128, 256};
+  const std::vector<int> key_lengths = {1, 63, 300, 1500};
+  std::vector<FwdCase> cases;
+  Rng rng(0x5407);
+  for (MaskKind mask : kAllMasks) {
+    for (int sq : {1, 2, 7, 16}) {
+      for (int draw = 0; draw < 2; ++draw) {
+        const auto [hq, hkv] = rng.pick(heads);
+        FwdCase c = fixed_case(rng.chance(0.5) ? DType::kBFloat16 : DType::kFloat16,
+                               rng.pick(head_dims), hq, hkv, rng.uniform_int(1, 2), sq,
+                               rng.pick(key_lengths));
+        apply_mask(c, mask, rng);
+        c.name = default_name(c, mask_name(mask));
+        cases.push_back(c);
+      }
+    }
+  }
+  return finish(cases, 0x7000);
+}
+
 // `preferred` when this build serves it on CUDA, else the smallest head dim it serves, else
 // `preferred` (the test then skips through case_unavailable).
 int built_head_dim(int preferred) {
@@ -163,6 +190,34 @@ INSTANTIATE_TEST_SUITE_P(VarlenEdges, GpuFwdCaseTest, ::testing::ValuesIn(varlen
                          param_name);
 INSTANTIATE_TEST_SUITE_P(EmptyRows, GpuFwdCaseTest, ::testing::ValuesIn(empty_row_cases()),
                          param_name);
+INSTANTIATE_TEST_SUITE_P(ShortQueries, GpuFwdCaseTest, ::testing::ValuesIn(short_query_cases()),
+                         param_name);
+
+// One query token of few sequences against many keys: the decode kernel splits the keys through
+// the workspace, and without a workspace runs unsplit; both match the oracle.
+TEST_F(GpuFwdTest, ShortQueriesSplitTheKeysWithAWorkspace) {
+  const int d = built_head_dim(128);
+  FwdCase c = fixed_case(built_dtype(d), d, 8, 2, 1, 1, 4000);
+  c.name = "shortQuerySplit";
+  c.seed = 71;
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const Oracle oracle = run_oracle(c, in, all_items(c));
+  DeviceProblem dev(c, in, contiguous_layout(c));
+  EXPECT_GT(flashkit::mha_fwd_workspace_size(dev.fixed_params()), 0u);
+  report(check_against_oracle(c, oracle, run_on_device(dev, nullptr)));
+  flashkit::MhaFwdParams p = dev.fixed_params();
+  p.workspace = nullptr;
+  p.workspace_bytes = 0;
+  dev.poison_outputs(nullptr);
+  flashkit::mha_fwd(p, nullptr);
+  report(check_against_oracle(c, oracle, dev.download(nullptr)));
+  // A workspace smaller than the size query's is refused before any launch.
+  p = dev.fixed_params();
+  p.workspace_bytes -= 1;
+  EXPECT_THROW(flashkit::mha_fwd(p, nullptr), flashkit::Error);
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+}
 
 // seqlen_k == 0: besides the oracle comparison, every lse is -inf and every output exactly 0,
 // stated directly rather than through the oracle.
@@ -766,11 +821,12 @@ TEST_F(GpuFwdTest, ForcedFwdPaths) {
   DeviceProblem dev(c, in, contiguous_layout(c));
   dev.upload(nullptr);
   FK_CUDA_CHECK(cudaDeviceSynchronize());
-  for (const char* path : {"sm80", "sm90", "sm75"}) {
+  for (const char* path : {"sm80", "sm90", "decode", "sm75"}) {
     SCOPED_TRACE(path);
     const ScopedEnv forced("FLASHKIT_FWD_PATH", path);
     const bool runs = std::string(path) == "sm80" ||
-                      (std::string(path) == "sm90" && sm90_runs(c.dtype, c.head_dim));
+                      (std::string(path) == "sm90" && sm90_runs(c.dtype, c.head_dim)) ||
+                      (std::string(path) == "decode" && flashkit::cuda_kvcache_built(c.dtype, c.head_dim));
     dev.poison_outputs(nullptr);
     try {
       dev.launch(nullptr);

@@ -2,16 +2,21 @@
 // \brief mha_fwd_kvcache on the CPU: the reference against a naive fp64 oracle written straight
 // from the semantics of kvcache_params.h (append, rotary both ways, paging, left pads, batch
 // indices, masks), the cache after the append element by element, every class of bad input, and
-// the split heuristic.
+// the split heuristic; and mha_fwd's short queries as a decode (api/fwd_decode_route.h).
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <vector>
 
+#include "api/fwd_decode_route.h"
 #include "api/split_heuristic.h"
+#include "api/validate_fwd.h"
 #include "api/validate_kvcache.h"
+#include "common/half_float.h"
 #include "cpu/reference_kvcache.h"
 #include "cuda/sm80/decode_sm80.h"
 #include "expect_error.h"
@@ -494,6 +499,125 @@ TEST(KvcacheValidation, CudaAlignmentIsCheckedFromMetadata) {
   MhaFwdKvcacheParams p = kvcache_params(c, in, host_buffers(in, out, lse), kCuda0);
   p.k_cache.strides[1] += 4;
   expect_error([&] { mha_fwd_kvcache(p); }, {"k_cache.stride(1)", "16 bytes"});
+}
+
+// ------------------------------------------------------------------------------------------------
+// mha_fwd's short queries as a decode (api/fwd_decode_route.h)
+// ------------------------------------------------------------------------------------------------
+
+// One mha_fwd problem on CPU views, q and out with a padded head stride (so that the view's
+// strides, not the shape, address them), k and v packed in one [batch, seqlen_k, 2, heads_kv, d]
+// buffer.
+struct ShortQueryCase {
+  int batch, heads_q, heads_kv, head_dim, seqlen_q, seqlen_k;
+  bool causal = false;
+  int window_left = -1, window_right = -1;
+  int alibi = 0;  // 0: none, 1: [heads_q] slopes, 2: [batch, heads_q]
+  float softcap = 0.0f;
+};
+
+struct ShortQueryBuffers {
+  std::vector<uint16_t> q, kv, out;
+  std::vector<float> lse, alibi;
+  MhaFwdParams params;
+};
+
+void fill_short_query(const ShortQueryCase& c, uint32_t seed, ShortQueryBuffers& b) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> uniform(-2.0f, 2.0f);
+  const int64_t d = c.head_dim, pad = 8;
+  const int64_t q_elems = int64_t{c.batch} * c.seqlen_q * c.heads_q * (d + pad);
+  const int64_t kv_elems = int64_t{c.batch} * c.seqlen_k * 2 * c.heads_kv * d;
+  b.q.resize(q_elems);
+  b.kv.resize(kv_elems);
+  for (auto& x : b.q) x = float_to_bf16_bits(uniform(rng));
+  for (auto& x : b.kv) x = float_to_bf16_bits(uniform(rng));
+  b.out.assign(q_elems, 0xFFFF);
+  b.lse.assign(int64_t{c.batch} * c.heads_q * c.seqlen_q, std::nanf(""));
+  b.alibi.resize(int64_t{c.batch} * c.heads_q);
+  for (auto& x : b.alibi) x = 0.5f * (uniform(rng) + 2.0f);
+  const int64_t q_row = int64_t{c.heads_q} * (d + pad), kv_row = 2 * int64_t{c.heads_kv} * d;
+  MhaFwdParams& p = b.params;
+  p.q = make_strided_view(b.q.data(), DType::kBFloat16, {c.batch, c.seqlen_q, c.heads_q, d},
+                          {c.seqlen_q * q_row, q_row, d + pad, 1}, kCpu);
+  p.k = make_strided_view(b.kv.data(), DType::kBFloat16, {c.batch, c.seqlen_k, c.heads_kv, d},
+                          {c.seqlen_k * kv_row, kv_row, d, 1}, kCpu);
+  p.v = make_strided_view(b.kv.data() + c.heads_kv * d, DType::kBFloat16,
+                          {c.batch, c.seqlen_k, c.heads_kv, d}, {c.seqlen_k * kv_row, kv_row, d, 1},
+                          kCpu);
+  p.out = make_strided_view(b.out.data(), DType::kBFloat16, {c.batch, c.seqlen_q, c.heads_q, d},
+                            {c.seqlen_q * q_row, q_row, d + pad, 1}, kCpu);
+  p.softmax_lse = make_view(b.lse.data(), DType::kFloat32, {c.batch, c.heads_q, c.seqlen_q}, kCpu);
+  if (c.alibi == 1) p.alibi_slopes = make_view(b.alibi.data(), DType::kFloat32, {c.heads_q}, kCpu);
+  if (c.alibi == 2) {
+    p.alibi_slopes = make_view(b.alibi.data(), DType::kFloat32, {c.batch, c.heads_q}, kCpu);
+  }
+  p.mask.causal = c.causal;
+  p.mask.window_left = c.window_left;
+  p.mask.window_right = c.window_right;
+  p.softcap = c.softcap;
+}
+
+// The decode view of each problem, run by the kvcache reference, writes what the forward reference
+// writes, bit for bit: same rows of q and out, same keys, same window, ALiBi and softcap.
+TEST(FwdDecodeRoute, DecodeViewMatchesTheForwardReference) {
+  const ShortQueryCase cases[] = {
+      {2, 8, 2, 64, 1, 37},                                   // GQA, one token
+      {1, 4, 1, 128, 3, 29, true},                            // MQA, causal
+      {2, 6, 6, 40, 16, 23, true, -1, -1, 1},                 // MHA, causal + ALiBi per head
+      {1, 8, 2, 64, 5, 3, true},                              // causal with s_q > s_k: empty rows
+      {2, 4, 2, 96, 4, 41, false, 7, 2, 2, 0.0f},             // local window, ALiBi [b, h]
+      {1, 8, 4, 256, 2, 19, false, -1, -1, 0, 5.0f},          // softcap
+      {3, 2, 1, 72, 16, 1},                                   // one key
+  };
+  uint32_t seed = 0x5E0;
+  for (const ShortQueryCase& c : cases) {
+    SCOPED_TRACE("batch " + std::to_string(c.batch) + " heads " + std::to_string(c.heads_q) + "/" +
+                 std::to_string(c.heads_kv) + " d " + std::to_string(c.head_dim) + " s_q " +
+                 std::to_string(c.seqlen_q) + " s_k " + std::to_string(c.seqlen_k));
+    ShortQueryBuffers fwd, dec;
+    fill_short_query(c, seed, fwd);
+    fill_short_query(c, seed++, dec);
+    const FwdProblem problem = api::validate_mha_fwd(fwd.params);
+    EXPECT_TRUE(api::fwd_prefers_decode(problem));
+    cpu::reference_fwd(problem);
+    cpu::reference_kvcache(api::decode_view_of_fwd(api::validate_mha_fwd(dec.params)));
+    ASSERT_EQ(fwd.out.size(), dec.out.size());
+    EXPECT_EQ(std::memcmp(fwd.out.data(), dec.out.data(), fwd.out.size() * 2), 0);
+    EXPECT_EQ(std::memcmp(fwd.lse.data(), dec.lse.data(), fwd.lse.size() * 4), 0);
+  }
+}
+
+TEST(FwdDecodeRoute, WhichProblemsTakeTheDecodeKernel) {
+  ShortQueryBuffers b;
+  fill_short_query({2, 8, 2, 64, api::kFwdDecodeMaxSeqlenQ, 37}, 1, b);
+  FwdProblem p = api::validate_mha_fwd(b.params);
+  EXPECT_TRUE(api::fwd_prefers_decode(p));
+  p.seqlen_q = api::kFwdDecodeMaxSeqlenQ + 1;
+  EXPECT_FALSE(api::fwd_prefers_decode(p));  // a longer query: the forward kernels
+  EXPECT_TRUE(api::fwd_decode_unsupported_reason(p).empty());  // (which a forced path overrides)
+  p.seqlen_q = 1;
+  for (auto refuse : std::vector<void (*)(FwdProblem&)>{
+           [](FwdProblem& x) { x.dropout_p = 0.1f; },
+           [](FwdProblem& x) { x.attn_probs = &x; },
+           [](FwdProblem& x) { x.seqlen_k = 0; },
+           [](FwdProblem& x) { x.batch = 65536; },
+           [](FwdProblem& x) { x.heads_q = x.heads_kv = 65536; },
+           [](FwdProblem& x) {
+             static const int cu[2] = {0, 1};
+             x.cu_seqlens_q = x.cu_seqlens_k = cu;
+           }}) {
+    FwdProblem refused = p;
+    refuse(refused);
+    EXPECT_FALSE(api::fwd_prefers_decode(refused));
+    EXPECT_FALSE(api::fwd_decode_unsupported_reason(refused).empty());
+  }
+}
+
+TEST(FwdDecodeRoute, CpuNeedsNoWorkspace) {
+  ShortQueryBuffers b;
+  fill_short_query({2, 8, 2, 64, 1, 37}, 2, b);
+  EXPECT_EQ(mha_fwd_workspace_size(b.params), 0u);
 }
 
 // ------------------------------------------------------------------------------------------------

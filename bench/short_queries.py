@@ -1,0 +1,150 @@
+#!/usr/bin/env python3
+"""bench/short_queries.py: flash_attn_func with a few query tokens against many keys (decoding
+through the forward API, as Hugging Face generate() does), on each flashkit path beside PyTorch
+SDPA's flash and cuDNN backends, in one run.
+
+flashkit's paths are forced through FLASHKIT_FWD_PATH (read on every call): `decode` is the decode
+kernel (the automatic choice up to 16 query tokens, src/api/fwd_decode_route.h), `sm90` the wgmma
+forward (the choice before it). bf16, head dim 128, 32 query heads over --heads-kv, no mask;
+q [b, s_q, h, d] and k / v [b, s_k, h_kv, d] memory (SDPA reads [b, h, s, d] views of it, GQA
+through enable_gqa). tbps counts the bytes of K and V once; tflops 4 * b * h * s_q * s_k * d.
+Every implementation's output is compared with SDPA flash's. Method as bench/peers_decode.py
+(median of CUDA-event-timed calls, inputs rotated past 2x L2).
+
+usage: short_queries.py [--seqlen-q 1,4,16,32,64] [--seqlen-k 2k,8k,32k] [--batch 1,8,32]
+                        [--heads-kv 8] [--max-tokens 256k] --json OUT.json [--md OUT.md]
+Needs flashkit importable (PYTHONPATH=<build>/python).
+"""
+import argparse
+import datetime
+import json
+import os
+import subprocess
+
+from peers_decode import parse_list, time_ms
+
+IMPLS = ["flashkit_decode", "flashkit_sm90", "sdpa_flash", "sdpa_cudnn"]
+
+
+def run(args):
+    import torch
+    import torch.nn.functional as F
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    import flashkit
+
+    backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    hq, hkv, d = 32, args.heads_kv, 128
+    records = []
+    for sk in args.seqlen_k:
+        for batch in args.batch:
+            if batch * sk > args.max_tokens:
+                continue
+            set_bytes = 2 * batch * sk * hkv * d * 2
+            sets = max(1, (2 * l2) // set_bytes + 1)
+            kv = [tuple(torch.empty(batch, sk, hkv, d, dtype=torch.bfloat16, device="cuda")
+                        .uniform_(-1, 1) for _ in range(2)) for _ in range(sets)]
+            for sq in args.seqlen_q:
+                q = torch.empty(batch, sq, hq, d, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+                with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+                    expected = F.scaled_dot_product_attention(
+                        q.transpose(1, 2), kv[0][0].transpose(1, 2), kv[0][1].transpose(1, 2),
+                        enable_gqa=hkv != hq).transpose(1, 2)
+                for impl in IMPLS:
+                    rec = {"op": "fwd", "impl": impl, "dtype": "bf16", "batch": batch,
+                           "heads_q": hq, "heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk,
+                           "head_dim": d, "causal": False, "ms": None, "tflops": None,
+                           "tbps": None}
+                    try:
+                        if impl.startswith("flashkit"):
+                            os.environ["FLASHKIT_FWD_PATH"] = impl.split("_")[1]
+
+                            def call(i):
+                                return flashkit.flash_attn_func(q, kv[i][0], kv[i][1])
+                            out = call(0)
+                            rec["ms"] = time_ms(torch, call, sets)
+                        else:
+                            def call(i):
+                                return F.scaled_dot_product_attention(
+                                    q.transpose(1, 2), kv[i][0].transpose(1, 2),
+                                    kv[i][1].transpose(1, 2), enable_gqa=hkv != hq)
+                            with sdpa_kernel([backends[impl]]):
+                                out = call(0).transpose(1, 2)
+                                rec["ms"] = time_ms(torch, call, sets)
+                        err = (out.float() - expected.float()).abs().max().item()
+                        if not err <= 2e-2:
+                            raise RuntimeError(f"output differs from SDPA flash's by {err}")
+                        sec = rec["ms"] * 1e-3
+                        rec["tbps"] = set_bytes / sec / 1e12
+                        rec["tflops"] = 4 * batch * hq * sq * sk * d / sec / 1e12
+                    except Exception as e:  # a backend that cannot run the case: null, with why
+                        rec["ms"] = None
+                        rec["note"] = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                    finally:
+                        os.environ.pop("FLASHKIT_FWD_PATH", None)
+                    records.append(rec)
+                    print(f"  {impl:16s} b {batch:3d} s_q {sq:3d} s_k {sk:6d}: "
+                          f"{rec['ms'] if rec['ms'] is not None else float('nan'):8.4f} ms "
+                          f"{rec['tbps'] or float('nan'):6.3f} TB/s {rec.get('note', '')}",
+                          flush=True)
+            del kv
+            torch.cuda.empty_cache()
+    return records, torch
+
+
+def write_markdown(path, result):
+    cells = {}
+    for r in result["records"]:
+        cells.setdefault((r["seqlen_k"], r["batch"], r["seqlen_q"]), {})[r["impl"]] = r["ms"]
+
+    def fmt(x, digits=4):
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    def ratio(row, a, b):  # time of b over time of a: > 1 when a is faster
+        return None if not row.get(a) or not row.get(b) else row[b] / row[a]
+    lines = [f"# short queries: {result['gpu']}, {result['date']}, commit {result['git_commit']}", "",
+             f"flash_attn_func, bf16, 32/{result['records'][0]['heads_kv']} heads, head dim 128, "
+             "no mask; ms per call (lower is better); speedup = peer's time / flashkit decode's", "",
+             "| s_k | batch | s_q | " + " | ".join(IMPLS) +
+             " | decode vs sm90 | vs sdpa_flash | vs sdpa_cudnn |", "|---" * (len(IMPLS) + 6) + "|"]
+    for key in sorted(cells):
+        row = cells[key]
+        lines.append("| " + " | ".join(str(k) for k in key) + " | " +
+                     " | ".join(fmt(row.get(i)) for i in IMPLS) + " | " +
+                     " | ".join(fmt(ratio(row, "flashkit_decode", b), 2)
+                                for b in ("flashkit_sm90", "sdpa_flash", "sdpa_cudnn")) + " |")
+    notes = sorted({(r["impl"], r["note"]) for r in result["records"] if r.get("note")})
+    if notes:
+        lines += ["", "Cells left empty:"] + [f"- {impl}: {note}" for impl, note in notes]
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seqlen-q", default="1,4,16,32,64")
+    p.add_argument("--seqlen-k", default="2k,8k,32k")
+    p.add_argument("--batch", default="1,8,32")
+    p.add_argument("--heads-kv", type=int, default=8)
+    p.add_argument("--max-tokens", default="256k")
+    p.add_argument("--json", required=True)
+    p.add_argument("--md")
+    args = p.parse_args()
+    args.seqlen_q, args.seqlen_k, args.batch = (parse_list(x) for x in
+                                                (args.seqlen_q, args.seqlen_k, args.batch))
+    args.max_tokens = parse_list(args.max_tokens)[0]
+    records, torch = run(args)
+    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                            capture_output=True, text=True).stdout.strip()
+    result = {"gpu": torch.cuda.get_device_name(0), "driver": driver,
+              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "git_commit": os.environ.get("FLASHKIT_GIT_COMMIT", "unknown"), "records": records}
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    if args.md:
+        write_markdown(args.md, result)
+
+
+if __name__ == "__main__":
+    main()

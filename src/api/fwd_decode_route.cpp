@@ -1,0 +1,68 @@
+// src/api/fwd_decode_route.cpp
+// \brief mha_fwd's short queries on the decode kernel (fwd_decode_route.h).
+#include "api/fwd_decode_route.h"
+
+namespace flashkit::api {
+
+std::string fwd_decode_unsupported_reason(const FwdProblem& p) {
+  if (p.is_varlen()) return "variable-length batches run on the forward kernels";
+  if (p.dropout_p > 0.0f) return "the decode kernel has no dropout";
+  if (p.attn_probs != nullptr) return "the decode kernel does not return the probabilities";
+  if (p.seqlen_k == 0) return "seqlen_k is 0 (no keys to decode against)";
+  // The decode grid's y and z dimensions (src/cuda/sm80/decode_launch.cuh).
+  if (p.batch > 65535 || p.heads_kv > 65535) {
+    return "the decode grid holds at most 65535 sequences and 65535 kv heads";
+  }
+  return "";
+}
+
+bool fwd_prefers_decode(const FwdProblem& p) {
+  return p.seqlen_q <= kFwdDecodeMaxSeqlenQ && fwd_decode_unsupported_reason(p).empty();
+}
+
+KvcacheProblem decode_view_of_fwd(const FwdProblem& p) {
+  KvcacheProblem d;
+  d.dtype = p.dtype;
+  d.batch = p.batch;
+  d.heads_q = p.heads_q;
+  d.heads_kv = p.heads_kv;
+  d.head_dim = p.head_dim;
+  d.seqlen_q = p.seqlen_q;
+  d.cache_capacity = p.seqlen_k;
+  d.cache_seqlen = p.seqlen_k;
+  d.cache_batches = p.batch;
+
+  d.q = p.q;
+  d.q_batch_stride = p.q_batch_stride;
+  d.q_row_stride = p.q_row_stride;
+  d.q_head_stride = p.q_head_stride;
+  // The caches are only read: nothing is appended.
+  d.k_cache = const_cast<void*>(p.k);
+  d.v_cache = const_cast<void*>(p.v);
+  d.k_cache_batch_stride = p.k_batch_stride;
+  d.k_cache_row_stride = p.k_row_stride;
+  d.k_cache_head_stride = p.k_head_stride;
+  d.v_cache_batch_stride = p.v_batch_stride;
+  d.v_cache_row_stride = p.v_row_stride;
+  d.v_cache_head_stride = p.v_head_stride;
+
+  d.out = p.out;
+  d.out_batch_stride = p.out_batch_stride;
+  d.out_row_stride = p.out_row_stride;
+  d.out_head_stride = p.out_head_stride;
+  d.lse = p.lse;
+  d.lse_batch_stride = p.lse_batch_stride;
+  d.lse_head_stride = p.lse_head_stride;
+
+  d.alibi_slopes = p.alibi_slopes;
+  d.alibi_batch_stride = p.alibi_batch_stride;
+  d.softmax_scale = p.softmax_scale;
+  d.softcap = p.softcap;
+  // Resolved against seqlen_k, which is the capacity here: the same window.
+  d.window_left = p.window_left;
+  d.window_right = p.window_right;
+  d.causal = p.causal;
+  return d;
+}
+
+}  // namespace flashkit::api
