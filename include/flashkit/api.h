@@ -14,10 +14,11 @@ namespace flashkit {
 // Both calls return once the work is enqueued (GPU) or done (CPU).
 void mha_fwd(const MhaFwdParams& params, void* stream = nullptr);
 void mha_varlen_fwd(const MhaVarlenFwdParams& params, void* stream = nullptr);
-// Bytes of the optional workspace (FwdCommon::workspace) that mha_fwd with these params uses: 0
-// unless it runs on the decode kernel with a key split (validates the params; on CUDA it queries
-// the SM count of q's device once).
+// Bytes of the optional workspace (FwdCommon::workspace) that mha_fwd (mha_varlen_fwd) with these
+// params uses: 0 unless it runs on the decode kernel with a key split (validates the params; on
+// CUDA it queries the SM count of q's device once).
 size_t mha_fwd_workspace_size(const MhaFwdParams& params);
+size_t mha_varlen_fwd_workspace_size(const MhaVarlenFwdParams& params);
 
 // The length that seqlen_q and seqlen_k each take in the forward's optional attn_probs output
 // ([batch, heads_q, attn_probs_length(seqlen_q), attn_probs_length(seqlen_k)]; varlen: of the

@@ -256,6 +256,8 @@ FwdOutputs varlen_fwd(const at::Tensor& q_in, const at::Tensor& k_in, const at::
   p.seqused_k = to_optional_view(fn, "seqused_k", seqused_k);
   p.max_seqlen_q = to_int(max_seqlen_q);
   p.max_seqlen_k = to_int(max_seqlen_k);
+  const size_t workspace_bytes = call_flashkit([&] { return mha_varlen_fwd_workspace_size(p); });
+  const at::Tensor workspace = allocate_workspace(p, workspace_bytes, q);
   call_flashkit([&] { mha_varlen_fwd(p, current_stream(q.device())); });
   return {out, softmax_lse, dropout.rng_state, dropout.s_dmask};
 }

@@ -9,7 +9,8 @@
 // tokens and the query heads of a kv head into 16-row tiles, reads each kv head's keys once per
 // tile and splits the keys over the SMs when the batch alone does not fill them. Up to 16 query
 // tokens, it reads no more key bytes than the forward kernels (ceil(seqlen_q x group / 16) tiles per
-// kv head, against group tiles) and computes less.
+// kv head, against group tiles) and computes less. Variable-length batches too (padded batches in
+// generate() go through flash_attn_varlen_func), with max_seqlen_q as the bound.
 #pragma once
 
 #include <string>
@@ -29,9 +30,10 @@ std::string fwd_decode_unsupported_reason(const FwdProblem& problem);
 // kFwdDecodeMaxSeqlenQ.
 bool fwd_prefers_decode(const FwdProblem& problem);
 
-// `problem` (one the decode kernel can run) as a decode: every sequence's seqlen_k keys form a
-// contiguous cache of that capacity, nothing appended, the same q, out, lse, mask, scale, softcap and
-// ALiBi. One split and no workspace; the dispatcher sets both.
+// `problem` (one the decode kernel can run) as a decode: every sequence's keys form a contiguous
+// cache (varlen: the packed keys are one cache row, sequence b's from index cu_seqlens_k[b] to
+// cu_seqlens_k[b + 1], read as its left pad and its length), nothing appended, the same q, out,
+// lse, mask, scale, softcap and ALiBi. One split and no workspace; the dispatcher sets both.
 KvcacheProblem decode_view_of_fwd(const FwdProblem& problem);
 
 }  // namespace flashkit::api

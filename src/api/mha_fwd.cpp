@@ -3,7 +3,7 @@
 // the one place that chooses a CUDA kernel.
 //
 // CPU views run the reference (src/cpu/). CUDA views run, for up to 16 query tokens per sequence
-// (decoding through mha_fwd), the decode kernel that mha_fwd_kvcache runs (fwd_decode_route.h says
+// (decoding through mha_fwd / mha_varlen_fwd), the decode kernel that mha_fwd_kvcache runs (fwd_decode_route.h says
 // which problems and why); otherwise, on compute capability 9.0, the sm90 (wgmma + TMA) kernel of
 // the problem's (dtype, head-dim family) when this build compiled it and it covers the problem
 // (sm90::fwd_unsupported_reason), and otherwise the sm80 (mma.sync) kernel, provided this build
@@ -304,6 +304,17 @@ size_t mha_fwd_workspace_size(const MhaFwdParams& params) {
 void mha_varlen_fwd(const MhaVarlenFwdParams& params, void* stream) {
   const FwdProblem problem = api::validate_mha_varlen_fwd(params);
   run_on_backend("mha_varlen_fwd", problem, params, stream);
+}
+
+size_t mha_varlen_fwd_workspace_size(const MhaVarlenFwdParams& params) {
+  const FwdProblem problem = api::validate_mha_varlen_fwd(params);
+  if (params.q.device.kind == DeviceKind::kCpu) return 0;
+#ifdef FLASHKIT_WITH_CUDA
+  return cuda_workspace_bytes("mha_varlen_fwd_workspace_size", problem, params.q.device.index);
+#else
+  (void)problem;
+  return 0;
+#endif
 }
 
 bool cuda_head_dim_built(int head_dim) {

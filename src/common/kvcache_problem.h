@@ -26,6 +26,11 @@ struct KvcacheProblem {
 
   const void* q = nullptr;
   int64_t q_batch_stride = 0, q_row_stride = 0, q_head_stride = 0;
+  // Null for mha_fwd_kvcache: every sequence has seqlen_q query tokens. Set only by mha_varlen_fwd's
+  // short queries (api/fwd_decode_route.h): sequence b's tokens are rows cu_seqlens_q[b] ..
+  // cu_seqlens_q[b + 1] - 1 of q and out (their batch strides 0), at most seqlen_q of them; the lse
+  // and split rows keep the seqlen_q-row layout. The CPU reference does not take it.
+  const int* cu_seqlens_q = nullptr;
 
   // Contiguous: batch stride is that of dim 0 (the cache row); paged: the stride between pages.
   void* k_cache = nullptr;

@@ -182,6 +182,10 @@ void reference_kvcache_append(const KvcacheProblem& p) {
 }
 
 void reference_kvcache(const KvcacheProblem& p) {
+  if (p.cu_seqlens_q != nullptr) {
+    throw Error("reference_kvcache: varlen queries (cu_seqlens_q) are a CUDA decode-kernel form of "
+                "mha_varlen_fwd, whose CPU backend is reference_fwd");
+  }
   reference_kvcache_append(p);
   for (int b = 0; b < p.batch; ++b) {
     GatheredSequence g = gather(p, b);

@@ -493,19 +493,17 @@ class DeviceProblem {
     stage_alibi_ = stage(in_.alibi);
     out_host_ = PinnedBuffer(in_.q.size() * 2);
     lse_host_ = PinnedBuffer(lse_elems() * sizeof(float));
-    // The workspace a fixed-length call asks for (short queries on the decode kernel split the
-    // keys through it), poisoned, allocated here for the same reason. A case the API rejects gets
-    // none: its launch reports the error.
-    if (!c_.varlen) {
-      size_t workspace_bytes = 0;
-      try {
-        workspace_bytes = flashkit::mha_fwd_workspace_size(fixed_params());
-      } catch (const flashkit::Error&) {
-      }
-      if (workspace_bytes > 0) {
-        workspace_ = DeviceBuffer(workspace_bytes);
-        workspace_.poison(nullptr);
-      }
+    // The workspace the call asks for (short queries on the decode kernel split the keys through
+    // it), poisoned, allocated here for the same reason. A case the API rejects gets none: its
+    // launch reports the error.
+    size_t workspace_bytes = 0;
+    try {
+      workspace_bytes = workspace_size_query();
+    } catch (const flashkit::Error&) {
+    }
+    if (workspace_bytes > 0) {
+      workspace_ = DeviceBuffer(workspace_bytes);
+      workspace_.poison(nullptr);
     }
     FK_CUDA_CHECK(cudaDeviceSynchronize());
   }
@@ -583,21 +581,35 @@ class DeviceProblem {
     }
     p.max_seqlen_q = c_.max_len_q();
     p.max_seqlen_k = c_.max_len_k();
+    p.workspace = workspace_.get();
+    p.workspace_bytes = workspace_.bytes();
     return p;
   }
 
-  // Calls the API (it throws flashkit::Error on bad input) and checks the launch. A fixed-length
-  // call whose workspace size (FLASHKIT_FWD_PATH may have changed since the constructor) exceeds
-  // the one allocated runs without one, as mha_fwd allows.
+  // What the size query of this call asks for now (FLASHKIT_FWD_PATH may force another path).
+  size_t workspace_size_query() const {
+    return c_.varlen ? flashkit::mha_varlen_fwd_workspace_size(varlen_params())
+                     : flashkit::mha_fwd_workspace_size(fixed_params());
+  }
+
+  // Calls the API (it throws flashkit::Error on bad input) and checks the launch. A call whose
+  // workspace size (FLASHKIT_FWD_PATH may have changed since the constructor) exceeds the one
+  // allocated runs without one, as the API allows.
   void launch(cudaStream_t stream) const {
-    if (c_.varlen) {
-      flashkit::mha_varlen_fwd(varlen_params(), stream);
-    } else {
-      flashkit::MhaFwdParams p = fixed_params();
-      if (flashkit::mha_fwd_workspace_size(p) > workspace_.bytes()) {
+    const bool drop_workspace = workspace_size_query() > workspace_.bytes();
+    auto without_workspace_if_short = [&](flashkit::FwdCommon& p) {
+      if (drop_workspace) {
         p.workspace = nullptr;
         p.workspace_bytes = 0;
       }
+    };
+    if (c_.varlen) {
+      flashkit::MhaVarlenFwdParams p = varlen_params();
+      without_workspace_if_short(p);
+      flashkit::mha_varlen_fwd(p, stream);
+    } else {
+      flashkit::MhaFwdParams p = fixed_params();
+      without_workspace_if_short(p);
       flashkit::mha_fwd(p, stream);
     }
     FK_CUDA_CHECK(cudaGetLastError());

@@ -15,14 +15,15 @@
 //   LongSequences/*       2048 and 4224 tokens, few heads
 //   VarlenEdges/*         zero-length q / k sequences, max_seqlen_q == 1, seqused_k, tail tokens
 //   EmptyRows/*           windows and causal masks that leave rows without keys
-//   ShortQueries/*        up to 16 query tokens (the decode kernel), keys split over the SMs
+//   ShortQueries/*        up to 16 query tokens (the decode kernel), fixed and varlen, keys split
+//                         over the SMs
 //   NoKeys/*              seqlen_k == 0: out 0, lse -inf
 //   GpuFwdTest.*          layout invariance, offsets past 2^31 elements, grid limits, a created
 //                         stream, bad input, a head dim left out of the build, determinism, the
 //                         forced paths (FLASHKIT_FWD_PATH)
 //
-// Each case runs on the path the dispatcher picks: the decode kernel for up to 16 query tokens of a
-// fixed-length batch, else sm90 on a Hopper GPU wherever it covers the case, else sm80. To run the suite on both paths there, run the binary a second time with
+// Each case runs on the path the dispatcher picks: the decode kernel for up to 16 query tokens (a
+// varlen batch without seqused_k included), else sm90 on a Hopper GPU wherever it covers the case, else sm80. To run the suite on both paths there, run the binary a second time with
 // FLASHKIT_FWD_PATH=sm80 (scripts/gpu_check.sh does: step gpu_tests_sm80).
 // Without a GPU every test skips itself (fixture SetUp). FLASHKIT_TEST_VERBOSE=1 prints the errors
 // measured for passing cases too.
@@ -103,9 +104,10 @@ std::vector<FwdCase> no_key_cases() {
 }
 
 // Short queries (the decode kernel's path, src/api/fwd_decode_route.h): mask x seqlen_q {1, 2, 7,
-// 16} x 2 draws of (dtype, head dim, heads, seqlen_k, batch); keys up to 1500 long, so that the
-// few CTAs of batch 1-2 split them (the harness passes the workspace the size query asks for).
-// 8 x 4 x 2 = 64 cases.
+// 16} x 3 draws of (dtype, head dim, heads, seqlen_k, batch), the third varlen (fill_varlen: empty
+// sequences, tails, a third with seqused_k, which the forward kernels take); keys up to 1500 long,
+// so that the few CTAs of batch 1-3 split them (the harness passes the workspace the size query
+// asks for). 8 x 4 x 3 = 96 cases.
 std::vector<FwdCase> short_query_cases() {
   const std::vector<std::pair<int, int>> heads = {{8, 2}, {4, 1}, {6, 6}, {16, 2}};
   const std::vector<int> head_dims = {40, 64, 96, 128, 256};
@@ -114,11 +116,12 @@ std::vector<FwdCase> short_query_cases() {
   Rng rng(0x5407);
   for (MaskKind mask : kAllMasks) {
     for (int sq : {1, 2, 7, 16}) {
-      for (int draw = 0; draw < 2; ++draw) {
+      for (int draw = 0; draw < 3; ++draw) {
         const auto [hq, hkv] = rng.pick(heads);
         FwdCase c = fixed_case(rng.chance(0.5) ? DType::kBFloat16 : DType::kFloat16,
                                rng.pick(head_dims), hq, hkv, rng.uniform_int(1, 2), sq,
                                rng.pick(key_lengths));
+        if (draw == 2) fill_varlen(c, 3, sq, c.seqlen_k, rng);
         apply_mask(c, mask, rng);
         c.name = default_name(c, mask_name(mask));
         cases.push_back(c);
@@ -194,8 +197,10 @@ INSTANTIATE_TEST_SUITE_P(ShortQueries, GpuFwdCaseTest, ::testing::ValuesIn(short
                          param_name);
 
 // One query token of few sequences against many keys: the decode kernel splits the keys through
-// the workspace, and without a workspace runs unsplit; both match the oracle.
+// the workspace, and without a workspace runs unsplit; both match the oracle. On the automatic
+// path whatever FLASHKIT_FWD_PATH the suite runs under (the forward kernels take no workspace).
 TEST_F(GpuFwdTest, ShortQueriesSplitTheKeysWithAWorkspace) {
+  const ScopedEnv automatic("FLASHKIT_FWD_PATH", "");
   const int d = built_head_dim(128);
   FwdCase c = fixed_case(built_dtype(d), d, 8, 2, 1, 1, 4000);
   c.name = "shortQuerySplit";

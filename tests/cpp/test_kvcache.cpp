@@ -603,15 +603,38 @@ TEST(FwdDecodeRoute, WhichProblemsTakeTheDecodeKernel) {
            [](FwdProblem& x) { x.seqlen_k = 0; },
            [](FwdProblem& x) { x.batch = 65536; },
            [](FwdProblem& x) { x.heads_q = x.heads_kv = 65536; },
-           [](FwdProblem& x) {
+           [](FwdProblem& x) {  // varlen with seqused_k (varlen alone is taken)
              static const int cu[2] = {0, 1};
-             x.cu_seqlens_q = x.cu_seqlens_k = cu;
+             x.cu_seqlens_q = x.cu_seqlens_k = x.seqused_k = cu;
            }}) {
     FwdProblem refused = p;
     refuse(refused);
     EXPECT_FALSE(api::fwd_prefers_decode(refused));
     EXPECT_FALSE(api::fwd_decode_unsupported_reason(refused).empty());
   }
+}
+
+// A varlen problem reads sequence b's keys as one cache row from cu_seqlens_k[b] (the left pad)
+// to cu_seqlens_k[b + 1] (the length), and its queries from cu_seqlens_q[b].
+TEST(FwdDecodeRoute, VarlenKeysAreOneCacheRowBetweenTheOffsets) {
+  ShortQueryBuffers b;
+  fill_short_query({1, 8, 2, 64, 1, 37}, 3, b);
+  FwdProblem p = api::validate_mha_fwd(b.params);
+  static const int cu_q[4] = {0, 1, 1, 2}, cu_k[4] = {0, 20, 30, 37};
+  p.batch = 3;
+  p.cu_seqlens_q = cu_q;
+  p.cu_seqlens_k = cu_k;
+  p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 0;
+  p.seqlen_k = 20;  // max_seqlen_k
+  EXPECT_TRUE(api::fwd_prefers_decode(p));
+  const KvcacheProblem d = api::decode_view_of_fwd(p);
+  EXPECT_EQ(d.cu_seqlens_q, cu_q);
+  EXPECT_EQ(d.cache_leftpad, cu_k);
+  EXPECT_EQ(d.cache_seqlens, cu_k + 1);
+  EXPECT_EQ(d.k_cache_batch_stride, 0);
+  EXPECT_EQ(d.cache_capacity, 20);
+  EXPECT_EQ(d.seqlen_q, 1);
+  EXPECT_THROW(cpu::reference_kvcache(d), Error);  // the CPU backend runs reference_fwd instead
 }
 
 TEST(FwdDecodeRoute, CpuNeedsNoWorkspace) {

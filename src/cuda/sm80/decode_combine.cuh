@@ -44,6 +44,12 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
   const int64_t rows = static_cast<int64_t>(p.batch) * p.heads_q * p.seqlen_q;
   const int64_t row = static_cast<int64_t>(blockIdx.x) * kCombineWarps + threadIdx.x / 32;
   if (row >= rows) return;
+  const int token = static_cast<int>(row % p.seqlen_q);
+  const int head = static_cast<int>((row / p.seqlen_q) % p.heads_q);
+  const int b = static_cast<int>(row / (static_cast<int64_t>(p.seqlen_q) * p.heads_q));
+  // Varlen queries: a row past its sequence's tokens has no partials and no output.
+  const int q_begin = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[b] : 0;
+  if (p.cu_seqlens_q != nullptr && token >= p.cu_seqlens_q[b + 1] - q_begin) return;
   const int splits = p.num_splits;
   const DecodeWorkspaceLayout layout = decode_workspace_layout(p, splits);
   const float* lse_accum = static_cast<const float*>(p.workspace);
@@ -114,11 +120,8 @@ __global__ void __launch_bounds__(kCombineWarps * 32)
     }
   }
 
-  const int token = static_cast<int>(row % p.seqlen_q);
-  const int head = static_cast<int>((row / p.seqlen_q) % p.heads_q);
-  const int b = static_cast<int>(row / (static_cast<int64_t>(p.seqlen_q) * p.heads_q));
-  Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + token * p.out_row_stride +
-                 head * p.out_head_stride;
+  Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride +
+                 static_cast<int64_t>(q_begin + token) * p.out_row_stride + head * p.out_head_stride;
 #pragma unroll
   for (int pass = 0; pass < kPasses; ++pass) {
     const int col = pass * 128 + lane * 4;

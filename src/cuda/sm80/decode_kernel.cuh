@@ -190,13 +190,14 @@ __global__ void __launch_bounds__(Traits::kThreads)
   const int kv_head = static_cast<int>(blockIdx.y);
   const int b = static_cast<int>(blockIdx.z);
   const int group = p.heads_q / p.heads_kv;
-  const int packed_rows = p.seqlen_q * group;
+  const DecodeSequence seq = DecodeSequence::locate(p, b);
+  const int packed_rows = seq.len_q * group;
   const int m0 = m_block * kRows;
+  if (m0 >= packed_rows) return;  // varlen queries: past this sequence's tokens, nothing to do
   const int rows_here = min(kRows, packed_rows - m0);
   const int head_chunks = p.head_dim / 8;
 
-  const DecodeSequence seq = DecodeSequence::locate(p, b);
-  const KeyWindow window{p.seqlen_q, seq.len_k, p.window_left, p.window_right};
+  const KeyWindow window{seq.len_q, seq.len_k, p.window_left, p.window_right};
   const int token_first = m0 / group;
   const int token_last = (m0 + rows_here - 1) / group;
 
@@ -267,7 +268,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
     const int packed = m0 + row;
     token = packed / group;
     const int head = kv_head * group + packed % group;
-    return static_cast<const Element*>(p.q) + b * p.q_batch_stride + token * p.q_row_stride + head * p.q_head_stride;
+    return static_cast<const Element*>(p.q) + b * p.q_batch_stride + (seq.q_begin + token) * p.q_row_stride +
+           head * p.q_head_stride;
   };
   uint4 q_raw[kQItems];
 #pragma unroll
@@ -536,8 +538,8 @@ __global__ void __launch_bounds__(Traits::kThreads)
       *reinterpret_cast<float4*>(out_accum + out_row * p.head_dim + col) = sum;
       if (writes_lse) lse_accum[out_row] = merge.total_lse(row);
     } else {
-      Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride + token * p.out_row_stride +
-                     head * p.out_head_stride + col;
+      Element* out = static_cast<Element*>(p.out) + b * p.out_batch_stride +
+                     (seq.q_begin + token) * p.out_row_stride + head * p.out_head_stride + col;
       *reinterpret_cast<uint2*>(out) = make_uint2(pack2<Element>(sum.x, sum.y), pack2<Element>(sum.z, sum.w));
       if (writes_lse) p.lse[b * p.lse_batch_stride + head * p.lse_head_stride + token] = merge.total_lse(row);
     }

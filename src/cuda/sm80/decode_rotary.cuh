@@ -23,6 +23,8 @@ struct DecodeSequence {
   int leftpad;  // first valid cache index
   int len_k;    // keys attended: cache indices [leftpad, leftpad + len_k)
   int cache_row;  // contiguous caches: the cache_batch_idx row (b without it)
+  int q_begin;  // the sequence's first query row of q and out (past the batch stride)
+  int len_q;    // its query tokens (seqlen_q but for varlen queries)
 
   __device__ __forceinline__ static DecodeSequence locate(const KvcacheProblem& p, int b) {
     DecodeSequence s;
@@ -30,6 +32,8 @@ struct DecodeSequence {
     s.leftpad = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
     s.len_k = s.length + p.seqlen_new - s.leftpad;
     s.cache_row = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
+    s.q_begin = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[b] : 0;
+    s.len_q = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[b + 1] - s.q_begin : p.seqlen_q;
     return s;
   }
 };
