@@ -5,7 +5,8 @@ SDPA's flash and cuDNN backends, in one run.
 
 flashkit's paths are forced through FLASHKIT_FWD_PATH (read on every call): `decode` is the decode
 kernel (the automatic choice up to 16 query tokens, src/api/fwd_decode_route.h), `sm90` the wgmma
-forward (the choice before it). bf16, head dim 128, 32 query heads over --heads-kv, no mask;
+forward (the choice before it); `flashkit_varlen` is the same batch through flash_attn_varlen_func
+(automatic path). bf16, head dim 128, 32 query heads over --heads-kv, no mask;
 q [b, s_q, h, d] and k / v [b, s_k, h_kv, d] memory (SDPA reads [b, h, s, d] views of it, GQA
 through enable_gqa). tbps counts the bytes of K and V once; tflops 4 * b * h * s_q * s_k * d.
 Every implementation's output is compared with SDPA flash's. Method as bench/peers_decode.py
@@ -23,7 +24,7 @@ import subprocess
 
 from peers_decode import parse_list, time_ms
 
-IMPLS = ["flashkit_decode", "flashkit_sm90", "sdpa_flash", "sdpa_cudnn"]
+IMPLS = ["flashkit_decode", "flashkit_varlen", "flashkit_sm90", "sdpa_flash", "sdpa_cudnn"]
 
 
 def run(args):
@@ -56,7 +57,19 @@ def run(args):
                            "head_dim": d, "causal": False, "ms": None, "tflops": None,
                            "tbps": None}
                     try:
-                        if impl.startswith("flashkit"):
+                        if impl == "flashkit_varlen":  # the same batch through the varlen API
+                            cu_q = torch.arange(0, (batch + 1) * sq, sq, dtype=torch.int32,
+                                                device="cuda")
+                            cu_k = torch.arange(0, (batch + 1) * sk, sk, dtype=torch.int32,
+                                                device="cuda")
+
+                            def call(i):
+                                return flashkit.flash_attn_varlen_func(
+                                    q.view(-1, hq, d), kv[i][0].view(-1, hkv, d),
+                                    kv[i][1].view(-1, hkv, d), cu_q, cu_k, sq, sk)
+                            out = call(0).view(batch, sq, hq, d)
+                            rec["ms"] = time_ms(torch, call, sets)
+                        elif impl.startswith("flashkit"):
                             os.environ["FLASHKIT_FWD_PATH"] = impl.split("_")[1]
 
                             def call(i):
