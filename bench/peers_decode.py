@@ -201,9 +201,14 @@ def write_markdown(path, result):
         quotients = [row[n] / row[m] if row.get(n) and row.get(m) else None for _, n, m in ratios]
         lines.append(f"| {b} | {s} | " + " | ".join(fmt(row.get(c)) for c in cols) + " | " +
                      " | ".join(fmt(x) for x in quotients) + " |")
-    notes = sorted({(r["impl"], r["note"]) for r in result["records"] if r.get("note")})
+    write_table(path, lines, result["records"])
+
+
+def write_table(path, lines, records):
+    """Writes a markdown table's lines to path, then why each empty cell is empty."""
+    notes = sorted({(r["impl"], r["note"]) for r in records if r.get("note")})
     if notes:
-        lines += ["", "Cells left empty:"] + [f"- {impl}: {note}" for impl, note in notes]
+        lines = lines + ["", "Cells left empty:"] + [f"- {impl}: {note}" for impl, note in notes]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 

@@ -22,7 +22,7 @@ import json
 import os
 import subprocess
 
-from peers_decode import parse_list, time_ms
+from peers_decode import parse_list, time_ms, write_table
 
 IMPLS = ["flashkit_decode", "flashkit_varlen", "flashkit_sm90", "sdpa_flash", "sdpa_cudnn"]
 
@@ -126,11 +126,7 @@ def write_markdown(path, result):
                      " | ".join(fmt(row.get(i)) for i in IMPLS) + " | " +
                      " | ".join(fmt(ratio(row, "flashkit_decode", b), 2)
                                 for b in ("flashkit_sm90", "sdpa_flash", "sdpa_cudnn")) + " |")
-    notes = sorted({(r["impl"], r["note"]) for r in result["records"] if r.get("note")})
-    if notes:
-        lines += ["", "Cells left empty:"] + [f"- {impl}: {note}" for impl, note in notes]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_table(path, lines, result["records"])
 
 
 def main():

@@ -10,8 +10,10 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <map>
 #include <mutex>
+#include <string>
 
 #include "api/dispatch_support.h"
 #include "api/split_heuristic.h"
@@ -19,6 +21,7 @@
 #include "build_config.h"
 #include "cuda/cuda_check.h"
 #include "cuda/sm80/decode_sm80.h"
+#include "flashkit/error.h"
 
 namespace flashkit::api {
 namespace {
@@ -144,6 +147,14 @@ DecodePlan plan_decode(const KvcacheProblem& problem, int device, int requested_
                   sm80::decode_smem_bytes(family, true, false) <= limits.max_smem_per_block;
   plan.programmatic = limits.arch >= 90;
   return plan;
+}
+
+void check_decode_workspace_alignment(const char* fn, const void* workspace) {
+  if (reinterpret_cast<uintptr_t>(workspace) % 256 == 0) return;
+  char address[32];
+  std::snprintf(address, sizeof address, "%p", workspace);
+  throw Error(std::string(fn) + ": workspace (" + address +
+              ") is not 256-byte aligned; pass memory from cudaMalloc or an aligned pool");
 }
 
 void launch_decode(const KvcacheProblem& problem, const DecodePlan& plan, void* stream) {

@@ -35,6 +35,9 @@ DecodePlan plan_decode(const KvcacheProblem& problem, int device, int requested_
 // The device's compute capability as 10 * major + minor, queried once per device.
 int decode_device_arch(int device);
 
+// Throws (naming `fn`) unless `workspace` is 256-byte aligned, as the split partials need.
+void check_decode_workspace_alignment(const char* fn, const void* workspace);
+
 // Enqueues `problem` on `stream` (`device` current): problem.num_splits and problem.workspace
 // must be `plan`'s.
 void launch_decode(const KvcacheProblem& problem, const DecodePlan& plan, void* stream);

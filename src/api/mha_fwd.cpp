@@ -178,12 +178,7 @@ void run_on_decode(const char* fn, const FwdProblem& problem, const FwdCommon& p
                   "_workspace_size); pass that much, or a null workspace to run without a key "
                   "split");
     }
-    if (reinterpret_cast<uintptr_t>(params.workspace) % 256 != 0) {
-      char address[32];
-      std::snprintf(address, sizeof address, "%p", params.workspace);
-      throw Error(std::string(fn) + ": workspace (" + address +
-                  ") is not 256-byte aligned; pass memory from cudaMalloc or an aligned pool");
-    }
+    api::check_decode_workspace_alignment(fn, params.workspace);
   }
   decode.num_splits = plan.num_splits;
   decode.workspace = params.workspace;
@@ -283,6 +278,18 @@ void run_on_backend(const char* fn, const FwdProblem& problem, const FwdCommon& 
 #endif
 }
 
+// The size query's answer for a validated problem: 0 on the CPU backend (and in a build without
+// CUDA, whose call then fails naming the missing kernels).
+size_t workspace_bytes([[maybe_unused]] const char* fn, [[maybe_unused]] const FwdProblem& problem,
+                       const Device& device) {
+  if (device.kind == DeviceKind::kCpu) return 0;
+#ifdef FLASHKIT_WITH_CUDA
+  return cuda_workspace_bytes(fn, problem, device.index);
+#else
+  return 0;
+#endif
+}
+
 }  // namespace
 
 void mha_fwd(const MhaFwdParams& params, void* stream) {
@@ -291,14 +298,7 @@ void mha_fwd(const MhaFwdParams& params, void* stream) {
 }
 
 size_t mha_fwd_workspace_size(const MhaFwdParams& params) {
-  const FwdProblem problem = api::validate_mha_fwd(params);
-  if (params.q.device.kind == DeviceKind::kCpu) return 0;
-#ifdef FLASHKIT_WITH_CUDA
-  return cuda_workspace_bytes("mha_fwd_workspace_size", problem, params.q.device.index);
-#else
-  (void)problem;
-  return 0;
-#endif
+  return workspace_bytes("mha_fwd_workspace_size", api::validate_mha_fwd(params), params.q.device);
 }
 
 void mha_varlen_fwd(const MhaVarlenFwdParams& params, void* stream) {
@@ -307,14 +307,8 @@ void mha_varlen_fwd(const MhaVarlenFwdParams& params, void* stream) {
 }
 
 size_t mha_varlen_fwd_workspace_size(const MhaVarlenFwdParams& params) {
-  const FwdProblem problem = api::validate_mha_varlen_fwd(params);
-  if (params.q.device.kind == DeviceKind::kCpu) return 0;
-#ifdef FLASHKIT_WITH_CUDA
-  return cuda_workspace_bytes("mha_varlen_fwd_workspace_size", problem, params.q.device.index);
-#else
-  (void)problem;
-  return 0;
-#endif
+  return workspace_bytes("mha_varlen_fwd_workspace_size", api::validate_mha_varlen_fwd(params),
+                         params.q.device);
 }
 
 bool cuda_head_dim_built(int head_dim) {

@@ -93,12 +93,7 @@ void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void
                   std::to_string(needed) +
                   " bytes (mha_fwd_kvcache_workspace_size); pass that much, or num_splits = 1");
     }
-    if (reinterpret_cast<uintptr_t>(params.workspace) % 256 != 0) {
-      char address[32];
-      std::snprintf(address, sizeof address, "%p", params.workspace);
-      throw Error(std::string(kFn) + ": workspace (" + address +
-                  ") is not 256-byte aligned; pass memory from cudaMalloc or an aligned pool");
-    }
+    api::check_decode_workspace_alignment(kFn, params.workspace);
     problem.workspace = params.workspace;
     problem.workspace_bytes = params.workspace_bytes;
   }
