@@ -3,14 +3,15 @@
 // the one place that chooses a CUDA kernel.
 //
 // CPU views run the reference (src/cpu/). CUDA views run, for up to 16 query tokens per sequence
-// (decoding through mha_fwd / mha_varlen_fwd), the decode kernel that mha_fwd_kvcache runs (fwd_decode_route.h says
-// which problems and why); otherwise, on compute capability 9.0, the sm90 (wgmma + TMA) kernel of
-// the problem's (dtype, head-dim family) when this build compiled it and it covers the problem
-// (sm90::fwd_unsupported_reason), and otherwise the sm80 (mma.sync) kernel, provided this build
-// compiled it; the generated build_config.h lists which ones it did. The environment variable
-// FLASHKIT_FWD_PATH=sm80|sm90|decode forces a path (for tests and for chasing a bug); forcing one
-// where it cannot run is an error, not a fallback. Everything that can be rejected without the GPU
-// is rejected before the first CUDA runtime call, so bad input never touches the device.
+// (decoding through mha_fwd / mha_varlen_fwd), the decode kernel that mha_fwd_kvcache runs
+// (fwd_decode_route.h says which problems and why); otherwise, on compute capability 9.0, the sm90
+// (wgmma + TMA) kernel of the problem's (dtype, head-dim family) when this build compiled it and it
+// covers the problem (sm90::fwd_unsupported_reason), and otherwise the sm80 (mma.sync) kernel,
+// provided this build compiled it; the generated build_config.h lists which ones it did. The
+// environment variable FLASHKIT_FWD_PATH=sm80|sm90|decode forces a path (for tests and for chasing
+// a bug); forcing one where it cannot run is an error, not a fallback. Everything that can be
+// rejected without the GPU is rejected before the first CUDA runtime call, so bad input never
+// touches the device.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
