@@ -10,10 +10,11 @@ forward (the choice before it); `flashkit_varlen` is the same batch through flas
 q [b, s_q, h, d] and k / v [b, s_k, h_kv, d] memory (SDPA reads [b, h, s, d] views of it, GQA
 through enable_gqa). tbps counts the bytes of K and V once; tflops 4 * b * h * s_q * s_k * d.
 Every implementation's output is compared with SDPA flash's. Method as bench/peers_decode.py
-(median of CUDA-event-timed calls, inputs rotated past 2x L2).
+(median of CUDA-event-timed calls, inputs rotated past 2x L2): each call eagerly, host time
+included, or with --graphs the GPU time of calls replayed from a CUDA graph.
 
 usage: short_queries.py [--seqlen-q 1,4,16,32,64] [--seqlen-k 2k,8k,32k] [--batch 1,8,32]
-                        [--heads-kv 8] [--max-tokens 256k] --json OUT.json [--md OUT.md]
+                        [--heads-kv 8] [--max-tokens 256k] [--graphs] --json OUT.json [--md OUT.md]
 Needs flashkit importable (PYTHONPATH=<build>/python).
 """
 import argparse
@@ -25,6 +26,23 @@ import subprocess
 from peers_decode import parse_list, time_ms, write_table
 
 IMPLS = ["flashkit_decode", "flashkit_varlen", "flashkit_sm90", "sdpa_flash", "sdpa_cudnn"]
+GRAPH_CALLS = 20  # calls captured per CUDA graph with --graphs
+
+
+def time_graph_ms(torch, fn, sets):
+    """GPU time per call: GRAPH_CALLS calls (cycling the input sets) captured in one CUDA graph after
+    a warm-up on a side stream, the graph replayed and timed as time_ms times a call."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            fn(i % sets)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(GRAPH_CALLS):
+            fn(i % sets)
+    return time_ms(torch, lambda i: graph.replay(), 1) / GRAPH_CALLS
 
 
 def run(args):
@@ -36,6 +54,7 @@ def run(args):
     backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
     hq, hkv, d = 32, args.heads_kv, 128
+    timer = time_graph_ms if args.graphs else time_ms
     records = []
     for sk in args.seqlen_k:
         for batch in args.batch:
@@ -55,7 +74,7 @@ def run(args):
                     rec = {"op": "fwd", "impl": impl, "dtype": "bf16", "batch": batch,
                            "heads_q": hq, "heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk,
                            "head_dim": d, "causal": False, "ms": None, "tflops": None,
-                           "tbps": None}
+                           "tbps": None, "timing": "graph" if args.graphs else "per call"}
                     try:
                         if impl == "flashkit_varlen":  # the same batch through the varlen API
                             cu_q = torch.arange(0, (batch + 1) * sq, sq, dtype=torch.int32,
@@ -68,14 +87,14 @@ def run(args):
                                     q.view(-1, hq, d), kv[i][0].view(-1, hkv, d),
                                     kv[i][1].view(-1, hkv, d), cu_q, cu_k, sq, sk)
                             out = call(0).view(batch, sq, hq, d)
-                            rec["ms"] = time_ms(torch, call, sets)
+                            rec["ms"] = timer(torch, call, sets)
                         elif impl.startswith("flashkit"):
                             os.environ["FLASHKIT_FWD_PATH"] = impl.split("_")[1]
 
                             def call(i):
                                 return flashkit.flash_attn_func(q, kv[i][0], kv[i][1])
                             out = call(0)
-                            rec["ms"] = time_ms(torch, call, sets)
+                            rec["ms"] = timer(torch, call, sets)
                         else:
                             def call(i):
                                 return F.scaled_dot_product_attention(
@@ -83,7 +102,7 @@ def run(args):
                                     kv[i][1].transpose(1, 2), enable_gqa=hkv != hq)
                             with sdpa_kernel([backends[impl]]):
                                 out = call(0).transpose(1, 2)
-                                rec["ms"] = time_ms(torch, call, sets)
+                                rec["ms"] = timer(torch, call, sets)
                         err = (out.float() - expected.float()).abs().max().item()
                         if not err <= 2e-2:
                             raise RuntimeError(f"output differs from SDPA flash's by {err}")
@@ -117,7 +136,8 @@ def write_markdown(path, result):
         return None if not row.get(a) or not row.get(b) else row[b] / row[a]
     lines = [f"# short queries: {result['gpu']}, {result['date']}, commit {result['git_commit']}", "",
              f"flash_attn_func, bf16, 32/{result['records'][0]['heads_kv']} heads, head dim 128, "
-             "no mask; ms per call (lower is better); speedup = peer's time / flashkit decode's", "",
+             f"no mask; ms per call, timed {result['records'][0]['timing']} (lower is better); "
+             "speedup = peer's time / flashkit decode's", "",
              "| s_k | batch | s_q | " + " | ".join(IMPLS) +
              " | decode vs sm90 | vs sdpa_flash | vs sdpa_cudnn |", "|---" * (len(IMPLS) + 6) + "|"]
     for key in sorted(cells):
@@ -136,6 +156,9 @@ def main():
     p.add_argument("--batch", default="1,8,32")
     p.add_argument("--heads-kv", type=int, default=8)
     p.add_argument("--max-tokens", default="256k")
+    p.add_argument("--graphs", action="store_true",
+                   help=f"GPU time per call: {GRAPH_CALLS} calls in a CUDA graph, replayed (no host "
+                        "time); default: each call timed eagerly, host time included")
     p.add_argument("--json", required=True)
     p.add_argument("--md")
     args = p.parse_args()
