@@ -69,7 +69,7 @@ struct FwdCommon {
   TensorView attn_probs;
   // Optional scratch memory on the tensors' device, 256-byte aligned, at least
   // mha_fwd_workspace_size(params) (mha_varlen_fwd_workspace_size) bytes; its contents on entry do
-  // not matter. Only short queries use it (up to 16 query tokens, on the decode kernel): there it
+  // not matter. Only short queries use it (on the decode kernel, src/api/fwd_decode_route.h): there it
   // holds the fp32 partial results of a key split, which spreads few long sequences over the SMs.
   // Null runs them without a split (slower when batch x heads_kv is small against the SM count).
   void* workspace = nullptr;

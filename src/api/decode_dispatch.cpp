@@ -127,6 +127,8 @@ void require_decode_kernel(const char* fn, DType dtype, int head_dim) {
 
 int decode_device_arch(int device) { return device_limits(device).arch; }
 
+int decode_device_sm_count(int device) { return device_limits(device).sm_count; }
+
 // The whole-SM pipeline for a contiguous cache when the split model counts one CTA per SM, the
 // launch puts at most one CTA on an SM, and the device lets one CTA take that much shared memory
 // (sm_90: 227 KiB; not sm_80's 163 KiB or sm_86/89's 99 KiB); PDL from sm_90 on. A paged cache

@@ -32,8 +32,9 @@ struct DecodePlan {
 // (split_heuristic.h) on the device's SM count. Checks nothing about the workspace.
 DecodePlan plan_decode(const KvcacheProblem& problem, int device, int requested_splits);
 
-// The device's compute capability as 10 * major + minor, queried once per device.
+// The device's compute capability as 10 * major + minor, and its SM count, queried once per device.
 int decode_device_arch(int device);
+int decode_device_sm_count(int device);
 
 // Throws (naming `fn`) unless `workspace` is 256-byte aligned, as the split partials need.
 void check_decode_workspace_alignment(const char* fn, const void* workspace);

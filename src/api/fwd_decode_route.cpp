@@ -2,6 +2,8 @@
 // \brief mha_fwd's short queries on the decode kernel (fwd_decode_route.h).
 #include "api/fwd_decode_route.h"
 
+#include <cstdint>
+
 namespace flashkit::api {
 
 std::string fwd_decode_unsupported_reason(const FwdProblem& p) {
@@ -18,8 +20,11 @@ std::string fwd_decode_unsupported_reason(const FwdProblem& p) {
   return "";
 }
 
-bool fwd_prefers_decode(const FwdProblem& p) {
-  return p.seqlen_q <= kFwdDecodeMaxSeqlenQ && fwd_decode_unsupported_reason(p).empty();
+bool fwd_prefers_decode(const FwdProblem& p, int sm_count) {
+  const bool few_forward_tiles = static_cast<int64_t>(p.batch) * p.heads_q <= sm_count / 2;
+  const bool short_enough = p.seqlen_q <= kFwdDecodeMaxSeqlenQ ||
+                            (p.seqlen_q <= kFwdDecodeMaxSeqlenQFewTiles && few_forward_tiles);
+  return short_enough && fwd_decode_unsupported_reason(p).empty();
 }
 
 KvcacheProblem decode_view_of_fwd(const FwdProblem& p) {

@@ -9,7 +9,8 @@
 // tokens and the query heads of a kv head into 16-row tiles, reads each kv head's keys once per
 // tile and splits the keys over the SMs when the batch alone does not fill them. Up to 16 query
 // tokens, it reads no more key bytes than the forward kernels (ceil(seqlen_q x group / 16) tiles per
-// kv head, against group tiles) and computes less. Variable-length batches too (padded batches in
+// kv head, against group tiles) and computes less; up to 32 it still wins where the forward kernels'
+// few tiles leave most SMs idle. Variable-length batches too (padded batches in
 // generate() go through flash_attn_varlen_func), with max_seqlen_q as the bound.
 #pragma once
 
@@ -22,13 +23,20 @@ namespace flashkit::api {
 
 // Query tokens per sequence up to which the automatic choice runs mha_fwd on the decode kernel.
 constexpr int kFwdDecodeMaxSeqlenQ = 16;
+// Up to this many as well when the forward kernels would leave most of the GPU idle: their tiles
+// (one per query head and batch entry at these lengths) fill at most half of the SMs, while the
+// decode kernel splits the keys over all of them. H200, bf16 d128, GQA 32/8, CUDA-graph timing
+// (bench/results/h200-2026-11-25-session25-short-queries-graphs.md): at 24 and 32 tokens the decode
+// kernel is 1.26x-2.9x the sm90 forward at batch 1 (32 tiles) and 0.63x-0.83x from batch 4 (128).
+constexpr int kFwdDecodeMaxSeqlenQFewTiles = 32;
 
 // Why the decode kernel cannot run `problem` ("" when it can), the build and the device aside.
 std::string fwd_decode_unsupported_reason(const FwdProblem& problem);
 
-// Whether the automatic choice runs `problem` on the decode kernel: it can, and seqlen_q is at most
-// kFwdDecodeMaxSeqlenQ.
-bool fwd_prefers_decode(const FwdProblem& problem);
+// Whether the automatic choice runs `problem` on the decode kernel of a GPU with `sm_count` SMs: it
+// can, and seqlen_q is at most kFwdDecodeMaxSeqlenQ, or at most kFwdDecodeMaxSeqlenQFewTiles with
+// batch x heads_q at most sm_count / 2.
+bool fwd_prefers_decode(const FwdProblem& problem, int sm_count);
 
 // `problem` (one the decode kernel can run) as a decode: every sequence's keys form a contiguous
 // cache (varlen: the packed keys are one cache row, sequence b's from index cu_seqlens_k[b] to

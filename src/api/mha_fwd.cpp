@@ -2,7 +2,7 @@
 // \brief The forward entry points: validate, then run on the backend that owns the data. This is
 // the one place that chooses a CUDA kernel.
 //
-// CPU views run the reference (src/cpu/). CUDA views run, for up to 16 query tokens per sequence
+// CPU views run the reference (src/cpu/). CUDA views run, for a few query tokens per sequence
 // (decoding through mha_fwd / mha_varlen_fwd), the decode kernel that mha_fwd_kvcache runs
 // (fwd_decode_route.h says which problems and why); otherwise, on compute capability 9.0, the sm90
 // (wgmma + TMA) kernel of the problem's (dtype, head-dim family) when this build compiled it and it
@@ -79,8 +79,9 @@ FwdPath requested_fwd_path(const char* fn) {
   if (std::strcmp(value, "decode") == 0) return FwdPath::kDecode;
   throw Error(std::string(fn) + ": FLASHKIT_FWD_PATH is '" + value +
               "'; it must be sm80, sm90, decode or unset (automatic: the decode kernel for up to " +
-              std::to_string(api::kFwdDecodeMaxSeqlenQ) + " query tokens, else sm90 on compute "
-              "capability 9.0 where it covers the problem, else sm80)");
+              std::to_string(api::kFwdDecodeMaxSeqlenQ) + " query tokens (" +
+              std::to_string(api::kFwdDecodeMaxSeqlenQFewTiles) + " for few heads), else sm90 on "
+              "compute capability 9.0 where it covers the problem, else sm80)");
 }
 
 // Why the decode kernel cannot run `problem` in this build, or "" when it can (the device aside).
@@ -156,7 +157,8 @@ FwdPath choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath requ
                 std::to_string(arch % 10) + "; the sm90 kernels run on 9.0 (Hopper) only");
   }
   if (requested != FwdPath::kAuto) return requested;
-  if (api::fwd_prefers_decode(problem) && decode_unavailable_reason(problem).empty()) {
+  if (api::fwd_prefers_decode(problem, api::decode_device_sm_count(device)) &&
+      decode_unavailable_reason(problem).empty()) {
     return FwdPath::kDecode;
   }
   return arch == 90 && sm90_unavailable_reason(problem).empty() ? FwdPath::kSm90 : FwdPath::kSm80;
@@ -186,9 +188,9 @@ void run_on_decode(const char* fn, const FwdProblem& problem, const FwdCommon& p
   decode.workspace_bytes = params.workspace_bytes;
   if (debug_enabled()) {
     std::fprintf(stderr,
-                 "flashkit: %s: cuda:%d decode kernel (up to %d query tokens), %s head dim %d "
+                 "flashkit: %s: cuda:%d decode kernel (short queries), %s head dim %d "
                  "(family %d), batch %d heads %d/%d seqlen %d/%d, %d split(s)%s, %s pipeline\n",
-                 fn, device, api::kFwdDecodeMaxSeqlenQ, build_dtype_name(problem.dtype),
+                 fn, device, build_dtype_name(problem.dtype),
                  problem.head_dim, sm80::decode_head_dim_family(problem.head_dim), problem.batch,
                  problem.heads_q, problem.heads_kv, problem.seqlen_q, problem.seqlen_k,
                  plan.num_splits, params.workspace == nullptr ? " (no workspace given)" : "",

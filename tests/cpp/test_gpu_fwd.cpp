@@ -15,15 +15,15 @@
 //   LongSequences/*       2048 and 4224 tokens, few heads
 //   VarlenEdges/*         zero-length q / k sequences, max_seqlen_q == 1, seqused_k, tail tokens
 //   EmptyRows/*           windows and causal masks that leave rows without keys
-//   ShortQueries/*        up to 16 query tokens (the decode kernel), fixed and varlen, keys split
+//   ShortQueries/*        up to 32 query tokens (the decode kernel), fixed and varlen, keys split
 //                         over the SMs
 //   NoKeys/*              seqlen_k == 0: out 0, lse -inf
 //   GpuFwdTest.*          layout invariance, offsets past 2^31 elements, grid limits, a created
 //                         stream, bad input, a head dim left out of the build, determinism, the
 //                         forced paths (FLASHKIT_FWD_PATH)
 //
-// Each case runs on the path the dispatcher picks: the decode kernel for up to 16 query tokens (a
-// varlen batch without seqused_k included), else sm90 on a Hopper GPU wherever it covers the case, else sm80. To run the suite on both paths there, run the binary a second time with
+// Each case runs on the path the dispatcher picks: the decode kernel for short queries (a varlen
+// batch without seqused_k included; src/api/fwd_decode_route.h), else sm90 on a Hopper GPU wherever it covers the case, else sm80. To run the suite on both paths there, run the binary a second time with
 // FLASHKIT_FWD_PATH=sm80 (scripts/gpu_check.sh does: step gpu_tests_sm80).
 // Without a GPU every test skips itself (fixture SetUp). FLASHKIT_TEST_VERBOSE=1 prints the errors
 // measured for passing cases too.
@@ -104,10 +104,11 @@ std::vector<FwdCase> no_key_cases() {
 }
 
 // Short queries (the decode kernel's path, src/api/fwd_decode_route.h): mask x seqlen_q {1, 2, 7,
-// 16} x 3 draws of (dtype, head dim, heads, seqlen_k, batch), the third varlen (fill_varlen: empty
-// sequences, tails, a third with seqused_k, which the forward kernels take); keys up to 1500 long,
-// so that the few CTAs of batch 1-3 split them (the harness passes the workspace the size query
-// asks for). 8 x 4 x 3 = 96 cases.
+// 16, 29} x 3 draws of (dtype, head dim, heads, seqlen_k, batch), the third varlen (fill_varlen:
+// empty sequences, tails, a third with seqused_k, which the forward kernels take); keys up to 1500
+// long, so that the few CTAs of batch 1-3 split them (the harness passes the workspace the size
+// query asks for). 29 tokens take the decode kernel through its few-tiles rule (batch x heads_q at
+// most 48 here). 8 x 5 x 3 = 120 cases.
 std::vector<FwdCase> short_query_cases() {
   const std::vector<std::pair<int, int>> heads = {{8, 2}, {4, 1}, {6, 6}, {16, 2}};
   const std::vector<int> head_dims = {40, 64, 96, 128, 256};
@@ -115,7 +116,7 @@ std::vector<FwdCase> short_query_cases() {
   std::vector<FwdCase> cases;
   Rng rng(0x5407);
   for (MaskKind mask : kAllMasks) {
-    for (int sq : {1, 2, 7, 16}) {
+    for (int sq : {1, 2, 7, 16, 29}) {
       for (int draw = 0; draw < 3; ++draw) {
         const auto [hq, hkv] = rng.pick(heads);
         FwdCase c = fixed_case(rng.chance(0.5) ? DType::kBFloat16 : DType::kFloat16,

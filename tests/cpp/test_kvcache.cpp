@@ -505,6 +505,8 @@ TEST(KvcacheValidation, CudaAlignmentIsCheckedFromMetadata) {
 // mha_fwd's short queries as a decode (api/fwd_decode_route.h)
 // ------------------------------------------------------------------------------------------------
 
+constexpr int kH100Sms = 132;  // an H100's (and H200's) SM count, for the route's few-tiles rule
+
 // One mha_fwd problem on CPU views, q and out with a padded head stride (so that the view's
 // strides, not the shape, address them), k and v packed in one [batch, seqlen_k, 2, heads_kv, d]
 // buffer.
@@ -579,7 +581,7 @@ TEST(FwdDecodeRoute, DecodeViewMatchesTheForwardReference) {
     fill_short_query(c, seed, fwd);
     fill_short_query(c, seed++, dec);
     const FwdProblem problem = api::validate_mha_fwd(fwd.params);
-    EXPECT_TRUE(api::fwd_prefers_decode(problem));
+    EXPECT_TRUE(api::fwd_prefers_decode(problem, kH100Sms));
     cpu::reference_fwd(problem);
     cpu::reference_kvcache(api::decode_view_of_fwd(api::validate_mha_fwd(dec.params)));
     ASSERT_EQ(fwd.out.size(), dec.out.size());
@@ -592,9 +594,17 @@ TEST(FwdDecodeRoute, WhichProblemsTakeTheDecodeKernel) {
   ShortQueryBuffers b;
   fill_short_query({2, 8, 2, 64, api::kFwdDecodeMaxSeqlenQ, 37}, 1, b);
   FwdProblem p = api::validate_mha_fwd(b.params);
-  EXPECT_TRUE(api::fwd_prefers_decode(p));
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms));
+  // Past 16 tokens only while the forward kernels' tiles (batch x heads_q = 16 here) would fill at
+  // most half of the SMs, and never past 32.
   p.seqlen_q = api::kFwdDecodeMaxSeqlenQ + 1;
-  EXPECT_FALSE(api::fwd_prefers_decode(p));  // a longer query: the forward kernels
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms));
+  EXPECT_TRUE(api::fwd_prefers_decode(p, 32));
+  EXPECT_FALSE(api::fwd_prefers_decode(p, 31));
+  p.seqlen_q = api::kFwdDecodeMaxSeqlenQFewTiles;
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms));
+  p.seqlen_q = api::kFwdDecodeMaxSeqlenQFewTiles + 1;
+  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms));  // a longer query: the forward kernels
   EXPECT_TRUE(api::fwd_decode_unsupported_reason(p).empty());  // (which a forced path overrides)
   p.seqlen_q = 1;
   for (auto refuse : std::vector<void (*)(FwdProblem&)>{
@@ -609,7 +619,7 @@ TEST(FwdDecodeRoute, WhichProblemsTakeTheDecodeKernel) {
            }}) {
     FwdProblem refused = p;
     refuse(refused);
-    EXPECT_FALSE(api::fwd_prefers_decode(refused));
+    EXPECT_FALSE(api::fwd_prefers_decode(refused, kH100Sms));
     EXPECT_FALSE(api::fwd_decode_unsupported_reason(refused).empty());
   }
 }
@@ -626,7 +636,7 @@ TEST(FwdDecodeRoute, VarlenKeysAreOneCacheRowBetweenTheOffsets) {
   p.cu_seqlens_k = cu_k;
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 0;
   p.seqlen_k = 20;  // max_seqlen_k
-  EXPECT_TRUE(api::fwd_prefers_decode(p));
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms));
   const KvcacheProblem d = api::decode_view_of_fwd(p);
   EXPECT_EQ(d.cu_seqlens_q, cu_q);
   EXPECT_EQ(d.cache_leftpad, cu_k);
