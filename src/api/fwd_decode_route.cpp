@@ -21,7 +21,7 @@ std::string fwd_decode_unsupported_reason(const FwdProblem& p) {
 }
 
 bool fwd_prefers_decode(const FwdProblem& p, int sm_count) {
-  const bool few_forward_tiles = static_cast<int64_t>(p.batch) * p.heads_q <= sm_count / 2;
+  const bool few_forward_tiles = static_cast<int64_t>(p.batch) * p.heads_q <= sm_count / 4;
   const bool short_enough = p.seqlen_q <= kFwdDecodeMaxSeqlenQ ||
                             (p.seqlen_q <= kFwdDecodeMaxSeqlenQFewTiles && few_forward_tiles);
   return short_enough && fwd_decode_unsupported_reason(p).empty();

@@ -24,10 +24,11 @@ namespace flashkit::api {
 // Query tokens per sequence up to which the automatic choice runs mha_fwd on the decode kernel.
 constexpr int kFwdDecodeMaxSeqlenQ = 16;
 // Up to this many as well when the forward kernels would leave most of the GPU idle: their tiles
-// (one per query head and batch entry at these lengths) fill at most half of the SMs, while the
-// decode kernel splits the keys over all of them. H200, bf16 d128, GQA 32/8, CUDA-graph timing
-// (bench/results/h200-2026-11-25-session25-short-queries-graphs.md): at 24 and 32 tokens the decode
-// kernel is 1.26x-2.9x the sm90 forward at batch 1 (32 tiles) and 0.63x-0.83x from batch 4 (128).
+// (one per query head and batch entry at these lengths) fill at most a quarter of the SMs, while
+// the decode kernel splits the keys over all of them. H200, bf16 d128, GQA 32/8, CUDA-graph timing
+// (bench/results/h200-2026-11-25-session25-short-queries.md): at 24 and 32 tokens the decode
+// kernel is 1.26x-2.9x the sm90 forward at batch 1 (32 tiles), 0.86x-1.30x at batch 2 (64 tiles)
+// and 0.63x-0.83x from batch 4 (128 tiles).
 constexpr int kFwdDecodeMaxSeqlenQFewTiles = 32;
 
 // Why the decode kernel cannot run `problem` ("" when it can), the build and the device aside.
@@ -35,7 +36,7 @@ std::string fwd_decode_unsupported_reason(const FwdProblem& problem);
 
 // Whether the automatic choice runs `problem` on the decode kernel of a GPU with `sm_count` SMs: it
 // can, and seqlen_q is at most kFwdDecodeMaxSeqlenQ, or at most kFwdDecodeMaxSeqlenQFewTiles with
-// batch x heads_q at most sm_count / 2.
+// batch x heads_q at most sm_count / 4.
 bool fwd_prefers_decode(const FwdProblem& problem, int sm_count);
 
 // `problem` (one the decode kernel can run) as a decode: every sequence's keys form a contiguous

@@ -596,11 +596,11 @@ TEST(FwdDecodeRoute, WhichProblemsTakeTheDecodeKernel) {
   FwdProblem p = api::validate_mha_fwd(b.params);
   EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms));
   // Past 16 tokens only while the forward kernels' tiles (batch x heads_q = 16 here) would fill at
-  // most half of the SMs, and never past 32.
+  // most a quarter of the SMs, and never past 32.
   p.seqlen_q = api::kFwdDecodeMaxSeqlenQ + 1;
   EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms));
-  EXPECT_TRUE(api::fwd_prefers_decode(p, 32));
-  EXPECT_FALSE(api::fwd_prefers_decode(p, 31));
+  EXPECT_TRUE(api::fwd_prefers_decode(p, 64));
+  EXPECT_FALSE(api::fwd_prefers_decode(p, 63));
   p.seqlen_q = api::kFwdDecodeMaxSeqlenQFewTiles;
   EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms));
   p.seqlen_q = api::kFwdDecodeMaxSeqlenQFewTiles + 1;
