@@ -87,3 +87,43 @@ def test_training_step_gradients_match_sdpa(device):
     for param in grads["ref"]:
         check_close(f"grad of {param}", grads["flashkit"][param], grads["ref"][param],
                     grads["sdpa"][param], factor=3.0)
+
+
+def test_key_ranges_of_padding_masks():
+    """Left / right padding and empty rows give one run per row; a hole gives None; the result is
+    kept on the mask for the next layers and recomputed after an in-place change."""
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 1, 1]])
+    start, end = flashkit_hf._key_ranges(mask, 5)
+    assert start.tolist() == [2, 0, 0, 0] and end.tolist() == [5, 3, 0, 5]
+    assert flashkit_hf._key_ranges(mask, 5)[0] is start
+    assert flashkit_hf._key_ranges(mask, 4)[1].tolist() == [4, 3, 0, 4]  # a shorter key range
+    mask[0, 2] = 0
+    assert flashkit_hf._key_ranges(mask, 5)[0].tolist() == [3, 0, 0, 0]
+    assert flashkit_hf._key_ranges(torch.tensor([[1, 0, 1]]), 3) is None
+
+
+@pytest.mark.parametrize("hole", [False, True], ids=["runs", "hole"])
+def test_decoded_token_of_a_padded_batch(device, hole):
+    """One query token per row against a padded key mask, as generate() decodes a padded batch:
+    runs of kept keys go through flash_attn_with_kvcache in place, a mask with a hole through the
+    varlen gather; both match softmax attention over each row's kept keys (fp32)."""
+    torch.manual_seed(5)
+    b, hq, hk, length, d = 3, 4, 2, 37, 64
+    q = torch.randn(b, hq, 1, d, device=device).to(DTYPE)
+    k = torch.randn(b, hk, length, d, device=device).to(DTYPE)
+    v = torch.randn(b, hk, length, d, device=device).to(DTYPE)
+    mask = torch.ones(b, length, dtype=torch.long, device=device)
+    mask[0, :5] = 0  # left padding
+    mask[1, -7:] = 0  # right padding
+    if hole:
+        mask[2, 10] = 0
+    module = torch.nn.Module()
+    module.is_causal = True
+    out, _ = flashkit_hf.flashkit_attention_forward(module, q, k, v, mask, scaling=d ** -0.5)
+    for row in range(b):
+        keep = mask[row].bool()
+        kr = k[row].float().repeat_interleave(hq // hk, 0)[:, keep]
+        vr = v[row].float().repeat_interleave(hq // hk, 0)[:, keep]
+        weights = torch.softmax(q[row].float() @ kr.transpose(1, 2) * d ** -0.5, dim=-1)
+        ref = (weights @ vr).transpose(0, 1)  # [1, hq, d]
+        torch.testing.assert_close(out[row].float(), ref, atol=2e-2, rtol=2e-2)

@@ -42,7 +42,8 @@ from typing import Optional, Tuple
 
 import torch
 
-from flashkit.flash_attn_interface import flash_attn_func, flash_attn_varlen_func
+from flashkit.flash_attn_interface import (flash_attn_func, flash_attn_varlen_func,
+                                           flash_attn_with_kvcache)
 
 NAME = "fk_attention"
 
@@ -62,6 +63,26 @@ def _packed_from_position_ids(position_ids: torch.Tensor) -> Tuple[torch.Tensor,
     total = torch.tensor([position_ids.numel()], device=position_ids.device)
     lengths = torch.diff(torch.cat((starts, total)))
     return _cu_seqlens(lengths), int(lengths.max())
+
+
+def _key_ranges(attention_mask: torch.Tensor,
+                seqlen_k: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
+    """(start, end), int32 [batch]: the keys [start, end) of each row of a 2D padding mask whose kept
+    keys form one run per row (left or right padding, as generate() makes them; a row with none
+    gives (0, 0)), or None where some row has a hole. One host synchronisation per mask: the result
+    is kept on the mask, which transformers hands to every layer of a forward pass."""
+    cached = getattr(attention_mask, "_flashkit_key_ranges", None)
+    if cached is not None and cached[0] == (attention_mask._version, seqlen_k):
+        return cached[1]
+    keep = attention_mask[:, :seqlen_k].bool()
+    count = keep.sum(1, dtype=torch.int32)
+    start = keep.int().argmax(1).to(torch.int32)
+    end = seqlen_k - keep.flip(1).int().argmax(1).to(torch.int32)
+    start = torch.where(count > 0, start, 0)
+    end = torch.where(count > 0, end, 0)
+    ranges = (start, end) if bool(((end - start) == count).all()) else None
+    attention_mask._flashkit_key_ranges = ((attention_mask._version, seqlen_k), ranges)
+    return ranges
 
 
 def _is_packed(position_ids: Optional[torch.Tensor], batch: int, seqlen: int) -> bool:
@@ -140,6 +161,18 @@ def flashkit_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
                    softcap=softcap or 0.0, deterministic=bool(deterministic),
                    window_size=(-1, -1) if sliding_window is None
                    else (sliding_window - 1, sliding_window - 1))
+
+    if attention_mask is not None and seqlen_q == 1 and dropout == 0.0:
+        # One decoded token per sequence (generate() on a padded batch): the kept keys of a row are
+        # one run, so the KV cache is read in place from each run's start (its left pad) to its
+        # end, without gathering it (a copy of every key per layer and step).
+        ranges = _key_ranges(attention_mask, min(seqlen_k, attention_mask.shape[1]))
+        if ranges is not None:
+            out = flash_attn_with_kvcache(
+                q, k, v, cache_seqlens=ranges[1], cache_leftpad=ranges[0],
+                softmax_scale=scaling, causal=False, window_size=options["window_size"],
+                softcap=options["softcap"])
+            return out[..., :v_head_dim], None
 
     if attention_mask is not None:
         keep_k = attention_mask.bool()
