@@ -12,7 +12,9 @@ head_dim]) and, through the mask interface, the 2D padding mask that flash atten
 for an unpadded batch). Three cases, as transformers' flash-attention path:
 
 - a padding mask: the valid tokens are gathered into a varlen batch, attended with
-  flash_attn_varlen_func and scattered back (padded query rows are zero). The mask covers the keys;
+  flash_attn_varlen_func and scattered back (padded query rows are zero); for one decoded token per
+  row whose kept keys form one run (left or right padding, as generate() makes them), the KV cache
+  is read in place instead, by flash_attn_with_kvcache with each run's start and end. The mask covers the keys;
   the queries are its last columns in causal self-attention, all real in cross-attention (the
   encoder's mask) and for one decoded token. Keys past the mask (a static cache's unwritten
   slots) are dropped; for causal self-attention the mask function makes such a mask where flash
