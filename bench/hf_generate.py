@@ -19,11 +19,10 @@ usage: hf_generate.py [--cases 1x16384,1x2048,8x2048p] [--new-tokens 64] [--repe
 Needs flashkit importable (PYTHONPATH=<build>/python) and transformers.
 """
 import argparse
-import datetime
-import json
-import os
 import statistics
 import time
+
+from peers_decode import save_results, write_table
 
 IMPLS = ["flashkit", "sdpa"]
 
@@ -136,11 +135,7 @@ def write_markdown(path, result):
                                 for i in IMPLS) + " | " +
                      " | ".join(fmt(x) for x in ratio) + " | " +
                      fmt(get("flashkit", "logits_max_diff_vs_sdpa"), 4) + " |")
-    notes = sorted({(r["impl"], r["note"]) for r in result["records"] if r.get("note")})
-    if notes:
-        lines += ["", "Cells left empty:"] + [f"- {impl}: {note}" for impl, note in notes]
-    with open(path, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_table(path, lines, result["records"])
 
 
 def main():
@@ -154,14 +149,7 @@ def main():
     args.cases = args.cases.split(",")
     records, torch = run(args)
     import transformers
-    result = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "transformers": transformers.__version__,
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-              "git_commit": os.environ.get("FLASHKIT_GIT_COMMIT", "unknown"), "records": records}
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    if args.md:
-        write_markdown(args.md, result)
+    save_results(torch, args, records, write_markdown, transformers=transformers.__version__)
 
 
 if __name__ == "__main__":

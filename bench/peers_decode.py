@@ -204,6 +204,27 @@ def write_markdown(path, result):
     write_table(path, lines, result["records"])
 
 
+def save_results(torch, args, records, write_markdown, **extra):
+    """The run's JSON (GPU, driver, versions, UTC time, FLASHKIT_GIT_COMMIT, the records and
+    `extra`) at args.json, and its markdown at args.md when given."""
+    import datetime
+    import subprocess
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.strip()
+    except OSError:  # no nvidia-smi on the PATH
+        driver = None
+    result = {"gpu": torch.cuda.get_device_name(0), "driver": driver, "torch": torch.__version__,
+              "cudnn": torch.backends.cudnn.version(),
+              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+              "git_commit": os.environ.get("FLASHKIT_GIT_COMMIT", "unknown"), **extra,
+              "records": records}
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=1)
+    if args.md:
+        write_markdown(args.md, result)
+
+
 def write_table(path, lines, records):
     """Writes a markdown table's lines to path, then why each empty cell is empty."""
     notes = sorted({(r["impl"], r["note"]) for r in records if r.get("note")})

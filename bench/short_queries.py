@@ -18,12 +18,9 @@ usage: short_queries.py [--seqlen-q 1,4,16,32,64] [--seqlen-k 2k,8k,32k] [--batc
 Needs flashkit importable (PYTHONPATH=<build>/python).
 """
 import argparse
-import datetime
-import json
 import os
-import subprocess
 
-from peers_decode import parse_list, time_ms, write_table
+from peers_decode import parse_list, save_results, time_ms, write_table
 
 IMPLS = ["flashkit_decode", "flashkit_varlen", "flashkit_sm90", "sdpa_flash", "sdpa_cudnn"]
 GRAPH_CALLS = 20  # calls captured per CUDA graph with --graphs
@@ -166,16 +163,7 @@ def main():
                                                 (args.seqlen_q, args.seqlen_k, args.batch))
     args.max_tokens = parse_list(args.max_tokens)[0]
     records, torch = run(args)
-    driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                            capture_output=True, text=True).stdout.strip()
-    result = {"gpu": torch.cuda.get_device_name(0), "driver": driver,
-              "torch": torch.__version__, "cudnn": torch.backends.cudnn.version(),
-              "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
-              "git_commit": os.environ.get("FLASHKIT_GIT_COMMIT", "unknown"), "records": records}
-    with open(args.json, "w") as f:
-        json.dump(result, f, indent=1)
-    if args.md:
-        write_markdown(args.md, result)
+    save_results(torch, args, records, write_markdown)
 
 
 if __name__ == "__main__":
