@@ -12,7 +12,8 @@ Implementations: `flashkit` (flashkit.integrations.transformers), `sdpa` (transf
 attention; PyTorch picks the backend). A padded batch (left padding, lengths spread over the last
 half of the prompt) goes through flash_attn_varlen_func (prefill) and flash_attn_with_kvcache
 (decoding) in flashkit, and a 4D mask in SDPA. generate() is host-bound at these sizes (~1 ms of
-Python per layer and step): decode_ms moves by ~10% from run to run. The prefill logits of each implementation are compared with SDPA's (max |diff|).
+Python per layer and step): decode_ms moves by ~10% from run to run. The prefill logits of each
+implementation are compared with SDPA's (max |diff|).
 
 usage: hf_generate.py [--cases 1x16384,1x2048,8x2048p] [--new-tokens 64] [--repeats 3]
                       --json OUT.json [--md OUT.md]
@@ -75,7 +76,7 @@ def run(args):
         gen = torch.Generator(device="cuda").manual_seed(1)
         ids = torch.randint(1, 32000, (batch, length), device="cuda", generator=gen)
         mask = torch.ones_like(ids)
-        if padded:  # left padding: row r keeps its last length / 2 + r * length / (2 * batch) tokens
+        if padded:  # left padding: row r keeps its last length / 2 + r * length / (2 batch) tokens
             for r in range(batch):
                 mask[r, :length // 2 - r * length // (2 * batch)] = 0
         reference_logits = None

@@ -27,8 +27,8 @@ GRAPH_CALLS = 20  # calls captured per CUDA graph with --graphs
 
 
 def time_graph_ms(torch, fn, sets):
-    """GPU time per call: GRAPH_CALLS calls (cycling the input sets) captured in one CUDA graph after
-    a warm-up on a side stream, the graph replayed and timed as time_ms times a call."""
+    """GPU time per call: GRAPH_CALLS calls (cycling the input sets) captured in one CUDA graph
+    after a warm-up on a side stream, the graph replayed and timed as time_ms times a call."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -62,7 +62,8 @@ def run(args):
             kv = [tuple(torch.empty(batch, sk, hkv, d, dtype=torch.bfloat16, device="cuda")
                         .uniform_(-1, 1) for _ in range(2)) for _ in range(sets)]
             for sq in args.seqlen_q:
-                q = torch.empty(batch, sq, hq, d, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
+                q = torch.empty(batch, sq, hq, d, dtype=torch.bfloat16,
+                                device="cuda").uniform_(-1, 1)
                 with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
                     expected = F.scaled_dot_product_attention(
                         q.transpose(1, 2), kv[0][0].transpose(1, 2), kv[0][1].transpose(1, 2),
@@ -108,7 +109,7 @@ def run(args):
                         rec["tflops"] = 4 * batch * hq * sq * sk * d / sec / 1e12
                     except Exception as e:  # a backend that cannot run the case: null, with why
                         rec["ms"] = None
-                        rec["note"] = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+                        rec["note"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                     finally:
                         os.environ.pop("FLASHKIT_FWD_PATH", None)
                     records.append(rec)
@@ -131,7 +132,8 @@ def write_markdown(path, result):
 
     def ratio(row, a, b):  # time of b over time of a: > 1 when a is faster
         return None if not row.get(a) or not row.get(b) else row[b] / row[a]
-    lines = [f"# short queries: {result['gpu']}, {result['date']}, commit {result['git_commit']}", "",
+    lines = [f"# short queries: {result['gpu']}, {result['date']}, "
+             f"commit {result['git_commit']}", "",
              f"flash_attn_func, bf16, 32/{result['records'][0]['heads_kv']} heads, head dim 128, "
              f"no mask; ms per call, timed {result['records'][0]['timing']} (lower is better); "
              "speedup = peer's time / flashkit decode's", "",
@@ -154,8 +156,8 @@ def main():
     p.add_argument("--heads-kv", type=int, default=8)
     p.add_argument("--max-tokens", default="256k")
     p.add_argument("--graphs", action="store_true",
-                   help=f"GPU time per call: {GRAPH_CALLS} calls in a CUDA graph, replayed (no host "
-                        "time); default: each call timed eagerly, host time included")
+                   help=f"GPU time per call: {GRAPH_CALLS} calls in a CUDA graph, replayed (no "
+                        "host time); default: each call timed eagerly, host time included")
     p.add_argument("--json", required=True)
     p.add_argument("--md")
     args = p.parse_args()

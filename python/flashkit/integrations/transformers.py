@@ -14,11 +14,12 @@ for an unpadded batch). Three cases, as transformers' flash-attention path:
 - a padding mask: the valid tokens are gathered into a varlen batch, attended with
   flash_attn_varlen_func and scattered back (padded query rows are zero); for one decoded token per
   row whose kept keys form one run (left or right padding, as generate() makes them), the KV cache
-  is read in place instead, by flash_attn_with_kvcache with each run's start and end. The mask covers the keys;
-  the queries are its last columns in causal self-attention, all real in cross-attention (the
-  encoder's mask) and for one decoded token. Keys past the mask (a static cache's unwritten
-  slots) are dropped; for causal self-attention the mask function makes such a mask where flash
-  attention's would be None (generate() drops an all-ones mask unless the name says "flash");
+  is read in place instead, by flash_attn_with_kvcache with each run's start and end. The mask
+  covers the keys; the queries are its last columns in causal self-attention, all real in
+  cross-attention (the encoder's mask) and for one decoded token. Keys past the mask (a static
+  cache's unwritten slots) are dropped; for causal self-attention the mask function makes such a
+  mask where flash attention's would be None (generate() drops an all-ones mask unless the name says
+  "flash");
 - packed sequences (cu_seq_lens_q/k and max_length_q/k passed by the caller, or position_ids that
   stop counting up by 1, as transformers' eager masks split them, in a batch of any size): one
   varlen call over the sequences;
@@ -69,12 +70,16 @@ def _packed_from_position_ids(position_ids: torch.Tensor) -> Tuple[torch.Tensor,
 
 def _key_ranges(attention_mask: torch.Tensor,
                 seqlen_k: int) -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
-    """(start, end), int32 [batch]: the keys [start, end) of each row of a 2D padding mask whose kept
-    keys form one run per row (left or right padding, as generate() makes them; a row with none
+    """(start, end), int32 [batch]: the keys [start, end) of each row of a 2D padding mask whose
+    kept keys form one run per row (left or right padding, as generate() makes them; a row with none
     gives (0, 0)), or None where some row has a hole. One host synchronisation per mask: the result
     is kept on the mask, which transformers hands to every layer of a forward pass."""
+    try:
+        version = (attention_mask._version, seqlen_k)
+    except RuntimeError:  # an inference-mode tensor tracks no version: nothing is kept
+        version = None
     cached = getattr(attention_mask, "_flashkit_key_ranges", None)
-    if cached is not None and cached[0] == (attention_mask._version, seqlen_k):
+    if version is not None and cached is not None and cached[0] == version:
         return cached[1]
     keep = attention_mask[:, :seqlen_k].bool()
     count = keep.sum(1, dtype=torch.int32)
@@ -83,7 +88,8 @@ def _key_ranges(attention_mask: torch.Tensor,
     start = torch.where(count > 0, start, 0)
     end = torch.where(count > 0, end, 0)
     ranges = (start, end) if bool(((end - start) == count).all()) else None
-    attention_mask._flashkit_key_ranges = ((attention_mask._version, seqlen_k), ranges)
+    if version is not None:
+        attention_mask._flashkit_key_ranges = (version, ranges)
     return ranges
 
 
