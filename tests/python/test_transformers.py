@@ -100,6 +100,10 @@ def test_key_ranges_of_padding_masks():
     mask[0, 2] = 0
     assert flashkit_hf._key_ranges(mask, 5)[0].tolist() == [3, 0, 0, 0]
     assert flashkit_hf._key_ranges(torch.tensor([[1, 0, 1]]), 3) is None
+    with torch.inference_mode():  # a mask made there tracks no version: computed, not kept
+        inference_mask = torch.tensor([[0, 1, 1]])
+    assert flashkit_hf._key_ranges(inference_mask, 3)[0].tolist() == [1]
+    assert getattr(inference_mask, "_flashkit_key_ranges", None) is None
 
 
 @pytest.mark.parametrize("hole", [False, True], ids=["runs", "hole"])
