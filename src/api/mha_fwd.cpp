@@ -281,7 +281,8 @@ void run_on_backend(const char* fn, const FwdProblem& problem, const FwdCommon& 
 #endif
 }
 
-// The size query's answer for a validated problem: 0 on the CPU backend (and in a build without
+// The size query's answer for a validated problem of the entry point `fn` (its errors, as the
+// validation's, name the call the size is for): 0 on the CPU backend (and in a build without
 // CUDA, whose call then fails naming the missing kernels).
 size_t workspace_bytes([[maybe_unused]] const char* fn, [[maybe_unused]] const FwdProblem& problem,
                        const Device& device) {
@@ -301,7 +302,7 @@ void mha_fwd(const MhaFwdParams& params, void* stream) {
 }
 
 size_t mha_fwd_workspace_size(const MhaFwdParams& params) {
-  return workspace_bytes("mha_fwd_workspace_size", api::validate_mha_fwd(params), params.q.device);
+  return workspace_bytes("mha_fwd", api::validate_mha_fwd(params), params.q.device);
 }
 
 void mha_varlen_fwd(const MhaVarlenFwdParams& params, void* stream) {
@@ -310,7 +311,7 @@ void mha_varlen_fwd(const MhaVarlenFwdParams& params, void* stream) {
 }
 
 size_t mha_varlen_fwd_workspace_size(const MhaVarlenFwdParams& params) {
-  return workspace_bytes("mha_varlen_fwd_workspace_size", api::validate_mha_varlen_fwd(params),
+  return workspace_bytes("mha_varlen_fwd", api::validate_mha_varlen_fwd(params),
                          params.q.device);
 }
 
