@@ -36,6 +36,12 @@ def parse_list(text):
     return [int(x[:-1]) * 1024 if x[-1] in "kK" else int(x) for x in text.split(",")]
 
 
+def rotation_sets(set_bytes, l2_bytes):
+    """How many copies of an input set of set_bytes to rotate through so that a call never finds
+    its inputs in an L2 of l2_bytes (the rotation spans more than twice the L2)."""
+    return max(1, (2 * l2_bytes) // set_bytes + 1)
+
+
 def time_ms(torch, fn, sets):
     def event():
         return torch.cuda.Event(enable_timing=True)
@@ -78,7 +84,7 @@ def run_peers(args):
             if batch * cache > args.max_tokens:
                 continue
             set_bytes = 2 * batch * cache * hkv * d * 2
-            sets = max(1, (2 * l2) // set_bytes + 1)
+            sets = rotation_sets(set_bytes, l2)
             q = torch.empty(batch, 1, hq, d, dtype=torch.bfloat16, device="cuda").uniform_(-1, 1)
             q = q.transpose(1, 2)
             kv = []

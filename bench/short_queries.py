@@ -20,7 +20,7 @@ Needs flashkit importable (PYTHONPATH=<build>/python).
 import argparse
 import os
 
-from peers_decode import parse_list, save_results, time_ms, write_table
+from peers_decode import parse_list, rotation_sets, save_results, time_ms, write_table
 
 IMPLS = ["flashkit_decode", "flashkit_varlen", "flashkit_sm90", "sdpa_flash", "sdpa_cudnn"]
 GRAPH_CALLS = 20  # calls captured per CUDA graph with --graphs
@@ -58,7 +58,7 @@ def run(args):
             if batch * sk > args.max_tokens:
                 continue
             set_bytes = 2 * batch * sk * hkv * d * 2
-            sets = max(1, (2 * l2) // set_bytes + 1)
+            sets = rotation_sets(set_bytes, l2)
             kv = [tuple(torch.empty(batch, sk, hkv, d, dtype=torch.bfloat16, device="cuda")
                         .uniform_(-1, 1) for _ in range(2)) for _ in range(sets)]
             for sq in args.seqlen_q:
