@@ -7,9 +7,6 @@
 namespace flashkit::api {
 
 std::string fwd_decode_unsupported_reason(const FwdProblem& p) {
-  // A varlen sequence's keys are read as a cache that starts at cu_seqlens_k[b] and ends at
-  // cu_seqlens_k[b + 1] (decode_view_of_fwd); seqused_k would end it elsewhere.
-  if (p.seqused_k != nullptr) return "varlen with seqused_k runs on the forward kernels";
   if (p.dropout_p > 0.0f) return "the decode kernel has no dropout";
   if (p.attn_probs != nullptr) return "the decode kernel does not return the probabilities";
   if (p.seqlen_k == 0) return "seqlen_k is 0 (no keys to decode against)";
@@ -40,10 +37,12 @@ KvcacheProblem decode_view_of_fwd(const FwdProblem& p) {
   d.cache_batches = p.batch;
   if (p.is_varlen()) {
     // Every sequence reads one cache row (batch strides 0) from index cu_seqlens_k[b] (its left
-    // pad) to cu_seqlens_k[b + 1] (its length), and its queries from cu_seqlens_q[b].
+    // pad) to cu_seqlens_k[b + 1] (its length), or seqused_k[b] keys from there, and its queries
+    // from cu_seqlens_q[b].
     d.cu_seqlens_q = p.cu_seqlens_q;
     d.cache_leftpad = p.cu_seqlens_k;
     d.cache_seqlens = p.cu_seqlens_k + 1;
+    d.seqused_k = p.seqused_k;
     d.cache_batches = 1;
   }
 

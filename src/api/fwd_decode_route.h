@@ -41,7 +41,8 @@ bool fwd_prefers_decode(const FwdProblem& problem, int sm_count);
 
 // `problem` (one the decode kernel can run) as a decode: every sequence's keys form a contiguous
 // cache (varlen: the packed keys are one cache row, sequence b's from index cu_seqlens_k[b] to
-// cu_seqlens_k[b + 1], read as its left pad and its length), nothing appended, the same q, out,
+// cu_seqlens_k[b + 1], read as its left pad and its length, or seqused_k[b] keys from the left
+// pad), nothing appended, the same q, out,
 // lse, mask, scale, softcap and ALiBi. One split and no workspace; the dispatcher sets both.
 KvcacheProblem decode_view_of_fwd(const FwdProblem& problem);
 

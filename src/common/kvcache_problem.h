@@ -31,6 +31,9 @@ struct KvcacheProblem {
   // cu_seqlens_q[b + 1] - 1 of q and out (their batch strides 0), at most seqlen_q of them; the lse
   // and split rows keep the seqlen_q-row layout. The CPU reference does not take it.
   const int* cu_seqlens_q = nullptr;
+  // Null for mha_fwd_kvcache. Set only by mha_varlen_fwd's short queries with seqused_k: sequence b
+  // attends to the seqused_k[b] keys from its left pad, whatever its cache length.
+  const int* seqused_k = nullptr;
 
   // Contiguous: batch stride is that of dim 0 (the cache row); paged: the stride between pages.
   void* k_cache = nullptr;

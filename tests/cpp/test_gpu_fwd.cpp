@@ -22,8 +22,8 @@
 //                         stream, bad input, a head dim left out of the build, determinism, the
 //                         forced paths (FLASHKIT_FWD_PATH)
 //
-// Each case runs on the path the dispatcher picks: the decode kernel for short queries (a varlen
-// batch without seqused_k included; src/api/fwd_decode_route.h), else sm90 on a Hopper GPU wherever it covers the case, else sm80. To run the suite on both paths there, run the binary a second time with
+// Each case runs on the path the dispatcher picks: the decode kernel for short queries (varlen
+// batches included; src/api/fwd_decode_route.h), else sm90 on a Hopper GPU wherever it covers the case, else sm80. To run the suite on both paths there, run the binary a second time with
 // FLASHKIT_FWD_PATH=sm80 (scripts/gpu_check.sh does: step gpu_tests_sm80).
 // Without a GPU every test skips itself (fixture SetUp). FLASHKIT_TEST_VERBOSE=1 prints the errors
 // measured for passing cases too.
@@ -105,7 +105,7 @@ std::vector<FwdCase> no_key_cases() {
 
 // Short queries (the decode kernel's path, src/api/fwd_decode_route.h): mask x seqlen_q {1, 2, 7,
 // 16, 29} x 3 draws of (dtype, head dim, heads, seqlen_k, batch), the third varlen (fill_varlen:
-// empty sequences, tails, a third with seqused_k, which the forward kernels take); keys up to 1500
+// empty sequences, tails, a third with seqused_k); keys up to 1500
 // long, so that the few CTAs of batch 1-3 split them (the harness passes the workspace the size
 // query asks for). 29 tokens take the decode kernel through its few-tiles rule where batch x heads_q
 // is at most a quarter of the SMs (up to 48 here), the forward kernels elsewhere. 8 x 5 x 3 = 120

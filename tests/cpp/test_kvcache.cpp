@@ -612,11 +612,7 @@ TEST(FwdDecodeRoute, WhichProblemsTakeTheDecodeKernel) {
            [](FwdProblem& x) { x.attn_probs = &x; },
            [](FwdProblem& x) { x.seqlen_k = 0; },
            [](FwdProblem& x) { x.batch = 65536; },
-           [](FwdProblem& x) { x.heads_q = x.heads_kv = 65536; },
-           [](FwdProblem& x) {  // varlen with seqused_k (varlen alone is taken)
-             static const int cu[2] = {0, 1};
-             x.cu_seqlens_q = x.cu_seqlens_k = x.seqused_k = cu;
-           }}) {
+           [](FwdProblem& x) { x.heads_q = x.heads_kv = 65536; }}) {
     FwdProblem refused = p;
     refuse(refused);
     EXPECT_FALSE(api::fwd_prefers_decode(refused, kH100Sms));
@@ -625,7 +621,8 @@ TEST(FwdDecodeRoute, WhichProblemsTakeTheDecodeKernel) {
 }
 
 // A varlen problem reads sequence b's keys as one cache row from cu_seqlens_k[b] (the left pad)
-// to cu_seqlens_k[b + 1] (the length), and its queries from cu_seqlens_q[b].
+// to cu_seqlens_k[b + 1] (the length), or seqused_k[b] keys from the left pad, and its queries
+// from cu_seqlens_q[b].
 TEST(FwdDecodeRoute, VarlenKeysAreOneCacheRowBetweenTheOffsets) {
   ShortQueryBuffers b;
   fill_short_query({1, 8, 2, 64, 1, 37}, 3, b);
@@ -644,6 +641,11 @@ TEST(FwdDecodeRoute, VarlenKeysAreOneCacheRowBetweenTheOffsets) {
   EXPECT_EQ(d.k_cache_batch_stride, 0);
   EXPECT_EQ(d.cache_capacity, 20);
   EXPECT_EQ(d.seqlen_q, 1);
+  EXPECT_EQ(d.seqused_k, nullptr);
+  static const int used_k[3] = {5, 0, 7};  // seqused_k: that many keys from each left pad
+  p.seqused_k = used_k;
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms));
+  EXPECT_EQ(api::decode_view_of_fwd(p).seqused_k, used_k);
   EXPECT_THROW(cpu::reference_kvcache(d), Error);  // the CPU backend runs reference_fwd instead
 }
 

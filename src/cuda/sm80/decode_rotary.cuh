@@ -30,7 +30,7 @@ struct DecodeSequence {
     DecodeSequence s;
     s.length = p.cache_seqlens != nullptr ? p.cache_seqlens[b] : p.cache_seqlen;
     s.leftpad = p.cache_leftpad != nullptr ? p.cache_leftpad[b] : 0;
-    s.len_k = s.length + p.seqlen_new - s.leftpad;
+    s.len_k = p.seqused_k != nullptr ? p.seqused_k[b] : s.length + p.seqlen_new - s.leftpad;
     s.cache_row = p.cache_batch_idx != nullptr ? p.cache_batch_idx[b] : b;
     s.q_begin = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[b] : 0;
     s.len_q = p.cu_seqlens_q != nullptr ? p.cu_seqlens_q[b + 1] - s.q_begin : p.seqlen_q;
