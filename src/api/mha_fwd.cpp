@@ -157,8 +157,9 @@ FwdPath choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath requ
                 std::to_string(arch % 10) + "; the sm90 kernels run on 9.0 (Hopper) only");
   }
   if (requested != FwdPath::kAuto) return requested;
+  // fwd_prefers_decode includes the problem checks; only the build's kernel is left to ask for.
   if (api::fwd_prefers_decode(problem, api::decode_device_sm_count(device)) &&
-      decode_unavailable_reason(problem).empty()) {
+      api::decode_kernel_built(problem.dtype, problem.head_dim)) {
     return FwdPath::kDecode;
   }
   return arch == 90 && sm90_unavailable_reason(problem).empty() ? FwdPath::kSm90 : FwdPath::kSm80;
