@@ -5,8 +5,9 @@ SDPA's flash and cuDNN backends, in one run.
 
 flashkit's paths are forced through FLASHKIT_FWD_PATH (read on every call): `decode` is the decode
 kernel (the automatic choice up to 16 query tokens, src/api/fwd_decode_route.h), `sm90` the wgmma
-forward (the choice before it); `flashkit_varlen` is the same batch through flash_attn_varlen_func
-(automatic path). bf16, head dim 128, 32 query heads over --heads-kv, no mask;
+forward with one query head per tile and `sm90packed` with a kv head's query heads packed into its
+tiles (FLASHKIT_SM90_PACK_GQA=0 / 1); `flashkit_varlen` is the same batch through
+flash_attn_varlen_func (automatic path). bf16, head dim 128, 32 query heads over --heads-kv, no mask;
 q [b, s_q, h, d] and k / v [b, s_k, h_kv, d] memory (SDPA reads [b, h, s, d] views of it, GQA
 through enable_gqa). tbps counts the bytes of K and V once; tflops 4 * b * h * s_q * s_k * d.
 Every implementation's output is compared with SDPA flash's. Method as bench/peers_decode.py
@@ -22,7 +23,16 @@ import os
 
 from peers_decode import parse_list, rotation_sets, save_results, time_ms, write_table
 
-IMPLS = ["flashkit_decode", "flashkit_varlen", "flashkit_sm90", "sdpa_flash", "sdpa_cudnn"]
+IMPLS = ["flashkit_decode", "flashkit_varlen", "flashkit_sm90", "flashkit_sm90packed", "sdpa_flash",
+         "sdpa_cudnn"]
+# The environment each forced flashkit path runs under.
+FORCED = {"flashkit_decode": {"FLASHKIT_FWD_PATH": "decode"},
+          "flashkit_sm90": {"FLASHKIT_FWD_PATH": "sm90", "FLASHKIT_SM90_PACK_GQA": "0"},
+          "flashkit_sm90packed": {"FLASHKIT_FWD_PATH": "sm90", "FLASHKIT_SM90_PACK_GQA": "1"}}
+# The markdown's speedup columns: (flashkit path, peer), the peer's time over the path's.
+SPEEDUPS = [("flashkit_decode", "flashkit_sm90"), ("flashkit_sm90packed", "flashkit_sm90"),
+            ("flashkit_decode", "sdpa_flash"), ("flashkit_decode", "sdpa_cudnn"),
+            ("flashkit_sm90packed", "sdpa_cudnn")]
 GRAPH_CALLS = 20  # calls captured per CUDA graph with --graphs
 
 
@@ -87,7 +97,7 @@ def run(args):
                             out = call(0).view(batch, sq, hq, d)
                             rec["ms"] = timer(torch, call, sets)
                         elif impl.startswith("flashkit"):
-                            os.environ["FLASHKIT_FWD_PATH"] = impl.split("_")[1]
+                            os.environ.update(FORCED[impl])
 
                             def call(i):
                                 return flashkit.flash_attn_func(q, kv[i][0], kv[i][1])
@@ -111,7 +121,8 @@ def run(args):
                         rec["ms"] = None
                         rec["note"] = (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
                     finally:
-                        os.environ.pop("FLASHKIT_FWD_PATH", None)
+                        for name in FORCED.get(impl, {}):
+                            os.environ.pop(name, None)
                     records.append(rec)
                     print(f"  {impl:16s} b {batch:3d} s_q {sq:3d} s_k {sk:6d}: "
                           f"{rec['ms'] if rec['ms'] is not None else float('nan'):8.4f} ms "
@@ -136,15 +147,15 @@ def write_markdown(path, result):
              f"commit {result['git_commit']}", "",
              f"flash_attn_func, bf16, 32/{result['records'][0]['heads_kv']} heads, head dim 128, "
              f"no mask; ms per call, timed {result['records'][0]['timing']} (lower is better); "
-             "speedup = peer's time / flashkit decode's", "",
-             "| s_k | batch | s_q | " + " | ".join(IMPLS) +
-             " | decode vs sm90 | vs sdpa_flash | vs sdpa_cudnn |", "|---" * (len(IMPLS) + 6) + "|"]
+             "a / b = b's time over a's (> 1: a faster)", "",
+             "| s_k | batch | s_q | " + " | ".join(IMPLS) + " | " +
+             " | ".join(f"{a.replace('flashkit_', '')} / {b.replace('flashkit_', '')}" for a, b in SPEEDUPS) +
+             " |", "|---" * (len(IMPLS) + len(SPEEDUPS) + 3) + "|"]
     for key in sorted(cells):
         row = cells[key]
         lines.append("| " + " | ".join(str(k) for k in key) + " | " +
                      " | ".join(fmt(row.get(i)) for i in IMPLS) + " | " +
-                     " | ".join(fmt(ratio(row, "flashkit_decode", b), 2)
-                                for b in ("flashkit_sm90", "sdpa_flash", "sdpa_cudnn")) + " |")
+                     " | ".join(fmt(ratio(row, a, b), 2) for a, b in SPEEDUPS) + " |")
     write_table(path, lines, result["records"])
 
 

@@ -217,17 +217,21 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, const FwdCommon& par
     if (use_sm90) {
       const int family90 = sm90::fwd_head_dim_family(problem.head_dim);
       const sm90::FwdTileConfig tile = sm90::fwd_tile_config(family90, problem.dropout_p > 0.0f);
+      const int pack_shift = sm90::fwd_pack_gqa_shift(problem, tile.block_m, sm90::pack_gqa_from_env());
       std::fprintf(stderr,
                    "flashkit: %s: cuda:%d sm90 forward (wgmma + TMA), %s head dim %d (family %d), "
                    "tile %dx%d, %d stages, %d consumer warpgroups, batch %d heads %d/%d seqlen "
-                   "%d/%d%s%s\n",
+                   "%d/%d%s%s%s\n",
                    fn, device, build_dtype_name(problem.dtype), problem.head_dim, family90, tile.block_m,
                    tile.block_n, tile.stages, tile.block_m / 64, problem.batch, problem.heads_q,
                    problem.heads_kv, problem.seqlen_q, problem.seqlen_k,
                    problem.is_varlen() ? " (varlen maxima)" : "",
                    sm90::fwd_takes_sliding_window_instance(family90, problem.window_left, problem.dropout_p)
                        ? ", the sliding-window instance (skips blocks left of the window per consumer)"
-                       : "");
+                       : "",
+                   pack_shift > 0 ? (", query heads packed " + std::to_string(1 << pack_shift) + " per kv head")
+                                        .c_str()
+                                  : "");
     } else {
       const sm80::FwdTileConfig tile = sm80::fwd_tile_config(family);
       const std::string why_not_sm90 =

@@ -17,6 +17,8 @@
 //   EmptyRows/*           windows and causal masks that leave rows without keys
 //   ShortQueries/*        up to 32 query tokens (the decode kernel), fixed and varlen, keys split
 //                         over the SMs
+//   PackedHeads/*         GQA with G = 2 ... 64 and 33 ... 257 query tokens, the sm90 forward's
+//                         query heads packed and not (FLASHKIT_SM90_PACK_GQA)
 //   NoKeys/*              seqlen_k == 0: out 0, lse -inf
 //   GpuFwdTest.*          layout invariance, offsets past 2^31 elements, grid limits, a created
 //                         stream, bad input, a head dim left out of the build, determinism, the
@@ -133,6 +135,35 @@ std::vector<FwdCase> short_query_cases() {
   return finish(cases, 0x7000);
 }
 
+// The sm90 forward's packed query heads (fwd_pack_gqa_shift): mask x G {2, 4, 8, 16, 32, 64} x
+// {fixed, varlen}, each drawing (dtype, head dim, kv heads, seqlen_q past the decode kernel's 32,
+// seqlen_k, batch). ALiBi is left out (it never packs). Run packed and unpacked each
+// (GpuFwdPackedHeadsTest). 5 x 6 x 2 = 60 cases.
+std::vector<FwdCase> packed_head_cases() {
+  const std::vector<MaskKind> masks = {MaskKind::kNone, MaskKind::kCausal, MaskKind::kLocal, MaskKind::kSoftcap,
+                                       MaskKind::kCausalSoftcap};
+  const std::vector<int> head_dims = {64, 96, 128, 256};
+  const std::vector<int> query_lengths = {33, 47, 100, 130, 257};
+  const std::vector<int> key_lengths = {1, 63, 300, 1500};
+  std::vector<FwdCase> cases;
+  Rng rng(0x9AC6);
+  for (MaskKind mask : masks) {
+    for (int group = 2; group <= 64; group *= 2) {
+      for (bool varlen : {false, true}) {
+        const int heads_kv = group >= 32 ? 1 : rng.uniform_int(1, 2);
+        const int sq = rng.pick(query_lengths);
+        FwdCase c = fixed_case(rng.chance(0.5) ? DType::kBFloat16 : DType::kFloat16, rng.pick(head_dims),
+                               group * heads_kv, heads_kv, rng.uniform_int(1, 2), sq, rng.pick(key_lengths));
+        if (varlen) fill_varlen(c, 3, sq, c.seqlen_k, rng);
+        apply_mask(c, mask, rng);
+        c.name = default_name(c, mask_name(mask));
+        cases.push_back(c);
+      }
+    }
+  }
+  return finish(cases, 0x8000);
+}
+
 // `preferred` when this build serves it on CUDA, else the smallest head dim it serves, else
 // `preferred` (the test then skips through case_unavailable).
 int built_head_dim(int preferred) {
@@ -160,6 +191,7 @@ class GpuFwdTest : public ::testing::Test {
 };
 
 class GpuFwdCaseTest : public GpuFwdTest, public ::testing::WithParamInterface<FwdCase> {};
+class GpuFwdPackedHeadsTest : public GpuFwdTest, public ::testing::WithParamInterface<FwdCase> {};
 class GpuFwdNoKeysTest : public GpuFwdTest, public ::testing::WithParamInterface<FwdCase> {};
 
 void report(const CheckReport& r) {
@@ -196,6 +228,23 @@ INSTANTIATE_TEST_SUITE_P(VarlenEdges, GpuFwdCaseTest, ::testing::ValuesIn(varlen
 INSTANTIATE_TEST_SUITE_P(EmptyRows, GpuFwdCaseTest, ::testing::ValuesIn(empty_row_cases()),
                          param_name);
 INSTANTIATE_TEST_SUITE_P(ShortQueries, GpuFwdCaseTest, ::testing::ValuesIn(short_query_cases()),
+                         param_name);
+
+// Each case with the query heads packed wherever the sm90 forward can (FLASHKIT_SM90_PACK_GQA=1)
+// and never (=0), both against the oracle. Elsewhere than sm90 both runs take the same kernel.
+TEST_P(GpuFwdPackedHeadsTest, PackedAndUnpackedMatchTheOracle) {
+  const FwdCase& c = GetParam();
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const Oracle oracle = run_oracle(c, in, all_items(c));
+  for (const char* mode : {"1", "0"}) {
+    SCOPED_TRACE(std::string("FLASHKIT_SM90_PACK_GQA=") + mode);
+    const ScopedEnv pack("FLASHKIT_SM90_PACK_GQA", mode);
+    run_and_check(c, in, oracle, contiguous_layout(c));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(PackedHeads, GpuFwdPackedHeadsTest, ::testing::ValuesIn(packed_head_cases()),
                          param_name);
 
 // One query token of few sequences against many keys: the decode kernel splits the keys through
@@ -625,6 +674,51 @@ TEST(TileCounterSlots, OnePerDeviceAndStreamAndThreadForThePerThreadStream) {
   EXPECT_EQ(tile_counter_slot(kDevice, stream(kTileCounterSlots)), -1);
   EXPECT_EQ(tile_counter_slot(kDevice, stream(kTileCounterSlots + 1)), -1);
   EXPECT_EQ(tile_counter_slot(kDevice, stream(2)), second);
+}
+
+// Which problems the sm90 forward packs (fwd_pack_gqa_shift): host logic, no GPU needed.
+TEST(Sm90PackedHeads, WhichProblemsArePacked) {
+  using flashkit::sm90::fwd_pack_gqa_shift;
+  using flashkit::sm90::PackGqa;
+  FwdProblem p;
+  p.batch = 2;
+  p.heads_q = 32;
+  p.heads_kv = 8;
+  p.head_dim = 128;
+  p.seqlen_k = 4096;
+  auto shift = [&p](int seqlen_q, PackGqa mode = PackGqa::kAuto) {
+    p.seqlen_q = seqlen_q;
+    return fwd_pack_gqa_shift(p, 128, mode);
+  };
+  // Rows in use per row run, unpacked against packed (G = 4, tiles of 128 rows).
+  EXPECT_EQ(shift(33), 2) << "33 / 128 against 132 / 256";
+  EXPECT_EQ(shift(100), 0) << "100 / 128 against 400 / 512: the same";
+  EXPECT_EQ(shift(200), 2) << "200 / 256 against 800 / 896";
+  EXPECT_EQ(shift(4096), 0) << "whole tiles either way";
+  EXPECT_EQ(shift(4096, PackGqa::kWherever), 2);
+  EXPECT_EQ(shift(33, PackGqa::kNever), 0);
+  // Varlen packs wherever covered (the last tile of every sequence is part empty).
+  p.cu_seqlens_q = reinterpret_cast<const int*>(0x100);
+  EXPECT_EQ(shift(4096), 2);
+  p.cu_seqlens_q = nullptr;
+  // What is not covered runs unpacked, also when packing is asked for everywhere.
+  for (auto [hq, hkv] : {std::pair{8, 8}, {24, 8}, {6, 1}, {128, 1}}) {
+    p.heads_q = hq;
+    p.heads_kv = hkv;
+    EXPECT_EQ(shift(33, PackGqa::kWherever), 0) << hq << "/" << hkv << " heads";
+  }
+  p.heads_q = 64;
+  p.heads_kv = 1;
+  EXPECT_EQ(shift(33, PackGqa::kWherever), 6) << "64 query heads per kv head";
+  p.dropout_p = 0.1f;
+  EXPECT_EQ(shift(33, PackGqa::kWherever), 0) << "dropout";
+  p.dropout_p = 0.0f;
+  const float slopes[64] = {};
+  p.alibi_slopes = slopes;
+  EXPECT_EQ(shift(33, PackGqa::kWherever), 0) << "ALiBi";
+  p.alibi_slopes = nullptr;
+  EXPECT_EQ(shift(INT32_MAX / 64, PackGqa::kWherever), 0) << "s_q x G past 2^31";
+  EXPECT_EQ(shift(0, PackGqa::kWherever), 0) << "no query rows";
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -58,17 +58,20 @@ __device__ __forceinline__ void transform_scores(float (&s)[Traits::kMTiles][Tra
   }
 }
 
-// Sets the scores of keys a row may not see to -inf. Only blocks cut by the mask call this.
+// Sets the scores of keys a row may not see to -inf. Only blocks cut by the mask call this. Row r
+// of the tile is query token r >> row_shift (the sm90 forward's packed query heads: 2^row_shift
+// heads per token; 0: rows are tokens).
 template <typename Traits>
 __device__ __forceinline__ void mask_scores(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
-                                            const KeyWindow& window, int first_row, int first_key) {
+                                            const KeyWindow& window, int first_row, int first_key,
+                                            int row_shift = 0) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int lane_key = first_key + (lane % 4) * 2;
 #pragma unroll
   for (int mt = 0; mt < Traits::kMTiles; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = first_row + mt * 16 + lane / 4 + half * 8;
+      const int row = (first_row + mt * 16 + lane / 4 + half * 8) >> row_shift;
       // Visible columns of this lane, relative to its first key: [begin, end).
       const int begin = window.key_begin(row) - lane_key;
       const int end = window.key_end(row) - lane_key;

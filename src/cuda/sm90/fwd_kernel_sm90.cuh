@@ -168,11 +168,17 @@ __device__ __forceinline__ long long trace_sm_id() {
   } while (0)
 #endif
 
-// The kernel's parameter block: the problem and the tensor maps of Q, K, V and O (rank 4 [D, seqlen,
-// heads, batch] for fixed-length problems, rank 3 [D, total tokens, heads] for varlen; O's boxes are
-// one consumer's 64 rows).
+// The kernel's parameter block: the problem and the tensor maps of Q, K, V and O (K and V rank 4
+// [D, seqlen, heads, batch] for fixed-length problems, rank 3 [D, total tokens, heads] for varlen;
+// Q and O with the heads split into (head in group, group), rank 5 / 4, grouped_rows_tensor_map, in
+// boxes of a tile's rows (Q) and of one consumer's 64 rows (O)).
 struct FwdParams {
   FwdProblem problem;
+  // The tiles' rows (fwd_pack_gqa_shift, fwd_sm90.h). 0: a tile's rows are tokens of one query head.
+  // Otherwise log2(G): row r of a (batch, kv head)'s s_q x G rows is token r >> pack_shift of query
+  // head kv_head x G + r % G, and the Q and O maps have groups of G. The first query head of a
+  // tile's rows, FwdTile::head, is then its group's first.
+  int pack_shift;
   CUtensorMap q_map;
   CUtensorMap k_map;
   CUtensorMap v_map;
@@ -219,17 +225,18 @@ struct TileOrder {
   }
 };
 
-// Where a tile's rows and keys live, and which key blocks it visits.
+// Where a tile's rows and keys live, and which key blocks it visits. Rows are counted as the kernel
+// packs them (FwdParams::pack_shift): tokens of one head, or (token, head in group) pairs.
 struct alignas(16) FwdTile {
   int batch;
-  int head;
+  int head;  // the query head of the rows; packed: the first of the group
   int kv_head;
   int m_block;
-  int len_q;
+  int len_q;  // tokens
   int len_k;
   int q_token;  // varlen: the first token of the sequence in the packed tensors; 0 otherwise
   int k_token;
-  int m0;             // first row of the tile in its sequence
+  int m0;             // first row of the tile in its sequence's rows
   int rows_in_block;  // rows of the tile inside the sequence (<= 0: the tile is past its end)
   int n_begin;        // visible key blocks [n_begin, n_end), walked from the last
   int n_end;
@@ -238,12 +245,14 @@ struct alignas(16) FwdTile {
   template <int kBlockM, int kBlockN>
   __device__ __forceinline__ static FwdTile locate(const FwdParams& params, int linear) {
     const FwdProblem& p = params.problem;
+    const int shift = params.pack_shift;
     FwdTile t;
-    const int num_m_blocks = (p.seqlen_q + kBlockM - 1) / kBlockM;
-    const TileOrder order = TileOrder::locate(linear, num_m_blocks, p.batch * p.heads_q, params.tile_groups);
+    const int num_m_blocks = ((p.seqlen_q << shift) + kBlockM - 1) / kBlockM;
+    const int row_heads = p.heads_q >> shift;  // heads (packed: groups) whose rows the tiles run
+    const TileOrder order = TileOrder::locate(linear, num_m_blocks, p.batch * row_heads, params.tile_groups);
     t.m_block = order.m_block;
-    t.head = order.batch_head % p.heads_q;
-    t.batch = order.batch_head / p.heads_q;
+    t.head = (order.batch_head % row_heads) << shift;
+    t.batch = order.batch_head / row_heads;
     t.kv_head = t.head / (p.heads_q / p.heads_kv);
     t.len_q = p.seqlen_q;
     t.len_k = p.seqlen_k;
@@ -256,13 +265,13 @@ struct alignas(16) FwdTile {
       t.len_k = p.seqused_k != nullptr ? p.seqused_k[t.batch] : p.cu_seqlens_k[t.batch + 1] - t.k_token;
     }
     t.m0 = t.m_block * kBlockM;
-    t.rows_in_block = min(kBlockM, t.len_q - t.m0);
+    t.rows_in_block = min(kBlockM, (t.len_q << shift) - t.m0);
     t.n_begin = 0;
     t.n_end = 0;
     if (t.rows_in_block > 0) {
       const sm80::KeyWindow window{t.len_q, t.len_k, p.window_left, p.window_right};
-      const int key_lo = window.key_begin(t.m0);
-      const int key_hi = window.key_end(t.m0 + t.rows_in_block - 1);
+      const int key_lo = window.key_begin(t.m0 >> shift);
+      const int key_hi = window.key_end((t.m0 + t.rows_in_block - 1) >> shift);
       t.n_begin = key_lo / kBlockN;
       t.n_end = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN : t.n_begin;
     }
@@ -474,8 +483,9 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
       const uint32_t q_full = smem_u32(&bars.q_full);
       if (tile.has_keys()) {
         mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
-        tma_load_tile<QTile>(smem + Traits::kQOffset, params.q_map, q_full, varlen,
-                             tile.q_token + tile.m0, tile.head, batch);
+        tma_load_grouped_tile<QTile>(smem + Traits::kQOffset, params.q_map, q_full, varlen,
+                                     tile.q_token + (tile.m0 >> params.pack_shift),
+                                     tile.head >> params.pack_shift, batch);
       } else {
         mbarrier_arrive(q_full);
       }
@@ -587,32 +597,39 @@ __device__ __forceinline__ void store_output_staged(const FwdParams& params, con
   store_accumulator_tile<Element, Traits::kHeadDim>(acc_o, staging, warp);
   fence_proxy_async_shared();
   named_barrier_sync(barrier, kWarpgroupThreads);
-  const int row0 = tile.q_token + tile.m0 + consumer * 64;  // this warpgroup's first row of O
-  const int rows = tile.rows_in_block - consumer * 64;       // of which inside the sequence
+  const int shift = params.pack_shift;
+  const int first_row = tile.m0 + consumer * 64;         // this warpgroup's first row (FwdTile's rows)
+  const int rows = tile.rows_in_block - consumer * 64;  // of which inside the sequence
   if (p.cu_seqlens_q == nullptr || rows >= 64) {
     if (thread == 0) {
+      const int token = tile.q_token + (first_row >> shift);
+      const int head_group = tile.head >> shift;
 #pragma unroll
       for (int cb = 0; cb < OTile::kColumnBlocks; ++cb) {
         const uint32_t src = staging + cb * OTile::kColumnBlockBytes;
         if (p.cu_seqlens_q != nullptr) {
-          tma_store_3d(params.o_map, src, cb * kSwizzleAtomElements, row0, tile.head);
+          tma_store_4d(params.o_map, src, cb * kSwizzleAtomElements, 0, token, head_group);
         } else {
-          tma_store_4d(params.o_map, src, cb * kSwizzleAtomElements, row0, tile.head, tile.batch);
+          tma_store_5d(params.o_map, src, cb * kSwizzleAtomElements, 0, token, head_group, tile.batch);
         }
       }
       tma_store_commit();
     }
   } else {
     const int chunks = p.head_dim / 8;  // the columns past head_dim are padding
+    const int head_in_group = (1 << shift) - 1;
     Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride + tile.head * p.out_head_stride;
     for (int i = thread; i < rows * chunks; i += kWarpgroupThreads) {
       const int row = i / chunks;
       const int chunk = i % chunks;
+      const int packed_row = first_row + row;
+      const int64_t token = tile.q_token + (packed_row >> shift);
       uint4 v;
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                    : "r"(staging + OTile::chunk_offset(row, chunk)));
-      *reinterpret_cast<uint4*>(out + (static_cast<int64_t>(row0) + row) * p.out_row_stride + chunk * 8) = v;
+      *reinterpret_cast<uint4*>(out + (packed_row & head_in_group) * p.out_head_stride + token * p.out_row_stride +
+                                chunk * 8) = v;
     }
   }
 }
@@ -713,6 +730,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     FLASHKIT_FWD_TRACE(7, trace_sm_id());
     FLASHKIT_FWD_TRACE(9, tile.n_end - tile.n_begin);
     const int m0 = tile.m0;
+    const int shift = params.pack_shift;  // the token of row r is r >> shift (FwdParams)
     const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
     const float alibi_slope =
         p.alibi_slopes != nullptr ? p.alibi_slopes[tile.batch * p.alibi_batch_stride + tile.head] : 0.0f;
@@ -730,12 +748,13 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     [[maybe_unused]] uint32_t drop_marks[kBlockN / 32][4];
     // Scores of the block at key n0 -> probabilities (in place); returns whether O must be
     // rescaled (factors in `rescale`).
+    // (ALiBi's rows are tokens: it never runs packed.)
     auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], int n0, float (&rescale)[2]) {
       if (transform) {
         sm80::transform_scores<Traits>(acc_s, p, m0 + warp_row0, n0, alibi_slope, diagonal);
       }
-      if (!window.block_unmasked(m0, m0 + tile.rows_in_block, n0, n0 + kBlockN)) {
-        sm80::mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0);
+      if (!window.block_unmasked(m0 >> shift, ((m0 + tile.rows_in_block - 1) >> shift) + 1, n0, n0 + kBlockN)) {
+        sm80::mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0, shift);
       }
       bool any;
       if constexpr (Traits::kRowByRowSoftmax) {
@@ -834,12 +853,12 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         int n_stop = tile.n_begin;
         if constexpr (kBlockM > kBlockN) {
           const int last_row = m0 + min(row0 + 64, tile.rows_in_block) - 1;
-          const int seen_end = (window.key_end(last_row) + kBlockN - 1) / kBlockN;
+          const int seen_end = (window.key_end(last_row >> shift) + kBlockN - 1) / kBlockN;
           const int spare_blocks = tile.n_end - 1 - tile.n_begin;  // all but one
           const int unseen_blocks =
               __shfl_sync(0xffffffffu, min(tile.n_end - seen_end, spare_blocks), 0);
           if constexpr (Traits::kSkipTrailingBlocks) {
-            const int seen_begin = window.key_begin(m0 + row0) / kBlockN;
+            const int seen_begin = window.key_begin((m0 + row0) >> shift) / kBlockN;
             const int trailing = min(seen_begin - tile.n_begin, spare_blocks - unseen_blocks);
             n_stop = __reduce_max_sync(0xffffffffu, tile.n_begin + trailing);
           }
@@ -999,19 +1018,20 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     const int g = lane / 4;
     const int t = lane % 4;
     const int head_chunks = p.head_dim / 8;  // the columns past head_dim are padding
-    Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride +
-                   tile.head * p.out_head_stride;
-    const int64_t q_row0 = static_cast<int64_t>(tile.q_token) + m0;
+    const int head_in_group = (1 << shift) - 1;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = warp_row0 + g + half * 8;
       const bool row_inside = row < tile.rows_in_block;
+      const int token = (m0 + row) >> shift;
+      const int head = tile.head + ((m0 + row) & head_in_group);
       if constexpr (!Traits::kStageOutput) {
-        store_output_row_half<Element, kDTiles>(acc_o[0], half, out + (q_row0 + row) * p.out_row_stride, row_inside,
-                                                head_chunks, t);
+        Element* out_row = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride +
+                           head * p.out_head_stride + (static_cast<int64_t>(tile.q_token) + token) * p.out_row_stride;
+        store_output_row_half<Element, kDTiles>(acc_o[0], half, out_row, row_inside, head_chunks, t);
       }
       if (row_inside && t == 0) {
-        p.lse[tile.batch * p.lse_batch_stride + tile.head * p.lse_head_stride + m0 + row] = lse[half];
+        p.lse[tile.batch * p.lse_batch_stride + head * p.lse_head_stride + token] = lse[half];
       }
     }
     FLASHKIT_FWD_TRACE(5, clock64());

@@ -33,10 +33,16 @@ template <> struct ElementOf<DType::kFloat16> { using type = __half; };
 
 // Launches fwd_kernel<Traits, kPipelined> on the problem: tensor maps, tile order, grid, shared
 // memory.
+// The query heads are packed (fwd_pack_gqa_shift) as FLASHKIT_SM90_PACK_GQA says, automatically
+// when unset.
 template <typename Traits, bool kPipelined>
 void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
-  const int64_t num_m_blocks = (problem.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM;
-  const int64_t num_blocks = num_m_blocks * problem.batch * problem.heads_q;
+  const int pack_shift = fwd_pack_gqa_shift(problem, Traits::kBlockM, pack_gqa_from_env());
+  const int group = 1 << pack_shift;
+  const int row_heads = problem.heads_q / group;  // the (batch, head) pairs' heads: kv heads when packed
+  const int64_t rows = static_cast<int64_t>(problem.seqlen_q) * group;
+  const int64_t num_m_blocks = (rows + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int64_t num_blocks = num_m_blocks * problem.batch * row_heads;
   if (num_blocks == 0) return;
   if (num_blocks > INT32_MAX) {
     throw Error("mha_fwd: batch * heads_q * ceil(seqlen_q / " + std::to_string(Traits::kBlockM) +
@@ -46,10 +52,11 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   const bool varlen = problem.is_varlen();
   FwdParams params;
   params.problem = problem;
+  params.pack_shift = pack_shift;
   params.tile_counter = nullptr;
-  params.q_map = input_tensor_map(problem, problem.q, problem.q_tensor_rows(),
-                                  problem.heads_q, problem.q_row_stride, problem.q_head_stride,
-                                  problem.q_batch_stride, Traits::kBlockM, "q");
+  params.q_map = grouped_rows_tensor_map(problem, problem.q, problem.q_tensor_rows(), problem.heads_q, group,
+                                         problem.q_row_stride, problem.q_head_stride, problem.q_batch_stride,
+                                         Traits::kBlockM, "q");
   params.k_map = input_tensor_map(problem, problem.k, problem.k_tensor_rows(),
                                   problem.heads_kv, problem.k_row_stride, problem.k_head_stride,
                                   problem.k_batch_stride, Traits::kBlockN, "k");
@@ -57,9 +64,9 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
                                   problem.heads_kv, problem.v_row_stride, problem.v_head_stride,
                                   problem.v_batch_stride, Traits::kBlockN, "v");
   if constexpr (Traits::kStageOutput) {  // the staged epilogue stores one consumer's 64 rows per box
-    params.o_map = input_tensor_map(problem, problem.out, problem.q_tensor_rows(),
-                                    problem.heads_q, problem.out_row_stride, problem.out_head_stride,
-                                    problem.out_batch_stride, 64, "out");
+    params.o_map = grouped_rows_tensor_map(problem, problem.out, problem.q_tensor_rows(), problem.heads_q, group,
+                                           problem.out_row_stride, problem.out_head_stride,
+                                           problem.out_batch_stride, 64, "out");
   }
 
   // Tile order (TileOrder in fwd_kernel_sm90.cuh). Under a causal or sliding-window mask the tiles
@@ -71,7 +78,7 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   // the CTAs in flight over more pairs (-2% to -4% at d128/d256 8k in that run), so one pair per
   // group stays. FLASHKIT_SM90_TILE_GROUP=<pairs per group> overrides both (measurement switch).
   constexpr int kPairsPerGroup = 8;
-  const int64_t batch_heads = static_cast<int64_t>(problem.batch) * problem.heads_q;
+  const int64_t batch_heads = static_cast<int64_t>(problem.batch) * row_heads;
   const bool uneven_tiles = problem.window_left >= 0 || problem.window_right >= 0;
   const char* group_env = std::getenv("FLASHKIT_SM90_TILE_GROUP");
   const int64_t pairs_per_group = group_env != nullptr ? std::max(1, std::atoi(group_env))

@@ -78,24 +78,48 @@ CUtensorMap encode_fp32_tensor_map(const StridedTensor& tensor, const uint32_t* 
   return encode(tensor, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, boxes, what);
 }
 
-CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64_t rows, int heads, int64_t row_stride,
-                             int64_t head_stride, int64_t batch_stride, int box_rows, const char* what) {
+namespace {
+
+// The map of one of the API's 16-bit tensors: `rank` dims, extents innermost first (dim 0 is
+// head_dim, contiguous), the element strides of dims 1 .. rank - 1, boxes of box[i] elements. A
+// tensor with no rows (`empty`) gets extents of 1; a dim of extent 1 whose stride the driver would
+// refuse gets the span of the dims inside it (the stride of such a dim is never used).
+CUtensorMap api_tensor_map(const FwdProblem& p, const void* base, int rank, const int64_t* extents,
+                           const int64_t* strides, const cuuint32_t* box, bool empty, const char* what) {
   StridedTensor t;
   t.base = base;
-  t.rank = p.is_varlen() ? 3 : 4;
-  const bool empty = rows <= 0;
-  const int64_t extents[4] = {p.head_dim, empty ? 1 : rows, empty ? 1 : heads, empty ? 1 : p.batch};
-  const int64_t strides[3] = {row_stride, head_stride, batch_stride};
+  t.rank = rank;
+  for (int i = 0; i < rank; ++i) t.extents[i] = static_cast<uint64_t>(i == 0 || !empty ? extents[i] : 1);
   int64_t span = 2 * p.head_dim;  // bytes covered by the dims inside the current one
-  for (int i = 0; i < 4; ++i) t.extents[i] = static_cast<uint64_t>(extents[i]);
-  for (int i = 0; i < t.rank - 1; ++i) {
+  for (int i = 0; i + 1 < rank; ++i) {
     const int64_t bytes = 2 * strides[i];
     const bool usable = bytes > 0 && bytes % 16 == 0;
     const int64_t rounded = (span + 15) / 16 * 16;
-    t.byte_strides[i] = static_cast<uint64_t>(usable || extents[i + 1] != 1 ? bytes : rounded);
-    span = static_cast<int64_t>(t.byte_strides[i]) * extents[i + 1];
+    t.byte_strides[i] = static_cast<uint64_t>(usable || t.extents[i + 1] != 1 ? bytes : rounded);
+    span = static_cast<int64_t>(t.byte_strides[i]) * static_cast<int64_t>(t.extents[i + 1]);
   }
-  return encode_tensor_map(t, p.dtype == DType::kBFloat16, box_rows, what);
+  return encode(t, p.dtype == DType::kBFloat16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                box, what);
+}
+
+}  // namespace
+
+CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64_t rows, int heads, int64_t row_stride,
+                             int64_t head_stride, int64_t batch_stride, int box_rows, const char* what) {
+  const int64_t extents[4] = {p.head_dim, rows, heads, p.batch};
+  const int64_t strides[3] = {row_stride, head_stride, batch_stride};
+  const cuuint32_t box[4] = {kSwizzleAtomElements, static_cast<cuuint32_t>(box_rows), 1, 1};
+  return api_tensor_map(p, base, p.is_varlen() ? 3 : 4, extents, strides, box, rows <= 0, what);
+}
+
+CUtensorMap grouped_rows_tensor_map(const FwdProblem& p, const void* base, int64_t rows, int heads, int group,
+                                    int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows,
+                                    const char* what) {
+  const int64_t extents[5] = {p.head_dim, group, rows, heads / group, p.batch};
+  const int64_t strides[4] = {head_stride, row_stride, group * head_stride, batch_stride};
+  const cuuint32_t box[5] = {kSwizzleAtomElements, static_cast<cuuint32_t>(group),
+                             static_cast<cuuint32_t>(box_rows / group), 1, 1};
+  return api_tensor_map(p, base, p.is_varlen() ? 4 : 5, extents, strides, box, rows <= 0, what);
 }
 
 }  // namespace flashkit::sm90

@@ -38,6 +38,15 @@ __device__ __forceinline__ void tma_load_4d(uint32_t dst, const CUtensorMap& map
       : "memory");
 }
 
+__device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap& map, uint32_t bar,
+                                            int c0, int c1, int c2, int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%3, %4, %5, %6, %7}], [%2];\n" ::"r"(dst),
+      "l"(reinterpret_cast<uint64_t>(&map)), "r"(bar), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
+}
+
 // Copies rows [row, row + box rows) of the (head, batch) slice of a tensor, all column blocks, into
 // the tile at `dst`, completing on `bar`.
 template <typename Tile>
@@ -50,6 +59,22 @@ __device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap& m
       tma_load_3d(block_dst, map, bar, cb * kSwizzleAtomElements, row, head);
     } else {
       tma_load_4d(block_dst, map, bar, cb * kSwizzleAtomElements, row, head, batch);
+    }
+  }
+}
+
+// The same through a map of grouped_rows_tensor_map (tensor_map.h): the box of the group of heads
+// `head_group`, tokens [token, token + box tokens), every head of the group.
+template <typename Tile>
+__device__ __forceinline__ void tma_load_grouped_tile(uint32_t dst, const CUtensorMap& map, uint32_t bar,
+                                                      bool varlen, int token, int head_group, int batch) {
+#pragma unroll
+  for (int cb = 0; cb < Tile::kColumnBlocks; ++cb) {
+    const uint32_t block_dst = dst + cb * Tile::kColumnBlockBytes;
+    if (varlen) {
+      tma_load_4d(block_dst, map, bar, cb * kSwizzleAtomElements, 0, token, head_group);
+    } else {
+      tma_load_5d(block_dst, map, bar, cb * kSwizzleAtomElements, 0, token, head_group, batch);
     }
   }
 }
@@ -67,19 +92,21 @@ __device__ __forceinline__ void bulk_load(uint32_t dst, const void* src, uint32_
 // by fence_proxy_async_shared() (warpgroup.cuh) in every writing thread and a barrier; the issuing
 // thread then closes them into a group with tma_store_commit() and may reuse the shared memory only
 // after tma_store_wait_read<0>() (the engine has read it), and must not exit before that.
-__device__ __forceinline__ void tma_store_3d(const CUtensorMap& map, uint32_t src, int c0, int c1, int c2) {
-  asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(&map)),
-               "r"(src), "r"(c0), "r"(c1), "r"(c2)
-               : "memory");
-}
-
 __device__ __forceinline__ void tma_store_4d(const CUtensorMap& map, uint32_t src, int c0, int c1, int c2,
                                              int c3) {
   asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
                    reinterpret_cast<uint64_t>(&map)),
                "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
                : "memory");
+}
+
+__device__ __forceinline__ void tma_store_5d(const CUtensorMap& map, uint32_t src, int c0, int c1, int c2,
+                                             int c3, int c4) {
+  asm volatile(
+      "cp.async.bulk.tensor.5d.global.shared::cta.bulk_group [%0, {%2, %3, %4, %5, %6}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(&map)),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3), "r"(c4)
+      : "memory");
 }
 
 // Adds the box of `map` at (c0, c1, c2) from shared memory at `src` (in the map's swizzled box layout)
