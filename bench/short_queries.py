@@ -15,7 +15,8 @@ Every implementation's output is compared with SDPA flash's. Method as bench/pee
 included, or with --graphs the GPU time of calls replayed from a CUDA graph.
 
 usage: short_queries.py [--seqlen-q 1,4,16,32,64] [--seqlen-k 2k,8k,32k] [--batch 1,8,32]
-                        [--heads-kv 8] [--max-tokens 256k] [--graphs] --json OUT.json [--md OUT.md]
+                        [--heads-kv 8] [--max-tokens 256k] [--graphs] [--impls a,b,...]
+                        --json OUT.json [--md OUT.md]
 Needs flashkit importable (PYTHONPATH=<build>/python).
 """
 import argparse
@@ -78,7 +79,7 @@ def run(args):
                     expected = F.scaled_dot_product_attention(
                         q.transpose(1, 2), kv[0][0].transpose(1, 2), kv[0][1].transpose(1, 2),
                         enable_gqa=hkv != hq).transpose(1, 2)
-                for impl in IMPLS:
+                for impl in args.impls:
                     rec = {"op": "fwd", "impl": impl, "dtype": "bf16", "batch": batch,
                            "heads_q": hq, "heads_kv": hkv, "seqlen_q": sq, "seqlen_k": sk,
                            "head_dim": d, "causal": False, "ms": None, "tflops": None,
@@ -169,12 +170,16 @@ def main():
     p.add_argument("--graphs", action="store_true",
                    help=f"GPU time per call: {GRAPH_CALLS} calls in a CUDA graph, replayed (no "
                         "host time); default: each call timed eagerly, host time included")
+    p.add_argument("--impls", default=",".join(IMPLS), help="a subset of " + ", ".join(IMPLS))
     p.add_argument("--json", required=True)
     p.add_argument("--md")
     args = p.parse_args()
     args.seqlen_q, args.seqlen_k, args.batch = (parse_list(x) for x in
                                                 (args.seqlen_q, args.seqlen_k, args.batch))
     args.max_tokens = parse_list(args.max_tokens)[0]
+    args.impls = args.impls.split(",")
+    if not set(args.impls) <= set(IMPLS):
+        p.error(f"--impls: unknown {sorted(set(args.impls) - set(IMPLS))}; known: {', '.join(IMPLS)}")
     records, torch = run(args)
     save_results(torch, args, records, write_markdown)
 

@@ -217,7 +217,7 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, const FwdCommon& par
     if (use_sm90) {
       const int family90 = sm90::fwd_head_dim_family(problem.head_dim);
       const sm90::FwdTileConfig tile = sm90::fwd_tile_config(family90, problem.dropout_p > 0.0f);
-      const int pack_shift = sm90::fwd_pack_gqa_shift(problem, tile.block_m, sm90::pack_gqa_from_env());
+      const int pack_shift = sm90::fwd_pack_gqa_shift(problem, tile.block_m, sm90::pack_gqa_allowed_by_env());
       std::fprintf(stderr,
                    "flashkit: %s: cuda:%d sm90 forward (wgmma + TMA), %s head dim %d (family %d), "
                    "tile %dx%d, %d stages, %d consumer warpgroups, batch %d heads %d/%d seqlen "

@@ -33,11 +33,10 @@ template <> struct ElementOf<DType::kFloat16> { using type = __half; };
 
 // Launches fwd_kernel<Traits, kPipelined> on the problem: tensor maps, tile order, grid, shared
 // memory.
-// The query heads are packed (fwd_pack_gqa_shift) as FLASHKIT_SM90_PACK_GQA says, automatically
-// when unset.
+// The query heads are packed wherever fwd_pack_gqa_shift says (unless FLASHKIT_SM90_PACK_GQA=0).
 template <typename Traits, bool kPipelined>
 void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
-  const int pack_shift = fwd_pack_gqa_shift(problem, Traits::kBlockM, pack_gqa_from_env());
+  const int pack_shift = fwd_pack_gqa_shift(problem, Traits::kBlockM, pack_gqa_allowed_by_env());
   const int group = 1 << pack_shift;
   const int row_heads = problem.heads_q / group;  // the (batch, head) pairs' heads: kv heads when packed
   const int64_t rows = static_cast<int64_t>(problem.seqlen_q) * group;

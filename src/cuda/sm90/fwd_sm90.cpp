@@ -36,30 +36,25 @@ std::string fwd_unsupported_reason(const FwdProblem& p) {
   return "";
 }
 
-PackGqa pack_gqa_from_env() {
+bool pack_gqa_allowed_by_env() {
   const char* value = std::getenv("FLASHKIT_SM90_PACK_GQA");
-  if (value == nullptr || *value == '\0') return PackGqa::kAuto;
-  if (std::strcmp(value, "0") == 0) return PackGqa::kNever;
-  if (std::strcmp(value, "1") == 0) return PackGqa::kWherever;
+  if (value == nullptr || *value == '\0' || std::strcmp(value, "1") == 0) return true;
+  if (std::strcmp(value, "0") == 0) return false;
   throw Error(std::string("FLASHKIT_SM90_PACK_GQA='") + value +
-              "'; it must be 0 (one query head per tile), 1 (a kv head's query heads packed into its tiles "
-              "wherever the sm90 forward can) or unset (automatic)");
+              "'; it must be 0 (one query head per tile), 1 or unset (a kv head's query heads packed into its "
+              "tiles wherever the sm90 forward can)");
 }
 
-int fwd_pack_gqa_shift(const FwdProblem& p, int block_m, PackGqa mode) {
-  if (mode == PackGqa::kNever || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return 0;
+int fwd_pack_gqa_shift(const FwdProblem& p, int block_m, bool allowed) {
+  if (!allowed || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return 0;
   const int group = p.heads_q / p.heads_kv;
   if (group < 2 || group > 64 || (group & (group - 1)) != 0) return 0;
   if (p.dropout_p > 0.0f || p.alibi_slopes != nullptr || p.seqlen_q <= 0) return 0;
-  const int64_t packed_rows = static_cast<int64_t>(p.seqlen_q) * group;  // seqlen_q: the maximum if varlen
-  if (packed_rows > INT32_MAX - block_m) return 0;
+  // seqlen_q: the maximum if varlen.
+  if (static_cast<int64_t>(p.seqlen_q) * group > INT32_MAX - block_m) return 0;
   int shift = 0;
   while ((1 << shift) < group) ++shift;
-  if (mode == PackGqa::kWherever || p.is_varlen()) return shift;
-  auto in_use = [block_m](int64_t rows) {
-    return static_cast<double>(rows) / static_cast<double>((rows + block_m - 1) / block_m * block_m);
-  };
-  return in_use(packed_rows) > 1.1 * in_use(p.seqlen_q) ? shift : 0;
+  return shift;
 }
 
 }  // namespace flashkit::sm90

@@ -29,26 +29,22 @@ std::string fwd_unsupported_reason(const FwdProblem& problem);
 // Grouped-query attention with a kv head's G = heads_q / heads_kv query heads packed into one tile
 // (FlashAttention-3's PackGQA): the kernel's tiles then run over the rows of a (batch, kv head),
 // row r being token r / G of query head kv_head * G + r % G, so that s_q tokens fill s_q x G rows
-// instead of s_q rows of each of G tiles. It pays where s_q leaves most of a tile's rows empty (a
-// few query tokens against many keys: a tile of 128 rows runs 32 tokens of 4 heads instead of 32 of
-// one). What it covers: G a power of two up to 64 (G divides every tile's rows and each consumer's
-// 64, so that Q and O move as TMA boxes of whole tokens), no dropout (the mask is addressed by the
-// tile's head and rows), no ALiBi (a slope per tile), s_q x G below 2^31.
-enum class PackGqa {
-  kAuto,      // pack where it leaves fewer empty rows (fwd_pack_gqa_shift); FLASHKIT_SM90_PACK_GQA unset
-  kNever,     // FLASHKIT_SM90_PACK_GQA=0
-  kWherever,  // FLASHKIT_SM90_PACK_GQA=1: wherever covered (tests)
-};
-
-// FLASHKIT_SM90_PACK_GQA, read at each call; throws flashkit::Error on a value other than 0 or 1.
-PackGqa pack_gqa_from_env();
-
+// instead of s_q rows of each of G tiles. Where s_q leaves most of a tile's rows empty (a few query
+// tokens against many keys) that is up to G times fewer tiles: 1.3x-2.2x at 32 and 64 tokens (H200,
+// bf16 d128 32/8 heads, 2k-8k keys, bench/NOTES.md session 26). It never adds empty rows (G x s_q
+// rounded up to a tile is at most G times s_q rounded up), and with long sequences the G heads of a
+// tile share their K and V reads in L2: +0% to +10% at 2k-8k tokens in that run. So the sm90
+// forward packs wherever it covers the problem: G a power of two up to 64 (G divides every tile's
+// rows and each consumer's 64, so that Q and O move as TMA boxes of whole tokens), no dropout (the
+// mask is addressed by the tile's head and rows), no ALiBi (a slope per tile), s_q x G below 2^31.
+//
 // log2(G) when the sm90 forward packs `problem`'s query heads on tiles of `block_m` rows, else 0.
-// kAuto packs varlen problems wherever covered (the last tile of each sequence and head is part
-// empty; packed, one per sequence and kv head), and fixed-length ones where the rows in use per row
-// run, s_q x G / round_up(s_q x G, block_m), beat the unpacked s_q / round_up(s_q, block_m) by more
-// than 10% (the per-row token and head cost a little in the masks and the epilogue).
-int fwd_pack_gqa_shift(const FwdProblem& problem, int block_m, PackGqa mode);
+// `allowed` false (FLASHKIT_SM90_PACK_GQA=0, a measurement switch): never.
+int fwd_pack_gqa_shift(const FwdProblem& problem, int block_m, bool allowed);
+
+// FLASHKIT_SM90_PACK_GQA, read at each call: unset or 1 packs where covered, 0 never; throws
+// flashkit::Error on another value.
+bool pack_gqa_allowed_by_env();
 
 // Enqueues the forward pass of `problem` (device pointers, validated, covered) on the cudaStream_t
 // `stream`. Instantiated once per (dtype, family) in a generated .cu file; see src/CMakeLists.txt.
