@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "cuda/sm80/decode_sm80.h"
+
 namespace flashkit::api {
 
 std::string fwd_decode_unsupported_reason(const FwdProblem& p) {
@@ -17,11 +19,15 @@ std::string fwd_decode_unsupported_reason(const FwdProblem& p) {
   return "";
 }
 
-bool fwd_prefers_decode(const FwdProblem& p, int sm_count) {
-  const bool few_forward_tiles = static_cast<int64_t>(p.batch) * p.heads_q <= sm_count / 4;
-  const bool short_enough = p.seqlen_q <= kFwdDecodeMaxSeqlenQ ||
-                            (p.seqlen_q <= kFwdDecodeMaxSeqlenQFewTiles && few_forward_tiles);
-  return short_enough && fwd_decode_unsupported_reason(p).empty();
+bool fwd_prefers_decode(const FwdProblem& p, int sm_count, int forward_heads_per_tile) {
+  if (p.seqlen_q > kFwdDecodeMaxSeqlenQFewTiles || !fwd_decode_unsupported_reason(p).empty()) return false;
+  if (forward_heads_per_tile <= 1) {
+    return p.seqlen_q <= kFwdDecodeMaxSeqlenQ || static_cast<int64_t>(p.batch) * p.heads_q <= sm_count / 4;
+  }
+  const int64_t packed_rows = static_cast<int64_t>(p.seqlen_q) * forward_heads_per_tile;
+  const int64_t decode_tiles =
+      static_cast<int64_t>(p.batch) * p.heads_kv * ((packed_rows + sm80::kDecodeRows - 1) / sm80::kDecodeRows);
+  return packed_rows <= sm80::kDecodeRows || 4 * decode_tiles <= 3 * static_cast<int64_t>(sm_count);
 }
 
 KvcacheProblem decode_view_of_fwd(const FwdProblem& p) {

@@ -10,7 +10,8 @@
 // tile and splits the keys over the SMs when the batch alone does not fill them. Up to 16 query
 // tokens, it reads no more key bytes than the forward kernels (ceil(seqlen_q x group / 16) tiles per
 // kv head, against group tiles) and computes less; up to 32 it still wins where the forward kernels'
-// few tiles leave most SMs idle. Variable-length batches too (padded batches in
+// few tiles leave most SMs idle. Against the sm90 forward with packed query heads, which also
+// reads the keys once per kv head, the bounds are in packed rows (fwd_prefers_decode). Variable-length batches too (padded batches in
 // generate() go through flash_attn_varlen_func), with max_seqlen_q as the bound.
 #pragma once
 
@@ -34,10 +35,21 @@ constexpr int kFwdDecodeMaxSeqlenQFewTiles = 32;
 // Why the decode kernel cannot run `problem` ("" when it can), the build and the device aside.
 std::string fwd_decode_unsupported_reason(const FwdProblem& problem);
 
-// Whether the automatic choice runs `problem` on the decode kernel of a GPU with `sm_count` SMs: it
-// can, and seqlen_q is at most kFwdDecodeMaxSeqlenQ, or at most kFwdDecodeMaxSeqlenQFewTiles with
-// batch x heads_q at most sm_count / 4.
-bool fwd_prefers_decode(const FwdProblem& problem, int sm_count);
+// Whether the automatic choice runs `problem` on the decode kernel of a GPU with `sm_count` SMs
+// rather than on a forward kernel whose tiles hold `forward_heads_per_tile` query heads of each
+// token (the sm90 forward's packed query heads, src/cuda/sm90/fwd_sm90.h: heads_q / heads_kv; 1:
+// one head per tile). It must be able to, and seqlen_q at most kFwdDecodeMaxSeqlenQFewTiles; then
+// - one head per tile: seqlen_q at most kFwdDecodeMaxSeqlenQ, or batch x heads_q (the forward's
+//   tiles at these lengths) at most sm_count / 4;
+// - packed heads: seqlen_q x G at most one decode tile's 16 rows (both kernels then read each kv
+//   head's keys once, and the decode kernel computes 16 rows where the forward computes 128), or
+//   the decode kernel's tiles, batch x heads_kv x ceil(seqlen_q x G / 16), at most 3/4 of the SMs
+//   (the forward's batch x heads_kv tiles leave SMs idle; the decode kernel splits the keys over
+//   them). H200, bf16 d128, 32/8 heads, 2k-32k keys, CUDA-graph timing (bench/NOTES.md session
+//   26): the packed forward is 1.1x-3.2x the decode kernel from 8 tokens at batch 8 and 32, from
+//   16 at batch 4 (but 0.9x at 32k keys); the decode kernel 1.01x-1.16x it up to 4 tokens at every
+//   batch, 1.3x-1.9x at batch 4 with 8 tokens, 1.6x-7.5x at batch 1 up to 32.
+bool fwd_prefers_decode(const FwdProblem& problem, int sm_count, int forward_heads_per_tile);
 
 // `problem` (one the decode kernel can run) as a decode: every sequence's keys form a contiguous
 // cache (varlen: the packed keys are one cache row, sequence b's from index cu_seqlens_k[b] to

@@ -6,7 +6,8 @@
 // (decoding through mha_fwd / mha_varlen_fwd), the decode kernel that mha_fwd_kvcache runs
 // (fwd_decode_route.h says which problems and why); otherwise, on compute capability 9.0, the sm90
 // (wgmma + TMA) kernel of the problem's (dtype, head-dim family) when this build compiled it and it
-// covers the problem (sm90::fwd_unsupported_reason), and otherwise the sm80 (mma.sync) kernel,
+// covers the problem (sm90::fwd_unsupported_reason; with a kv head's query heads packed into its
+// tiles where it can, sm90::fwd_pack_gqa_shift), and otherwise the sm80 (mma.sync) kernel,
 // provided this build compiled it; the generated build_config.h lists which ones it did. The
 // environment variable FLASHKIT_FWD_PATH=sm80|sm90|decode forces a path (for tests and for chasing
 // a bug); forcing one where it cannot run is an error, not a fallback. Everything that can be
@@ -78,10 +79,10 @@ FwdPath requested_fwd_path(const char* fn) {
   if (std::strcmp(value, "sm90") == 0) return FwdPath::kSm90;
   if (std::strcmp(value, "decode") == 0) return FwdPath::kDecode;
   throw Error(std::string(fn) + ": FLASHKIT_FWD_PATH is '" + value +
-              "'; it must be sm80, sm90, decode or unset (automatic: the decode kernel for up to " +
-              std::to_string(api::kFwdDecodeMaxSeqlenQ) + " query tokens (" +
-              std::to_string(api::kFwdDecodeMaxSeqlenQFewTiles) + " for few heads), else sm90 on "
-              "compute capability 9.0 where it covers the problem, else sm80)");
+              "'; it must be sm80, sm90, decode or unset (automatic: the decode kernel for a few query "
+              "tokens (up to " + std::to_string(api::kFwdDecodeMaxSeqlenQFewTiles) +
+              ", src/api/fwd_decode_route.h), else sm90 on compute capability 9.0 where it covers the "
+              "problem, else sm80)");
 }
 
 // Why the decode kernel cannot run `problem` in this build, or "" when it can (the device aside).
@@ -118,6 +119,14 @@ bool dtype_built_for_some_family(DType dtype) {
     if (find_sm80_fwd(dtype, family) != nullptr) return true;
   }
   return false;
+}
+
+// The query heads per token in a tile of the sm90 forward for `problem` (which it covers): the
+// group it packs (fwd_sm90.h), or 1.
+int sm90_packed_heads(const FwdProblem& problem) {
+  const sm90::FwdTileConfig tile =
+      sm90::fwd_tile_config(sm90::fwd_head_dim_family(problem.head_dim), problem.dropout_p > 0.0f);
+  return 1 << sm90::fwd_pack_gqa_shift(problem, tile.block_m, sm90::pack_gqa_allowed_by_env());
 }
 
 // Throws unless the path `requested` can run `problem` in this build (the device aside): a forced
@@ -157,12 +166,13 @@ FwdPath choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath requ
                 std::to_string(arch % 10) + "; the sm90 kernels run on 9.0 (Hopper) only");
   }
   if (requested != FwdPath::kAuto) return requested;
+  const bool sm90 = arch == 90 && sm90_unavailable_reason(problem).empty();
   // fwd_prefers_decode includes the problem checks; only the build's kernel is left to ask for.
-  if (api::fwd_prefers_decode(problem, api::decode_device_sm_count(device)) &&
+  if (api::fwd_prefers_decode(problem, api::decode_device_sm_count(device), sm90 ? sm90_packed_heads(problem) : 1) &&
       api::decode_kernel_built(problem.dtype, problem.head_dim)) {
     return FwdPath::kDecode;
   }
-  return arch == 90 && sm90_unavailable_reason(problem).empty() ? FwdPath::kSm90 : FwdPath::kSm80;
+  return sm90 ? FwdPath::kSm90 : FwdPath::kSm80;
 }
 
 // The decode kernel's plan for `decode` (the problem's decode view): the heuristic's key split when
@@ -217,7 +227,7 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, const FwdCommon& par
     if (use_sm90) {
       const int family90 = sm90::fwd_head_dim_family(problem.head_dim);
       const sm90::FwdTileConfig tile = sm90::fwd_tile_config(family90, problem.dropout_p > 0.0f);
-      const int pack_shift = sm90::fwd_pack_gqa_shift(problem, tile.block_m, sm90::pack_gqa_allowed_by_env());
+      const int packed_heads = sm90_packed_heads(problem);
       std::fprintf(stderr,
                    "flashkit: %s: cuda:%d sm90 forward (wgmma + TMA), %s head dim %d (family %d), "
                    "tile %dx%d, %d stages, %d consumer warpgroups, batch %d heads %d/%d seqlen "
@@ -229,9 +239,9 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, const FwdCommon& par
                    sm90::fwd_takes_sliding_window_instance(family90, problem.window_left, problem.dropout_p)
                        ? ", the sliding-window instance (skips blocks left of the window per consumer)"
                        : "",
-                   pack_shift > 0 ? (", query heads packed " + std::to_string(1 << pack_shift) + " per kv head")
-                                        .c_str()
-                                  : "");
+                   packed_heads > 1 ? (", query heads packed " + std::to_string(packed_heads) + " per kv head")
+                                          .c_str()
+                                    : "");
     } else {
       const sm80::FwdTileConfig tile = sm80::fwd_tile_config(family);
       const std::string why_not_sm90 =

@@ -109,9 +109,9 @@ std::vector<FwdCase> no_key_cases() {
 // 16, 29} x 3 draws of (dtype, head dim, heads, seqlen_k, batch), the third varlen (fill_varlen:
 // empty sequences, tails, a third with seqused_k); keys up to 1500
 // long, so that the few CTAs of batch 1-3 split them (the harness passes the workspace the size
-// query asks for). 29 tokens take the decode kernel through its few-tiles rule where batch x heads_q
-// is at most a quarter of the SMs (up to 48 here), the forward kernels elsewhere. 8 x 5 x 3 = 120
-// cases.
+// query asks for). Where the forward kernels take 16 or 29 tokens instead depends on the heads and
+// the batch (fwd_prefers_decode); FLASHKIT_FWD_PATH=sm90 runs them all there (scripts/gpu_check.sh).
+// 8 x 5 x 3 = 120 cases.
 std::vector<FwdCase> short_query_cases() {
   const std::vector<std::pair<int, int>> heads = {{8, 2}, {4, 1}, {6, 6}, {16, 2}};
   const std::vector<int> head_dims = {40, 64, 96, 128, 256};
