@@ -3,10 +3,10 @@
 through the forward API, as Hugging Face generate() does), on each flashkit path beside PyTorch
 SDPA's flash and cuDNN backends, in one run.
 
-flashkit's paths are forced through FLASHKIT_FWD_PATH (read on every call): `decode` is the decode
-kernel (the automatic choice up to 16 query tokens, src/api/fwd_decode_route.h), `sm90` the wgmma
-forward with one query head per tile and `sm90packed` with a kv head's query heads packed into its
-tiles (FLASHKIT_SM90_PACK_GQA=0 / 1); `flashkit_varlen` is the same batch through
+`flashkit` is flash_attn_func on the automatic path (src/api/fwd_decode_route.h); the others force
+a path through FLASHKIT_FWD_PATH (read on every call): `decode` the decode kernel, `sm90` the
+wgmma forward with one query head per tile and `sm90packed` with a kv head's query heads packed
+into its tiles (FLASHKIT_SM90_PACK_GQA=0 / 1); `flashkit_varlen` is the same batch through
 flash_attn_varlen_func (automatic path). bf16, head dim 128, 32 query heads over --heads-kv, no mask;
 q [b, s_q, h, d] and k / v [b, s_k, h_kv, d] memory (SDPA reads [b, h, s, d] views of it, GQA
 through enable_gqa). tbps counts the bytes of K and V once; tflops 4 * b * h * s_q * s_k * d.
@@ -24,16 +24,16 @@ import os
 
 from peers_decode import parse_list, rotation_sets, save_results, time_ms, write_table
 
-IMPLS = ["flashkit_decode", "flashkit_varlen", "flashkit_sm90", "flashkit_sm90packed", "sdpa_flash",
-         "sdpa_cudnn"]
+IMPLS = ["flashkit", "flashkit_decode", "flashkit_varlen", "flashkit_sm90", "flashkit_sm90packed",
+         "sdpa_flash", "sdpa_cudnn"]
 # The environment each forced flashkit path runs under.
-FORCED = {"flashkit_decode": {"FLASHKIT_FWD_PATH": "decode"},
+FORCED = {"flashkit": {},
+          "flashkit_decode": {"FLASHKIT_FWD_PATH": "decode"},
           "flashkit_sm90": {"FLASHKIT_FWD_PATH": "sm90", "FLASHKIT_SM90_PACK_GQA": "0"},
           "flashkit_sm90packed": {"FLASHKIT_FWD_PATH": "sm90", "FLASHKIT_SM90_PACK_GQA": "1"}}
 # The markdown's speedup columns: (flashkit path, peer), the peer's time over the path's.
 SPEEDUPS = [("flashkit_decode", "flashkit_sm90"), ("flashkit_sm90packed", "flashkit_sm90"),
-            ("flashkit_decode", "sdpa_flash"), ("flashkit_decode", "sdpa_cudnn"),
-            ("flashkit_sm90packed", "sdpa_cudnn")]
+            ("flashkit", "sdpa_flash"), ("flashkit", "sdpa_cudnn")]
 GRAPH_CALLS = 20  # calls captured per CUDA graph with --graphs
 
 
