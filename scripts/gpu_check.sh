@@ -11,7 +11,8 @@
 #   gpu_tests  flashkit_gpu_tests [--gtest_filter=$FLASHKIT_GTEST_FILTER]
 #   gpu_tests_sm80  the forward GPU suite again with FLASHKIT_FWD_PATH=sm80, so that on a Hopper GPU
 #              both forward paths run it (gpu_tests takes the automatic choice, sm90 there, and
-#              the decode kernel for short queries: their suite runs forced onto sm90 first)
+#              the decode kernel for short queries: their suite runs forced onto sm90 first, and
+#              the GQA suites with the sm90 forward's query heads packed, FLASHKIT_SM90_PACK_GQA=1)
 #   gpu_tests_bwd_sm80  the backward GPU suite again with FLASHKIT_BWD_PATH=sm80, likewise
 #              The two reruns are skipped with FLASHKIT_SKIP_SM80_RERUN=1; FLASHKIT_SM80_RERUNS
 #              (default "fwd bwd") picks which of them run.
@@ -148,6 +149,10 @@ step_gpu_tests_sm80() {
   # sm90 forward here too (first, so that the summary counts the sm80 run's tests).
   if [ "$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -1)" = 9.0 ]; then
     FLASHKIT_FWD_PATH=sm90 "$BUILD_DIR/tests/cpp/flashkit_gpu_tests" "--gtest_filter=*ShortQueries*" || rc=1
+    # The sm90 forward's packed query heads wherever it can pack (the automatic choice packs only
+    # where it pays, which few of these small cases reach).
+    FLASHKIT_FWD_PATH=sm90 FLASHKIT_SM90_PACK_GQA=1 "$BUILD_DIR/tests/cpp/flashkit_gpu_tests" \
+      "--gtest_filter=*ShortQueries*:*ShapesGqaVarlen*:*VarlenEdges*:*EmptyRows*:*Layout*:*NoKeys*" || rc=1
   fi
   FLASHKIT_FWD_PATH=sm80 "$BUILD_DIR/tests/cpp/flashkit_gpu_tests" "--gtest_filter=*GpuFwd*" || rc=1
   return $rc

@@ -7,7 +7,7 @@
 // (fwd_decode_route.h says which problems and why); otherwise, on compute capability 9.0, the sm90
 // (wgmma + TMA) kernel of the problem's (dtype, head-dim family) when this build compiled it and it
 // covers the problem (sm90::fwd_unsupported_reason; with a kv head's query heads packed into its
-// tiles where it can, sm90::fwd_pack_gqa_shift), and otherwise the sm80 (mma.sync) kernel,
+// tiles where that pays, sm90::fwd_pack_gqa_shift), and otherwise the sm80 (mma.sync) kernel,
 // provided this build compiled it; the generated build_config.h lists which ones it did. The
 // environment variable FLASHKIT_FWD_PATH=sm80|sm90|decode forces a path (for tests and for chasing
 // a bug); forcing one where it cannot run is an error, not a fallback. Everything that can be
@@ -121,12 +121,13 @@ bool dtype_built_for_some_family(DType dtype) {
   return false;
 }
 
-// The query heads per token in a tile of the sm90 forward for `problem` (which it covers): the
-// group it packs (fwd_sm90.h), or 1.
-int sm90_packed_heads(const FwdProblem& problem) {
+// The query heads per token in a tile of the sm90 forward for `problem` (which it covers) on
+// cuda:`device`: the group it packs (fwd_sm90.h), or 1.
+int sm90_packed_heads(const FwdProblem& problem, int device) {
   const sm90::FwdTileConfig tile =
       sm90::fwd_tile_config(sm90::fwd_head_dim_family(problem.head_dim), problem.dropout_p > 0.0f);
-  return 1 << sm90::fwd_pack_gqa_shift(problem, tile.block_m, sm90::pack_gqa_allowed_by_env());
+  return 1 << sm90::fwd_pack_gqa_shift(problem, tile.block_m, api::decode_device_sm_count(device),
+                                       sm90::pack_gqa_from_env());
 }
 
 // Throws unless the path `requested` can run `problem` in this build (the device aside): a forced
@@ -168,7 +169,8 @@ FwdPath choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath requ
   if (requested != FwdPath::kAuto) return requested;
   const bool sm90 = arch == 90 && sm90_unavailable_reason(problem).empty();
   // fwd_prefers_decode includes the problem checks; only the build's kernel is left to ask for.
-  if (api::fwd_prefers_decode(problem, api::decode_device_sm_count(device), sm90 ? sm90_packed_heads(problem) : 1) &&
+  const int forward_heads_per_tile = sm90 ? sm90_packed_heads(problem, device) : 1;
+  if (api::fwd_prefers_decode(problem, api::decode_device_sm_count(device), forward_heads_per_tile) &&
       api::decode_kernel_built(problem.dtype, problem.head_dim)) {
     return FwdPath::kDecode;
   }
@@ -227,7 +229,7 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, const FwdCommon& par
     if (use_sm90) {
       const int family90 = sm90::fwd_head_dim_family(problem.head_dim);
       const sm90::FwdTileConfig tile = sm90::fwd_tile_config(family90, problem.dropout_p > 0.0f);
-      const int packed_heads = sm90_packed_heads(problem);
+      const int packed_heads = sm90_packed_heads(problem, device);
       std::fprintf(stderr,
                    "flashkit: %s: cuda:%d sm90 forward (wgmma + TMA), %s head dim %d (family %d), "
                    "tile %dx%d, %d stages, %d consumer warpgroups, batch %d heads %d/%d seqlen "

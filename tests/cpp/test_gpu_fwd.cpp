@@ -138,8 +138,8 @@ std::vector<FwdCase> short_query_cases() {
 // The sm90 forward's packed query heads (fwd_pack_gqa_shift): mask x G {2, 4, 8, 16, 32, 64} x
 // {fixed, varlen}, each drawing (dtype, head dim, kv heads, seqlen_q past the decode kernel's 32,
 // seqlen_k, batch). ALiBi is left out (it never packs). Run packed and unpacked each
-// (GpuFwdPackedHeadsTest); the other GQA suites with powers of two (8/2, 4/1, 16/2) run packed on
-// the automatic path. 5 x 6 x 2 = 60 cases.
+// (GpuFwdPackedHeadsTest); scripts/gpu_check.sh runs the other GQA suites forced packed too.
+// 5 x 6 x 2 = 60 cases.
 std::vector<FwdCase> packed_head_cases() {
   const std::vector<MaskKind> masks = {MaskKind::kNone, MaskKind::kCausal, MaskKind::kLocal, MaskKind::kSoftcap,
                                        MaskKind::kCausalSoftcap};
@@ -231,8 +231,8 @@ INSTANTIATE_TEST_SUITE_P(EmptyRows, GpuFwdCaseTest, ::testing::ValuesIn(empty_ro
 INSTANTIATE_TEST_SUITE_P(ShortQueries, GpuFwdCaseTest, ::testing::ValuesIn(short_query_cases()),
                          param_name);
 
-// Each case with the query heads packed (FLASHKIT_SM90_PACK_GQA=1, the default) and not (=0), both
-// against the oracle. Elsewhere than sm90 both runs take the same kernel.
+// Each case with the query heads packed wherever the sm90 forward can (FLASHKIT_SM90_PACK_GQA=1)
+// and never (=0), both against the oracle. Elsewhere than sm90 both runs take the same kernel.
 TEST_P(GpuFwdPackedHeadsTest, PackedAndUnpackedMatchTheOracle) {
   const FwdCase& c = GetParam();
   if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
@@ -680,42 +680,55 @@ TEST(TileCounterSlots, OnePerDeviceAndStreamAndThreadForThePerThreadStream) {
 // Which problems the sm90 forward packs (fwd_pack_gqa_shift): host logic, no GPU needed.
 TEST(Sm90PackedHeads, WhichProblemsArePacked) {
   using flashkit::sm90::fwd_pack_gqa_shift;
+  using flashkit::sm90::PackGqa;
+  constexpr int kSms = 132;
   FwdProblem p;
-  p.batch = 2;
+  p.batch = 8;
   p.heads_q = 32;
   p.heads_kv = 8;
   p.head_dim = 128;
   p.seqlen_k = 4096;
-  auto shift = [&p](int seqlen_q, bool allowed = true) {
+  auto shift = [&p](int seqlen_q, PackGqa mode = PackGqa::kAuto) {
     p.seqlen_q = seqlen_q;
-    return fwd_pack_gqa_shift(p, 128, allowed);
+    return fwd_pack_gqa_shift(p, 128, kSms, mode);
   };
-  // Every covered problem, short or long, fixed or varlen: log2(G).
-  EXPECT_EQ(shift(1), 2);
-  EXPECT_EQ(shift(33), 2);
-  EXPECT_EQ(shift(4096), 2);
+  // 256 unpacked tiles and more (G = 4, tiles of 128 rows): pack where the rows in use per row run
+  // improve by more than 10%.
+  EXPECT_EQ(shift(1), 2) << "1 / 128 against 4 / 128";
+  EXPECT_EQ(shift(33), 2) << "33 / 128 against 132 / 256";
+  EXPECT_EQ(shift(100), 0) << "100 / 128 against 400 / 512: the same";
+  EXPECT_EQ(shift(200), 2) << "200 / 256 against 800 / 896";
+  EXPECT_EQ(shift(4096), 0) << "whole tiles either way";
+  EXPECT_EQ(shift(4096, PackGqa::kWherever), 2);
+  EXPECT_EQ(shift(33, PackGqa::kNever), 0);
+  // Varlen: wherever the unpacked tiles (at max_seqlen_q) exceed a wave.
   p.cu_seqlens_q = reinterpret_cast<const int*>(0x100);
   EXPECT_EQ(shift(4096), 2);
   p.cu_seqlens_q = nullptr;
-  EXPECT_EQ(shift(33, false), 0) << "FLASHKIT_SM90_PACK_GQA=0";
-  // What is not covered runs unpacked.
+  // Unpacked tiles within one wave: 4 x 32 = 128 at up to 128 tokens.
+  p.batch = 4;
+  EXPECT_EQ(shift(32), 0);
+  EXPECT_EQ(shift(32, PackGqa::kWherever), 2);
+  EXPECT_EQ(shift(129), 2) << "256 tiles";
+  p.batch = 8;
+  // What is not covered runs unpacked, also when packing is asked for everywhere.
   for (auto [hq, hkv] : {std::pair{8, 8}, {24, 8}, {6, 1}, {128, 1}}) {
     p.heads_q = hq;
     p.heads_kv = hkv;
-    EXPECT_EQ(shift(33), 0) << hq << "/" << hkv << " heads";
+    EXPECT_EQ(shift(33, PackGqa::kWherever), 0) << hq << "/" << hkv << " heads";
   }
   p.heads_q = 64;
   p.heads_kv = 1;
-  EXPECT_EQ(shift(33), 6) << "64 query heads per kv head";
+  EXPECT_EQ(shift(33, PackGqa::kWherever), 6) << "64 query heads per kv head";
   p.dropout_p = 0.1f;
-  EXPECT_EQ(shift(33), 0) << "dropout";
+  EXPECT_EQ(shift(33, PackGqa::kWherever), 0) << "dropout";
   p.dropout_p = 0.0f;
   const float slopes[64] = {};
   p.alibi_slopes = slopes;
-  EXPECT_EQ(shift(33), 0) << "ALiBi";
+  EXPECT_EQ(shift(33, PackGqa::kWherever), 0) << "ALiBi";
   p.alibi_slopes = nullptr;
-  EXPECT_EQ(shift(INT32_MAX / 64), 0) << "s_q x G past 2^31";
-  EXPECT_EQ(shift(0), 0) << "no query rows";
+  EXPECT_EQ(shift(INT32_MAX / 64, PackGqa::kWherever), 0) << "s_q x G past 2^31";
+  EXPECT_EQ(shift(0, PackGqa::kWherever), 0) << "no query rows";
 }
 
 // ------------------------------------------------------------------------------------------------

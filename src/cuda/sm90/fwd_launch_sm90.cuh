@@ -33,10 +33,15 @@ template <> struct ElementOf<DType::kFloat16> { using type = __half; };
 
 // Launches fwd_kernel<Traits, kPipelined> on the problem: tensor maps, tile order, grid, shared
 // memory.
-// The query heads are packed wherever fwd_pack_gqa_shift says (unless FLASHKIT_SM90_PACK_GQA=0).
+// The query heads are packed where fwd_pack_gqa_shift says (FLASHKIT_SM90_PACK_GQA may force it).
 template <typename Traits, bool kPipelined>
 void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
-  const int pack_shift = fwd_pack_gqa_shift(problem, Traits::kBlockM, pack_gqa_allowed_by_env());
+  int device = 0;
+  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
+  int sm_count = 0;
+  cuda::check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
+              "cudaDeviceGetAttribute(multiprocessor count)");
+  const int pack_shift = fwd_pack_gqa_shift(problem, Traits::kBlockM, sm_count, pack_gqa_from_env());
   const int group = 1 << pack_shift;
   const int row_heads = problem.heads_q / group;  // the (batch, head) pairs' heads: kv heads when packed
   const int64_t rows = static_cast<int64_t>(problem.seqlen_q) * group;
@@ -103,8 +108,6 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   const char* grid = std::getenv("FLASHKIT_SM90_GRID");
   const std::string forced = grid != nullptr ? grid : "";
   const bool uniform = !uneven_tiles && !varlen;
-  int device = 0;
-  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
   bool dynamic = forced.empty() ? !uniform : forced == "dynamic";
   if (dynamic) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -120,12 +123,7 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   }
   const bool persistent = dynamic || (forced.empty() ? uniform : forced == "persistent");
   int64_t ctas = num_blocks;
-  if (persistent) {
-    int sm_count = 0;
-    cuda::check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
-                "cudaDeviceGetAttribute(multiprocessor count)");
-    ctas = std::min<int64_t>(num_blocks, sm_count);
-  }
+  if (persistent) ctas = std::min<int64_t>(num_blocks, sm_count);
 
   auto kernel = fwd_kernel<Traits, kPipelined>;
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,

@@ -36,25 +36,31 @@ std::string fwd_unsupported_reason(const FwdProblem& p) {
   return "";
 }
 
-bool pack_gqa_allowed_by_env() {
+PackGqa pack_gqa_from_env() {
   const char* value = std::getenv("FLASHKIT_SM90_PACK_GQA");
-  if (value == nullptr || *value == '\0' || std::strcmp(value, "1") == 0) return true;
-  if (std::strcmp(value, "0") == 0) return false;
+  if (value == nullptr || *value == '\0') return PackGqa::kAuto;
+  if (std::strcmp(value, "0") == 0) return PackGqa::kNever;
+  if (std::strcmp(value, "1") == 0) return PackGqa::kWherever;
   throw Error(std::string("FLASHKIT_SM90_PACK_GQA='") + value +
-              "'; it must be 0 (one query head per tile), 1 or unset (a kv head's query heads packed into its "
-              "tiles wherever the sm90 forward can)");
+              "'; it must be 0 (one query head per tile), 1 (a kv head's query heads packed into its tiles "
+              "wherever the sm90 forward can) or unset (where that pays)");
 }
 
-int fwd_pack_gqa_shift(const FwdProblem& p, int block_m, bool allowed) {
-  if (!allowed || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return 0;
+int fwd_pack_gqa_shift(const FwdProblem& p, int block_m, int sm_count, PackGqa mode) {
+  if (mode == PackGqa::kNever || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return 0;
   const int group = p.heads_q / p.heads_kv;
   if (group < 2 || group > 64 || (group & (group - 1)) != 0) return 0;
   if (p.dropout_p > 0.0f || p.alibi_slopes != nullptr || p.seqlen_q <= 0) return 0;
-  // seqlen_q: the maximum if varlen.
-  if (static_cast<int64_t>(p.seqlen_q) * group > INT32_MAX - block_m) return 0;
+  const int64_t packed_rows = static_cast<int64_t>(p.seqlen_q) * group;  // seqlen_q: the maximum if varlen
+  if (packed_rows > INT32_MAX - block_m) return 0;
   int shift = 0;
   while ((1 << shift) < group) ++shift;
-  return shift;
+  if (mode == PackGqa::kWherever) return shift;
+  auto tiles = [block_m](int64_t rows) { return (rows + block_m - 1) / block_m; };
+  if (static_cast<int64_t>(p.batch) * p.heads_q * tiles(p.seqlen_q) <= sm_count) return 0;
+  if (p.is_varlen()) return shift;
+  auto in_use = [&](int64_t rows) { return static_cast<double>(rows) / static_cast<double>(tiles(rows) * block_m); };
+  return in_use(packed_rows) > 1.1 * in_use(p.seqlen_q) ? shift : 0;
 }
 
 }  // namespace flashkit::sm90

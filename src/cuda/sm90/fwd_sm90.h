@@ -29,22 +29,36 @@ std::string fwd_unsupported_reason(const FwdProblem& problem);
 // Grouped-query attention with a kv head's G = heads_q / heads_kv query heads packed into one tile
 // (FlashAttention-3's PackGQA): the kernel's tiles then run over the rows of a (batch, kv head),
 // row r being token r / G of query head kv_head * G + r % G, so that s_q tokens fill s_q x G rows
-// instead of s_q rows of each of G tiles. Where s_q leaves most of a tile's rows empty (a few query
-// tokens against many keys) that is up to G times fewer tiles: 1.3x-2.2x at 32 and 64 tokens (H200,
-// bf16 d128 32/8 heads, 2k-8k keys, bench/NOTES.md session 26). It never adds empty rows (G x s_q
-// rounded up to a tile is at most G times s_q rounded up), and with long sequences the G heads of a
-// tile share their K and V reads in L2: +0% to +10% at 2k-8k tokens in that run. So the sm90
-// forward packs wherever it covers the problem: G a power of two up to 64 (G divides every tile's
-// rows and each consumer's 64, so that Q and O move as TMA boxes of whole tokens), no dropout (the
-// mask is addressed by the tile's head and rows), no ALiBi (a slope per tile), s_q x G below 2^31.
+// instead of s_q rows of each of G tiles. What it covers: G a power of two up to 64 (G divides every
+// tile's rows and each consumer's 64, so that Q and O move as TMA boxes of whole tokens), no dropout
+// (the mask is addressed by the tile's head and rows), no ALiBi (a slope per tile), s_q x G below
+// 2^31.
 //
-// log2(G) when the sm90 forward packs `problem`'s query heads on tiles of `block_m` rows, else 0.
-// `allowed` false (FLASHKIT_SM90_PACK_GQA=0, a measurement switch): never.
-int fwd_pack_gqa_shift(const FwdProblem& problem, int block_m, bool allowed);
+// Where it pays (H200, bf16, bench/NOTES.md session 26): packing never adds empty rows (G x s_q
+// rounded up to a tile is at most G times s_q rounded up), and where the unpacked tiles exceed one
+// wave it removes up to G times the empty rows' work: d128 32/8 heads, 8-64 query tokens, batch 8
+// and 32: 1.24x-2.24x; 200 tokens, whose last tile is 56% empty: 1.03x-1.15x. But where the
+// unpacked tiles fit one wave, each has an SM to itself, and one whose rows end within its first
+// consumer's 64 skips the other's products: packed, G times fewer tiles run all their rows (batch 1
+// and 4 at 32 and 64 tokens: 0.77x-0.85x). With whole tiles either way (s_q a multiple of the tile)
+// the GQA grid read -9% to +9% per cell, no better on the whole. So the sm90 forward packs where
+// the unpacked tiles, batch x heads_q x ceil(s_q / block_m), exceed `sm_count`, and then varlen
+// problems always (each sequence's last tile is part empty; packed, one per kv head instead of one
+// per query head), fixed-length ones where the rows in use per row run, G s_q / round_up(G s_q,
+// block_m), beat s_q / round_up(s_q, block_m) by more than 10%.
+//
+enum class PackGqa {
+  kAuto,      // as said above; FLASHKIT_SM90_PACK_GQA unset
+  kNever,     // FLASHKIT_SM90_PACK_GQA=0 (measurements)
+  kWherever,  // FLASHKIT_SM90_PACK_GQA=1: every problem it covers (tests)
+};
 
-// FLASHKIT_SM90_PACK_GQA, read at each call: unset or 1 packs where covered, 0 never; throws
-// flashkit::Error on another value.
-bool pack_gqa_allowed_by_env();
+// FLASHKIT_SM90_PACK_GQA, read at each call; throws flashkit::Error on a value other than 0 or 1.
+PackGqa pack_gqa_from_env();
+
+// log2(G) when the sm90 forward packs `problem`'s query heads on tiles of `block_m` rows on a GPU of
+// `sm_count` SMs, else 0.
+int fwd_pack_gqa_shift(const FwdProblem& problem, int block_m, int sm_count, PackGqa mode);
 
 // Enqueues the forward pass of `problem` (device pointers, validated, covered) on the cudaStream_t
 // `stream`. Instantiated once per (dtype, family) in a generated .cu file; see src/CMakeLists.txt.
