@@ -693,12 +693,16 @@ TEST(Sm90PackedHeads, WhichProblemsArePacked) {
     return fwd_pack_gqa_shift(p, 128, kSms, mode);
   };
   // 256 unpacked tiles and more (G = 4, tiles of 128 rows): pack where the rows in use per row run
-  // improve by more than 10%.
+  // improve by more than 1%.
   EXPECT_EQ(shift(1), 2) << "1 / 128 against 4 / 128";
   EXPECT_EQ(shift(33), 2) << "33 / 128 against 132 / 256";
   EXPECT_EQ(shift(100), 0) << "100 / 128 against 400 / 512: the same";
   EXPECT_EQ(shift(200), 2) << "200 / 256 against 800 / 896";
   EXPECT_EQ(shift(4096), 0) << "whole tiles either way";
+  p.seqlen_q = 2048;
+  EXPECT_EQ(fwd_pack_gqa_shift(p, 192, kSms, PackGqa::kAuto), 2) << "2048 / 2112 against 8192 / 8256";
+  p.seqlen_q = 8192;
+  EXPECT_EQ(fwd_pack_gqa_shift(p, 192, kSms, PackGqa::kAuto), 0) << "8192 / 8256 against 32768 / 32832";
   EXPECT_EQ(shift(4096, PackGqa::kWherever), 2);
   EXPECT_EQ(shift(33, PackGqa::kNever), 0);
   // Varlen: wherever the unpacked tiles (at max_seqlen_q) exceed a wave.

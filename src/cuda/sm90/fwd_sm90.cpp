@@ -60,7 +60,7 @@ int fwd_pack_gqa_shift(const FwdProblem& p, int block_m, int sm_count, PackGqa m
   if (static_cast<int64_t>(p.batch) * p.heads_q * tiles(p.seqlen_q) <= sm_count) return 0;
   if (p.is_varlen()) return shift;
   auto in_use = [&](int64_t rows) { return static_cast<double>(rows) / static_cast<double>(tiles(rows) * block_m); };
-  return in_use(packed_rows) > 1.1 * in_use(p.seqlen_q) ? shift : 0;
+  return in_use(packed_rows) > 1.01 * in_use(p.seqlen_q) ? shift : 0;
 }
 
 }  // namespace flashkit::sm90

@@ -37,7 +37,9 @@ std::string fwd_unsupported_reason(const FwdProblem& problem);
 // Where it pays (H200, bf16, bench/NOTES.md session 26): packing never adds empty rows (G x s_q
 // rounded up to a tile is at most G times s_q rounded up), and where the unpacked tiles exceed one
 // wave it removes up to G times the empty rows' work: d128 32/8 heads, 8-64 query tokens, batch 8
-// and 32: 1.24x-2.24x; 200 tokens, whose last tile is 56% empty: 1.03x-1.15x. But where the
+// and 32: 1.24x-2.24x; 200 tokens, whose last tile is 56% empty: 1.03x-1.15x; d64's 192-row tiles
+// over 512 and 2048 tokens (11% and 3% of the rows empty, 3% and 1% packed): 1.09x and 1.02x-1.05x
+// (32/8 heads). But where the
 // unpacked tiles fit one wave, each has an SM to itself, and one whose rows end within its first
 // consumer's 64 skips the other's products: packed, G times fewer tiles run all their rows (batch 1
 // and 4 at 32 and 64 tokens: 0.77x-0.85x). With whole tiles either way (s_q a multiple of the tile)
@@ -45,7 +47,7 @@ std::string fwd_unsupported_reason(const FwdProblem& problem);
 // the unpacked tiles, batch x heads_q x ceil(s_q / block_m), exceed `sm_count`, and then varlen
 // problems always (each sequence's last tile is part empty; packed, one per kv head instead of one
 // per query head), fixed-length ones where the rows in use per row run, G s_q / round_up(G s_q,
-// block_m), beat s_q / round_up(s_q, block_m) by more than 10%.
+// block_m), beat s_q / round_up(s_q, block_m) by more than 1%.
 //
 enum class PackGqa {
   kAuto,      // as said above; FLASHKIT_SM90_PACK_GQA unset
