@@ -168,6 +168,12 @@ void launch_decode(const KvcacheProblem& problem, const DecodePlan& plan, void* 
   run(problem, launch, stream);
 }
 
+void launch_decode_combine(const KvcacheProblem& problem, void* stream) {
+  sm80::DecodeLaunchPlan launch;
+  launch.combine_only = true;
+  find_sm80_decode(problem.dtype, sm80::decode_head_dim_family(problem.head_dim))(problem, launch, stream);
+}
+
 }  // namespace flashkit::api
 
 #endif  // FLASHKIT_WITH_CUDA

@@ -43,6 +43,11 @@ void check_decode_workspace_alignment(const char* fn, const void* workspace);
 // must be `plan`'s.
 void launch_decode(const KvcacheProblem& problem, const DecodePlan& plan, void* stream);
 
+// Enqueues the combine pass alone on `stream`: the partials of problem.num_splits (> 1) splits are
+// in problem.workspace, written by another kernel (the sm90 forward's split keys) in the decode
+// workspace's layout.
+void launch_decode_combine(const KvcacheProblem& problem, void* stream);
+
 }  // namespace flashkit::api
 
 #endif  // FLASHKIT_WITH_CUDA

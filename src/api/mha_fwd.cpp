@@ -58,9 +58,11 @@ RunFwd find_sm80_fwd(DType dtype, int family) {
   return nullptr;
 }
 
+using RunSm90Fwd = void (*)(const FwdProblem&, const sm90::FwdSplit&, void*);
+
 // The sm90 kernel for (dtype, family), or nullptr when this build left it out (a build without
 // sm_90a code has an empty list, hence the maybe-unused parameters).
-RunFwd find_sm90_fwd([[maybe_unused]] DType dtype, [[maybe_unused]] int family) {
+RunSm90Fwd find_sm90_fwd([[maybe_unused]] DType dtype, [[maybe_unused]] int family) {
 #define FLASHKIT_SM90_FWD_INSTANCE(kDType, kFamily) \
   if (dtype == DType::kDType && family == kFamily) return &sm90::run_fwd<DType::kDType, kFamily>;
   FLASHKIT_SM90_FWD_INSTANCES
@@ -128,6 +130,56 @@ int sm90_packed_heads(const FwdProblem& problem, int device) {
       sm90::fwd_tile_config(sm90::fwd_head_dim_family(problem.head_dim), problem.dropout_p > 0.0f);
   return 1 << sm90::fwd_pack_gqa_shift(problem, tile.block_m, api::decode_device_sm_count(device),
                                        sm90::pack_gqa_from_env());
+}
+
+// The sm90 forward's key split for `problem` on cuda:`device` (sm90::fwd_split_count): the count,
+// 1 without a workspace (`has_workspace` false) or without the decode kernel's combine pass in this
+// build, and the workspace bytes it needs (0 unsplit).
+struct Sm90SplitPlan {
+  int num_splits = 1;
+  size_t workspace_bytes = 0;
+};
+static_assert(sm90::kFwdMaxSplits <= sm80::kDecodeMaxSplits, "the combine pass merges the splits");
+
+Sm90SplitPlan plan_sm90_split(const FwdProblem& problem, int device, bool has_workspace) {
+  Sm90SplitPlan plan;
+  if (!has_workspace || !api::decode_kernel_built(problem.dtype, problem.head_dim)) return plan;
+  const sm90::FwdTileConfig tile = sm90::fwd_tile_config(sm90::fwd_head_dim_family(problem.head_dim), false);
+  const int pack_shift = sm90::fwd_pack_gqa_shift(problem, tile.block_m, api::decode_device_sm_count(device),
+                                                  sm90::pack_gqa_from_env());
+  plan.num_splits = sm90::fwd_split_count(problem, tile.block_m, tile.block_n, pack_shift,
+                                          api::decode_device_sm_count(device), sm90::forced_splits_from_env());
+  if (plan.num_splits > 1) {
+    plan.workspace_bytes = sm80::decode_workspace_layout(api::decode_view_of_fwd(problem), plan.num_splits).total_bytes;
+  }
+  return plan;
+}
+
+// Runs `problem` on the sm90 forward, split as plan_sm90_split says for the caller's workspace,
+// then the combine pass when split.
+void run_on_sm90(const char* fn, const FwdProblem& problem, const FwdCommon& params, int device, void* stream) {
+  const Sm90SplitPlan plan = plan_sm90_split(problem, device, params.workspace != nullptr);
+  if (plan.num_splits > 1) {
+    if (params.workspace_bytes < plan.workspace_bytes) {
+      throw Error(std::string(fn) + ": workspace_bytes is " + std::to_string(params.workspace_bytes) +
+                  " but this call needs " + std::to_string(plan.workspace_bytes) + " (" + fn +
+                  "_workspace_size); pass that much, or a null workspace to run without a key split");
+    }
+    api::check_decode_workspace_alignment(fn, params.workspace);
+  }
+  if (debug_enabled() && plan.num_splits > 1) {
+    std::fprintf(stderr, "flashkit: %s: sm90 forward keys split %d ways, then the decode kernel's combine pass\n",
+                 fn, plan.num_splits);
+  }
+  find_sm90_fwd(problem.dtype, sm90::fwd_head_dim_family(problem.head_dim))(
+      problem, sm90::FwdSplit{plan.num_splits, params.workspace}, stream);
+  if (plan.num_splits > 1) {
+    KvcacheProblem combine = api::decode_view_of_fwd(problem);
+    combine.num_splits = plan.num_splits;
+    combine.workspace = params.workspace;
+    combine.workspace_bytes = params.workspace_bytes;
+    api::launch_decode_combine(combine, stream);
+  }
 }
 
 // Throws unless the path `requested` can run `problem` in this build (the device aside): a forced
@@ -261,21 +313,24 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, const FwdCommon& par
     }
   }
   if (use_sm90) {
-    find_sm90_fwd(problem.dtype, sm90::fwd_head_dim_family(problem.head_dim))(problem, stream);
+    run_on_sm90(fn, problem, params, device, stream);
   } else {
     find_sm80_fwd(problem.dtype, family)(problem, stream);
   }
 }
 
-// The workspace bytes the CUDA call of `problem` uses: the decode kernel's key split, when it runs
-// there with a workspace; 0 on every other path.
+// The workspace bytes the CUDA call of `problem` uses: the key split of the decode kernel or of the
+// sm90 forward, where it runs there with a workspace; 0 on the sm80 path.
 size_t cuda_workspace_bytes(const char* fn, const FwdProblem& problem, int device) {
   const FwdPath requested = requested_fwd_path(fn);
   check_requested_path(fn, problem, requested);
   if (!api::has_query_rows(problem)) return 0;
   const api::CurrentDeviceGuard device_guard(device);
-  if (choose_cuda_path(fn, problem, requested, device) != FwdPath::kDecode) return 0;
-  return plan_fwd_decode(api::decode_view_of_fwd(problem), device, true).workspace_bytes;
+  switch (choose_cuda_path(fn, problem, requested, device)) {
+    case FwdPath::kDecode: return plan_fwd_decode(api::decode_view_of_fwd(problem), device, true).workspace_bytes;
+    case FwdPath::kSm90: return plan_sm90_split(problem, device, true).workspace_bytes;
+    default: return 0;
+  }
 }
 
 #endif  // FLASHKIT_WITH_CUDA

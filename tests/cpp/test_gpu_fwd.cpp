@@ -19,6 +19,7 @@
 //                         over the SMs
 //   PackedHeads/*         GQA with G = 2 ... 64 and 33 ... 257 query tokens, the sm90 forward's
 //                         query heads packed and not (FLASHKIT_SM90_PACK_GQA)
+//   SplitKeys/*           the sm90 forward's keys split 3 and 16 ways (FLASHKIT_SM90_SPLITS)
 //   NoKeys/*              seqlen_k == 0: out 0, lse -inf
 //   GpuFwdTest.*          layout invariance, offsets past 2^31 elements, grid limits, a created
 //                         stream, bad input, a head dim left out of the build, determinism, the
@@ -165,6 +166,33 @@ std::vector<FwdCase> packed_head_cases() {
   return finish(cases, 0x8000);
 }
 
+// The sm90 forward's split keys (fwd_split_count), forced by GpuFwdSplitKeysTest: mask (every kind)
+// x {fixed, varlen} x 3 draws of (dtype, head dim, heads, seqlen_q 1 ... 300, seqlen_k 1 ... 2000,
+// batch). 8 x 2 x 3 = 48 cases.
+std::vector<FwdCase> split_key_cases() {
+  const std::vector<std::pair<int, int>> heads = {{8, 2}, {4, 1}, {6, 6}, {16, 2}, {6, 2}};
+  const std::vector<int> head_dims = {40, 64, 96, 128, 256};
+  const std::vector<int> query_lengths = {1, 17, 64, 130, 300};
+  const std::vector<int> key_lengths = {1, 100, 700, 2000};
+  std::vector<FwdCase> cases;
+  Rng rng(0x5B17);
+  for (MaskKind mask : kAllMasks) {
+    for (bool varlen : {false, true}) {
+      for (int draw = 0; draw < 3; ++draw) {
+        const auto [hq, hkv] = rng.pick(heads);
+        const int sq = rng.pick(query_lengths);
+        FwdCase c = fixed_case(rng.chance(0.5) ? DType::kBFloat16 : DType::kFloat16, rng.pick(head_dims), hq, hkv,
+                               rng.uniform_int(1, 2), sq, rng.pick(key_lengths));
+        if (varlen) fill_varlen(c, 3, sq, c.seqlen_k, rng);
+        apply_mask(c, mask, rng);
+        c.name = default_name(c, mask_name(mask));
+        cases.push_back(c);
+      }
+    }
+  }
+  return finish(cases, 0x9000);
+}
+
 // `preferred` when this build serves it on CUDA, else the smallest head dim it serves, else
 // `preferred` (the test then skips through case_unavailable).
 int built_head_dim(int preferred) {
@@ -193,6 +221,7 @@ class GpuFwdTest : public ::testing::Test {
 
 class GpuFwdCaseTest : public GpuFwdTest, public ::testing::WithParamInterface<FwdCase> {};
 class GpuFwdPackedHeadsTest : public GpuFwdTest, public ::testing::WithParamInterface<FwdCase> {};
+class GpuFwdSplitKeysTest : public GpuFwdTest, public ::testing::WithParamInterface<FwdCase> {};
 class GpuFwdNoKeysTest : public GpuFwdTest, public ::testing::WithParamInterface<FwdCase> {};
 
 void report(const CheckReport& r) {
@@ -247,6 +276,25 @@ TEST_P(GpuFwdPackedHeadsTest, PackedAndUnpackedMatchTheOracle) {
 
 INSTANTIATE_TEST_SUITE_P(PackedHeads, GpuFwdPackedHeadsTest, ::testing::ValuesIn(packed_head_cases()),
                          param_name);
+
+// Each case with the sm90 forward's keys split 3 ways, and 16 ways with the query heads packed
+// wherever it can (FLASHKIT_SM90_SPLITS, FLASHKIT_SM90_PACK_GQA; the harness passes the workspace the
+// size query asks for), against the oracle. Elsewhere than sm90, and where the sm90 forward does not
+// split (dropout, a window's left edge), the same kernel runs twice.
+TEST_P(GpuFwdSplitKeysTest, SplitKeysMatchTheOracle) {
+  const FwdCase& c = GetParam();
+  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
+  const HostInputs in = make_inputs(c);
+  const Oracle oracle = run_oracle(c, in, all_items(c));
+  for (const auto& [splits, pack] : {std::pair{"3", "0"}, {"16", "1"}}) {
+    SCOPED_TRACE(std::string("FLASHKIT_SM90_SPLITS=") + splits + " FLASHKIT_SM90_PACK_GQA=" + pack);
+    const ScopedEnv split_env("FLASHKIT_SM90_SPLITS", splits);
+    const ScopedEnv pack_env("FLASHKIT_SM90_PACK_GQA", pack);
+    run_and_check(c, in, oracle, contiguous_layout(c));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(SplitKeys, GpuFwdSplitKeysTest, ::testing::ValuesIn(split_key_cases()), param_name);
 
 // One query token of few sequences against many keys: the decode kernel splits the keys through
 // the workspace, and without a workspace runs unsplit; both match the oracle. On the automatic
@@ -733,6 +781,46 @@ TEST(Sm90PackedHeads, WhichProblemsArePacked) {
   p.alibi_slopes = nullptr;
   EXPECT_EQ(shift(INT32_MAX / 64, PackGqa::kWherever), 0) << "s_q x G past 2^31";
   EXPECT_EQ(shift(0, PackGqa::kWherever), 0) << "no query rows";
+}
+
+// How many ways the sm90 forward splits the keys (fwd_split_count): host logic, no GPU needed.
+TEST(Sm90SplitKeys, HowManySplits) {
+  using flashkit::sm90::fwd_split_count;
+  constexpr int kSms = 132;
+  FwdProblem p;
+  p.batch = 1;
+  p.heads_q = 32;
+  p.heads_kv = 8;
+  p.head_dim = 128;
+  p.seqlen_q = 64;
+  p.seqlen_k = 32768;  // 256 blocks of 128 keys
+  // 32 tiles unpacked: 4 splits bring them to one wave; packed (8 kv heads x 256 rows: 16 tiles) 8.
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 0), 4);
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 2, kSms, 0), 8);
+  // At least 4 key blocks per split.
+  p.seqlen_k = 1024;
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 2, kSms, 0), 2);
+  p.seqlen_k = 32768;
+  // More than half the SMs busy without a split: none.
+  p.batch = 3;
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 0), 1) << "96 tiles";
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 2, kSms, 0), 2) << "48 tiles";
+  p.batch = 1;
+  // Forced: that many, up to the key blocks and 128.
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 7), 7);
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 1), 1);
+  p.seqlen_k = 300;
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 16), 3);
+  p.seqlen_k = 32768;
+  // Never with dropout, a left window edge or no keys.
+  p.dropout_p = 0.1f;
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 7), 1);
+  p.dropout_p = 0.0f;
+  p.window_left = 100;
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 7), 1);
+  p.window_left = -1;
+  p.seqlen_k = 0;
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 7), 1);
 }
 
 // ------------------------------------------------------------------------------------------------

@@ -50,6 +50,15 @@ void launch_decode_kernel(const KvcacheProblem& problem, dim3 grid, bool program
                 programmatic, "sm80 decode_kernel", problem);
 }
 
+// The combine pass: one warp per row of [batch, heads_q, seqlen_q].
+template <typename Element, int kHeadDimFamily>
+void launch_combine(const KvcacheProblem& problem, bool programmatic, cudaStream_t stream) {
+  const int64_t rows = static_cast<int64_t>(problem.batch) * problem.heads_q * problem.seqlen_q;
+  const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
+  launch_kernel(decode_combine_kernel<Element, kHeadDimFamily>, dim3(static_cast<unsigned>(blocks)),
+                dim3(kCombineWarps * 32), 0, stream, programmatic, "sm80 decode_combine_kernel", problem);
+}
+
 template <DType kDType, int kHeadDimFamily>
 void run_decode(const KvcacheProblem& problem, const DecodeLaunchPlan& plan, void* stream_ptr) {
   using Element = typename DecodeElementOf<kDType>::type;
@@ -60,6 +69,10 @@ void run_decode(const KvcacheProblem& problem, const DecodeLaunchPlan& plan, voi
                 "; the CUDA decode kernels support at most 65535 of each per call");
   }
 
+  if (plan.combine_only) {
+    launch_combine<Element, kHeadDimFamily>(problem, false, stream);
+    return;
+  }
   if (problem.has_append() && problem.seqlen_new > 0) {
     decode_append_kernel<Element><<<dim3(problem.seqlen_new, problem.batch), kAppendThreads, 0,
                                     stream>>>(problem);
@@ -88,13 +101,7 @@ void run_decode(const KvcacheProblem& problem, const DecodeLaunchPlan& plan, voi
                                                                              plan.programmatic, stream);
   }
 
-  if (problem.num_splits > 1) {
-    const int64_t rows = static_cast<int64_t>(problem.batch) * problem.heads_q * problem.seqlen_q;
-    const int64_t blocks = (rows + kCombineWarps - 1) / kCombineWarps;
-    launch_kernel(decode_combine_kernel<Element, kHeadDimFamily>, dim3(static_cast<unsigned>(blocks)),
-                  dim3(kCombineWarps * 32), 0, stream, plan.programmatic, "sm80 decode_combine_kernel",
-                  problem);
-  }
+  if (problem.num_splits > 1) launch_combine<Element, kHeadDimFamily>(problem, plan.programmatic, stream);
 }
 
 }  // namespace flashkit::sm80

@@ -80,10 +80,12 @@ struct DecodeLaunchPlan {
   // sm_90 and newer: the decode and combine kernels are launched as programmatic dependents of the
   // kernel before them (PDL), so that their launch and prologue overlap its tail.
   bool programmatic = false;
+  // The partials are in the workspace already (another kernel wrote them): the combine pass only.
+  bool combine_only = false;
 };
 
 // Enqueues append (when k_new is given), the split decode kernel and, for num_splits > 1, the
-// combine kernel on the cudaStream_t `stream`. Device pointers, validated problem, num_splits and
+// combine kernel on the cudaStream_t `stream` (plan.combine_only: the combine kernel alone). Device pointers, validated problem, num_splits and
 // workspace set. Instantiated once per (dtype, family) in a generated .cu file.
 template <DType kDType, int kHeadDimFamily>
 void run_decode(const KvcacheProblem& problem, const DecodeLaunchPlan& plan, void* stream);

@@ -179,6 +179,14 @@ struct FwdParams {
   // head kv_head x G + r % G, and the Q and O maps have groups of G. The first query head of a
   // tile's rows, FwdTile::head, is then its group's first.
   int pack_shift;
+  // Split keys (Traits::kSplitKeys; fwd_split_count): tile `linear` is split linear / (tiles per
+  // split) of its tile's key blocks, [split, split + 1) x blocks_per_split, and writes its rows'
+  // partials to split_lse [splits, batch, heads_q, seqlen_q] and split_out [..., head_dim] (fp32,
+  // the decode workspace's layout). Unused (1, 0, null) in the other instances.
+  int num_splits;
+  int blocks_per_split;
+  float* split_lse;
+  float* split_out;
   CUtensorMap q_map;
   CUtensorMap k_map;
   CUtensorMap v_map;
@@ -240,15 +248,22 @@ struct alignas(16) FwdTile {
   int rows_in_block;  // rows of the tile inside the sequence (<= 0: the tile is past its end)
   int n_begin;        // visible key blocks [n_begin, n_end), walked from the last
   int n_end;
+  int split;  // the tile's key split (kSplitKeys), else 0
 
-  // Tile `linear` of the problem, in TileOrder.
-  template <int kBlockM, int kBlockN>
+  // Tile `linear` of the problem, in TileOrder (with kSplitKeys, within its split).
+  template <int kBlockM, int kBlockN, bool kSplitKeys>
   __device__ __forceinline__ static FwdTile locate(const FwdParams& params, int linear) {
     const FwdProblem& p = params.problem;
     const int shift = params.pack_shift;
     FwdTile t;
     const int num_m_blocks = ((p.seqlen_q << shift) + kBlockM - 1) / kBlockM;
     const int row_heads = p.heads_q >> shift;  // heads (packed: groups) whose rows the tiles run
+    t.split = 0;
+    if constexpr (kSplitKeys) {
+      const int tiles_per_split = num_m_blocks * p.batch * row_heads;
+      t.split = linear / tiles_per_split;
+      linear -= t.split * tiles_per_split;
+    }
     const TileOrder order = TileOrder::locate(linear, num_m_blocks, p.batch * row_heads, params.tile_groups);
     t.m_block = order.m_block;
     t.head = (order.batch_head % row_heads) << shift;
@@ -274,6 +289,10 @@ struct alignas(16) FwdTile {
       const int key_hi = window.key_end((t.m0 + t.rows_in_block - 1) >> shift);
       t.n_begin = key_lo / kBlockN;
       t.n_end = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN : t.n_begin;
+      if constexpr (kSplitKeys) {  // a split without blocks of the tile: none (its partials: -inf, 0)
+        t.n_begin = max(t.n_begin, t.split * params.blocks_per_split);
+        t.n_end = max(t.n_begin, min(t.n_end, (t.split + 1) * params.blocks_per_split));
+      }
     }
     return t;
   }
@@ -282,7 +301,7 @@ struct alignas(16) FwdTile {
 };
 
 template <typename Element_, int kHeadDim_, int kBlockM_, int kBlockN_, int kStages_, bool kDropout_,
-          bool kSkipTrailingBlocks_ = false>
+          bool kSkipTrailingBlocks_ = false, bool kSplitKeys_ = false>
 struct FwdKernelTraits {
   using Element = Element_;
   static constexpr bool kDropout = kDropout_;  // the instance that applies dropout (p > 0)
@@ -327,6 +346,10 @@ struct FwdKernelTraits {
   // window's edge (consumer_warpgroup; run_fwd picks the instance that does for problems with a
   // left window edge, fwd_sliding_window_instance says where).
   static constexpr bool kSkipTrailingBlocks = kSkipTrailingBlocks_;
+  // Whether the tiles run one split of their key blocks each and store fp32 partials for the
+  // combine pass (FwdParams::num_splits; its own instance, so that the others keep their epilogue).
+  static constexpr bool kSplitKeys = kSplitKeys_;
+  static_assert(!kSplitKeys || !kDropout, "dropout does not split");
   static_assert(!kSkipTrailingBlocks || kBlockM > kBlockN, "the skip walks the tile's blocks per consumer");
   // setmaxnreg moves registers within the CTA's allocation at launch (the 64K file split evenly
   // and rounded down to 8: 168 per thread at 384 threads, 128 at 512). A consumer's claim blocks
@@ -367,8 +390,8 @@ struct FwdKernelTraits {
     FwdTile located;
   };
   // Shared-memory plan, byte offsets from a 1024-byte aligned base: Q, the K and V stages, O's
-  // staging tiles where they fit (kStageOutput), barriers last. + 1024: the dynamic shared-memory
-  // base is only 16-byte aligned; the kernel rounds it up.
+  // staging tiles where they fit and O is stored (kStageOutput; not kSplitKeys), barriers last.
+  // + 1024: the dynamic shared-memory base is only 16-byte aligned; the kernel rounds it up.
   static constexpr int kSmemLimit = 227 * 1024;
   static constexpr int kQOffset = 0;
   static constexpr int kKOffset = kQOffset + QTile::kBytes;
@@ -376,7 +399,7 @@ struct FwdKernelTraits {
   static constexpr int kOOffset = kVOffset + kStages * KvTile::kBytes;
   static constexpr int kOBytes = kConsumerWarpgroups * OTile::kBytes;
   static constexpr bool kStageOutput =
-      kOOffset + kOBytes + static_cast<int>(sizeof(Barriers)) + 1024 <= kSmemLimit;
+      !kSplitKeys && kOOffset + kOBytes + static_cast<int>(sizeof(Barriers)) + 1024 <= kSmemLimit;
   static constexpr int kBarrierOffset = kOOffset + (kStageOutput ? kOBytes : 0);
   static constexpr int kSmemBytes = kBarrierOffset + static_cast<int>(sizeof(Barriers)) + 1024;
 
@@ -472,7 +495,7 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
     }
   };
   for (int linear = blockIdx.x; linear < num_tiles; linear = take_next_tile(params.tile_counter, linear, num_tiles)) {
-    tile = FwdTile::locate<Traits::kBlockM, kBlockN>(params, linear);
+    tile = FwdTile::locate<Traits::kBlockM, kBlockN, Traits::kSplitKeys>(params, linear);
     if (tile.rows_in_block <= 0) continue;  // varlen: past the sequence; the consumers skip it too
     batch = varlen ? 0 : tile.batch;
     mbarrier_wait(smem_u32(&bars.q_empty), (q_loads & 1u) ^ 1u);
@@ -670,6 +693,38 @@ __device__ __forceinline__ void store_output_row_half(const float (&acc_o)[kDTil
     const int chunk = 4 * j + t;
     if (row_inside && chunk < head_chunks) {
       *reinterpret_cast<uint4*>(out_row + 8 * chunk) = make_uint4(x[0], x[1], x[2], x[3]);
+    }
+  }
+}
+
+// The split epilogue (Traits::kSplitKeys): this thread's two rows of its warp's 16, normalized, as
+// fp32 partial rows of split tile.split: FwdParams::split_lse / split_out at row ((split x batch +
+// b) x heads_q + head) x seqlen_q + token, the decode workspace's order, which the combine pass
+// reads. Rows past the sequence (which the combine skips) and columns past head_dim are not written.
+// A split that sees none of a row's keys writes its lse -inf and zeros (finalize), weight 0.
+template <typename Traits>
+__device__ __forceinline__ void store_split_partials(const FwdParams& params, const float (&acc_o)[Traits::kDTiles][4],
+                                                     const float (&lse)[2], const FwdTile& tile, int warp_row0,
+                                                     int lane) {
+  const FwdProblem& p = params.problem;
+  const int shift = params.pack_shift;
+  const int t = lane % 4;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = warp_row0 + lane / 4 + half * 8;
+    if (row >= tile.rows_in_block) continue;
+    const int packed_row = tile.m0 + row;
+    const int head = tile.head + (packed_row & ((1 << shift) - 1));
+    const int64_t partial_row =
+        ((static_cast<int64_t>(tile.split) * p.batch + tile.batch) * p.heads_q + head) * p.seqlen_q +
+        (packed_row >> shift);
+    if (t == 0) params.split_lse[partial_row] = lse[half];
+    float* out = params.split_out + partial_row * p.head_dim + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < Traits::kDTiles; ++dt) {
+      if (dt * 8 < p.head_dim) {
+        *reinterpret_cast<float2*>(out + dt * 8) = make_float2(acc_o[dt][2 * half], acc_o[dt][2 * half + 1]);
+      }
     }
   }
 }
@@ -1011,6 +1066,12 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     // its rows (the header says when); the LSE of each row from registers.
     float lse[2];
     softmax.finalize(acc_o, log2_scale, lse, Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
+    if constexpr (Traits::kSplitKeys) {
+      store_split_partials<Traits>(params, acc_o[0], lse, tile, warp_row0, lane);
+      FLASHKIT_FWD_TRACE(5, clock64());
+      FLASHKIT_FWD_TRACE(8, trace_global_ns());
+      continue;
+    }
     if constexpr (Traits::kStageOutput) {
       store_output_staged<Traits>(params, &acc_o[0][0][0], smem + Traits::kOOffset + consumer * Traits::OTile::kBytes,
                                   tile, consumer, warp);

@@ -33,9 +33,10 @@ template <> struct ElementOf<DType::kFloat16> { using type = __half; };
 
 // Launches fwd_kernel<Traits, kPipelined> on the problem: tensor maps, tile order, grid, shared
 // memory.
-// The query heads are packed where fwd_pack_gqa_shift says (FLASHKIT_SM90_PACK_GQA may force it).
+// The query heads are packed where fwd_pack_gqa_shift says (FLASHKIT_SM90_PACK_GQA may force it);
+// with Traits::kSplitKeys the keys are split as `split` says (its workspace holds the partials).
 template <typename Traits, bool kPipelined>
-void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
+void launch_fwd(const FwdProblem& problem, const FwdSplit& split, cudaStream_t stream) {
   int device = 0;
   cuda::check(cudaGetDevice(&device), "cudaGetDevice");
   int sm_count = 0;
@@ -46,7 +47,8 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   const int row_heads = problem.heads_q / group;  // the (batch, head) pairs' heads: kv heads when packed
   const int64_t rows = static_cast<int64_t>(problem.seqlen_q) * group;
   const int64_t num_m_blocks = (rows + Traits::kBlockM - 1) / Traits::kBlockM;
-  const int64_t num_blocks = num_m_blocks * problem.batch * row_heads;
+  const int num_splits = Traits::kSplitKeys ? split.num_splits : 1;
+  const int64_t num_blocks = num_m_blocks * problem.batch * row_heads * num_splits;
   if (num_blocks == 0) return;
   if (num_blocks > INT32_MAX) {
     throw Error("mha_fwd: batch * heads_q * ceil(seqlen_q / " + std::to_string(Traits::kBlockM) +
@@ -57,6 +59,20 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
   FwdParams params;
   params.problem = problem;
   params.pack_shift = pack_shift;
+  params.num_splits = num_splits;
+  params.blocks_per_split = 0;
+  params.split_lse = nullptr;
+  params.split_out = nullptr;
+  if constexpr (Traits::kSplitKeys) {
+    // The decode workspace's layout (sm80::decode_workspace_layout): lse partials first, then the
+    // output partials at the next 256-byte boundary.
+    const int64_t key_blocks = (problem.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
+    params.blocks_per_split = static_cast<int>((key_blocks + num_splits - 1) / num_splits);
+    const size_t partial_rows = static_cast<size_t>(num_splits) * problem.batch * problem.heads_q * problem.seqlen_q;
+    params.split_lse = static_cast<float*>(split.workspace);
+    params.split_out = reinterpret_cast<float*>(static_cast<char*>(split.workspace) +
+                                                (partial_rows * sizeof(float) + 255) / 256 * 256);
+  }
   params.tile_counter = nullptr;
   params.q_map = grouped_rows_tensor_map(problem, problem.q, problem.q_tensor_rows(), problem.heads_q, group,
                                          problem.q_row_stride, problem.q_head_stride, problem.q_batch_stride,
@@ -135,7 +151,7 @@ void launch_fwd(const FwdProblem& problem, cudaStream_t stream) {
 }
 
 template <DType kDType, int kHeadDimFamily>
-void run_fwd(const FwdProblem& problem, void* stream_ptr) {
+void run_fwd(const FwdProblem& problem, const FwdSplit& split, void* stream_ptr) {
   constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
   constexpr FwdTileConfig kDropoutTile = fwd_tile_config(kHeadDimFamily, true);
   static_assert(kTile.block_m > 0 && kDropoutTile.block_m > 0,
@@ -149,6 +165,9 @@ void run_fwd(const FwdProblem& problem, void* stream_ptr) {
   using WindowTraits =
       FwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.stages, false,
                       fwd_sliding_window_instance(kHeadDimFamily)>;
+  // Split keys (fwd_split_count: never with dropout or a left window edge).
+  using SplitTraits =
+      FwdKernelTraits<Element, kHeadDimFamily, kTile.block_m, kTile.block_n, kTile.stages, false, false, true>;
   const auto stream = static_cast<cudaStream_t>(stream_ptr);
 
   // Dropout has its own instance (the p = 0 ones stay untouched by its code), pipelined only: the
@@ -156,13 +175,15 @@ void run_fwd(const FwdProblem& problem, void* stream_ptr) {
   const char* schedule = std::getenv("FLASHKIT_SM90_SCHEDULE");
   const bool serial = schedule != nullptr && std::string(schedule) == "serial";
   if (problem.dropout_p > 0.0f) {
-    launch_fwd<DropoutTraits, true>(problem, stream);
+    launch_fwd<DropoutTraits, true>(problem, split, stream);
+  } else if (split.num_splits > 1) {
+    launch_fwd<SplitTraits, true>(problem, split, stream);
   } else if (serial) {
-    launch_fwd<Traits, false>(problem, stream);
+    launch_fwd<Traits, false>(problem, split, stream);
   } else if (fwd_takes_sliding_window_instance(kHeadDimFamily, problem.window_left, problem.dropout_p)) {
-    launch_fwd<WindowTraits, true>(problem, stream);
+    launch_fwd<WindowTraits, true>(problem, split, stream);
   } else {
-    launch_fwd<Traits, true>(problem, stream);
+    launch_fwd<Traits, true>(problem, split, stream);
   }
 }
 

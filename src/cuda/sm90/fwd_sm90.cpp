@@ -3,6 +3,7 @@
 // asks before choosing a path.
 #include "cuda/sm90/fwd_sm90.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -61,6 +62,29 @@ int fwd_pack_gqa_shift(const FwdProblem& p, int block_m, int sm_count, PackGqa m
   if (p.is_varlen()) return shift;
   auto in_use = [&](int64_t rows) { return static_cast<double>(rows) / static_cast<double>(tiles(rows) * block_m); };
   return in_use(packed_rows) > 1.01 * in_use(p.seqlen_q) ? shift : 0;
+}
+
+int forced_splits_from_env() {
+  const char* value = std::getenv("FLASHKIT_SM90_SPLITS");
+  if (value == nullptr || *value == '\0') return 0;
+  char* end = nullptr;
+  const long n = std::strtol(value, &end, 10);
+  if (*end != '\0' || n < 0 || n > kFwdMaxSplits) {
+    throw Error(std::string("FLASHKIT_SM90_SPLITS='") + value + "'; it must be 0 or unset (automatic) or 1 .. " +
+                std::to_string(kFwdMaxSplits) + " (that many key splits wherever the sm90 forward can split)");
+  }
+  return static_cast<int>(n);
+}
+
+int fwd_split_count(const FwdProblem& p, int block_m, int block_n, int pack_shift, int sm_count, int forced) {
+  if (p.dropout_p > 0.0f || p.window_left >= 0 || p.seqlen_k <= 0 || p.seqlen_q <= 0) return 1;
+  const int64_t key_blocks = (static_cast<int64_t>(p.seqlen_k) + block_n - 1) / block_n;  // the maximum if varlen
+  if (forced > 0) return static_cast<int>(std::min<int64_t>({forced, key_blocks, kFwdMaxSplits}));
+  const int64_t rows = static_cast<int64_t>(p.seqlen_q) << pack_shift;
+  const int64_t tiles = static_cast<int64_t>(p.batch) * (p.heads_q >> pack_shift) * ((rows + block_m - 1) / block_m);
+  if (2 * tiles > sm_count) return 1;
+  const int64_t splits = std::min<int64_t>({sm_count / tiles, key_blocks / kFwdMinBlocksPerSplit, kFwdMaxSplits});
+  return static_cast<int>(std::max<int64_t>(1, splits));
 }
 
 }  // namespace flashkit::sm90

@@ -62,9 +62,38 @@ PackGqa pack_gqa_from_env();
 // `sm_count` SMs, else 0.
 int fwd_pack_gqa_shift(const FwdProblem& problem, int block_m, int sm_count, PackGqa mode);
 
+// Split keys: where the tiles (packed or not) fill few of the SMs and the keys are many, each
+// tile's key blocks are cut into `num_splits` ranges, one CTA each. A split writes its rows'
+// normalized output and log-sum-exp in fp32 into a workspace laid out as the decode kernel's
+// (sm80::decode_workspace_layout of the problem's decode view), and the decode kernel's combine
+// pass merges them into out and softmax_lse. Not with dropout (its instance does not split) or a
+// sliding window's left edge (its tiles' key ranges differ; no split needed where a row sees few
+// keys).
+//
+// The number of splits for `problem` on tiles of `block_m` x `block_n` (with `pack_shift`, as
+// fwd_pack_gqa_shift says) on `sm_count` SMs, 1 for none. `forced` > 0 (FLASHKIT_SM90_SPLITS, for
+// tests): that many wherever covered, up to the key blocks and kFwdMaxSplits. Otherwise split only
+// where the tiles fill at most half the SMs: as many splits as bring them to one wave, each of at
+// least kFwdMinBlocksPerSplit key blocks.
+constexpr int kFwdMaxSplits = 128;  // sm80::kDecodeMaxSplits: the combine's limit
+constexpr int kFwdMinBlocksPerSplit = 4;
+int fwd_split_count(const FwdProblem& problem, int block_m, int block_n, int pack_shift, int sm_count,
+                    int forced);
+
+// FLASHKIT_SM90_SPLITS: unset or 0 for the automatic count, n >= 1 forces n (1: never split); throws
+// flashkit::Error on another value.
+int forced_splits_from_env();
+
+// One launch's key split: num_splits > 1 writes the partials into `workspace`; 1 runs unsplit.
+struct FwdSplit {
+  int num_splits = 1;
+  void* workspace = nullptr;
+};
+
 // Enqueues the forward pass of `problem` (device pointers, validated, covered) on the cudaStream_t
-// `stream`. Instantiated once per (dtype, family) in a generated .cu file; see src/CMakeLists.txt.
+// `stream`, split as `split` says (the combine pass is the caller's). Instantiated once per (dtype,
+// family) in a generated .cu file; see src/CMakeLists.txt.
 template <DType kDType, int kHeadDimFamily>
-void run_fwd(const FwdProblem& problem, void* stream);
+void run_fwd(const FwdProblem& problem, const FwdSplit& split, void* stream);
 
 }  // namespace flashkit::sm90
