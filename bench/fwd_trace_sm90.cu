@@ -80,9 +80,9 @@ int trace(int seqlen, bool causal, float dropout_p, bool random_inputs) {
   const int tiles = batch * heads * ((seqlen + Traits::kBlockM - 1) / Traits::kBlockM);
   const size_t slots = static_cast<size_t>(tiles) * kConsumers * sm90::kTraceSlots;
   check(cudaMalloc(&sm90::fwd_trace_buffer, slots * 8), "cudaMalloc trace");
-  for (int i = 0; i < 5; ++i) sm90::launch_fwd<Traits, true>(problem, sm90::FwdSplit{}, nullptr);
+  for (int i = 0; i < 5; ++i) sm90::launch_fwd<Traits, true>(problem, sm90::FwdPlan{}, nullptr);
   check(cudaMemset(sm90::fwd_trace_buffer, 0, slots * 8), "memset");
-  sm90::launch_fwd<Traits, true>(problem, sm90::FwdSplit{}, nullptr);
+  sm90::launch_fwd<Traits, true>(problem, sm90::FwdPlan{}, nullptr);
   check(cudaDeviceSynchronize(), "run");
   std::vector<long long> t(slots);
   check(cudaMemcpy(t.data(), sm90::fwd_trace_buffer, slots * 8, cudaMemcpyDeviceToHost), "copy trace");

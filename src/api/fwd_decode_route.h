@@ -38,18 +38,22 @@ std::string fwd_decode_unsupported_reason(const FwdProblem& problem);
 // Whether the automatic choice runs `problem` on the decode kernel of a GPU with `sm_count` SMs
 // rather than on a forward kernel whose tiles hold `forward_heads_per_tile` query heads of each
 // token (the sm90 forward's packed query heads, src/cuda/sm90/fwd_sm90.h: heads_q / heads_kv; 1:
-// one head per tile). It must be able to, and seqlen_q at most kFwdDecodeMaxSeqlenQFewTiles; then
-// - one head per tile: seqlen_q at most kFwdDecodeMaxSeqlenQ, or batch x heads_q (the forward's
-//   tiles at these lengths) at most sm_count / 4;
-// - packed heads: seqlen_q x G at most one decode tile's 16 rows (both kernels then read each kv
-//   head's keys once, and the decode kernel computes 16 rows where the forward computes 128), or
-//   the decode kernel's tiles, batch x heads_kv x ceil(seqlen_q x G / 16), at most 3/4 of the SMs
-//   (the forward's batch x heads_kv tiles leave SMs idle; the decode kernel splits the keys over
-//   them). H200, bf16 d128, 32/8 heads, 2k-32k keys, CUDA-graph timing (bench/NOTES.md session
-//   26): the packed forward is 1.1x-3.2x the decode kernel from 8 tokens at batch 8 and 32, from
-//   16 at batch 4 (but 0.9x at 32k keys); the decode kernel 1.01x-1.16x it up to 4 tokens at every
-//   batch, 1.3x-1.9x at batch 4 with 8 tokens, 1.6x-7.5x at batch 1 up to 32.
-bool fwd_prefers_decode(const FwdProblem& problem, int sm_count, int forward_heads_per_tile);
+// one head per tile) and that splits the keys over the SMs or not (`forward_splits`, the sm90
+// forward's split keys). It must be able to, and seqlen_q at most kFwdDecodeMaxSeqlenQFewTiles;
+// then
+// - beside a forward that splits: one query token (the decoding step the decode kernel is tuned
+//   for), or seqlen_q x G at most one decode tile's 16 rows (G = heads_q / heads_kv). Both then read
+//   each kv head's keys once and fill the SMs; the decode kernel computes 16 rows where the forward
+//   computes 128. H200, bf16 d128, 32/8 heads, 2k-32k keys (session 26):
+//   the decode kernel 1.03x-1.12x the split forward at one token, at 16 tokens 0.96x (2k keys) and
+//   0.46x-0.61x (8k-32k);
+// - beside a forward that packs but does not split (its tiles fill the SMs): seqlen_q x G at most
+//   16 rows, or the decode kernel's tiles, batch x heads_kv x ceil(seqlen_q x G / 16), at most 3/4
+//   of the SMs. Session 26: the packed forward 1.1x-3.2x the decode kernel from 8 tokens at batch
+//   8 and 32; the decode kernel 1.01x-1.16x it up to 4 tokens;
+// - beside one head per tile without a split: seqlen_q at most kFwdDecodeMaxSeqlenQ, or batch x
+//   heads_q (the forward's tiles at these lengths) at most sm_count / 4.
+bool fwd_prefers_decode(const FwdProblem& problem, int sm_count, int forward_heads_per_tile, bool forward_splits);
 
 // `problem` (one the decode kernel can run) as a decode: every sequence's keys form a contiguous
 // cache (varlen: the packed keys are one cache row, sequence b's from index cu_seqlens_k[b] to

@@ -58,7 +58,7 @@ RunFwd find_sm80_fwd(DType dtype, int family) {
   return nullptr;
 }
 
-using RunSm90Fwd = void (*)(const FwdProblem&, const sm90::FwdSplit&, void*);
+using RunSm90Fwd = void (*)(const FwdProblem&, const sm90::FwdPlan&, void*);
 
 // The sm90 kernel for (dtype, family), or nullptr when this build left it out (a build without
 // sm_90a code has an empty list, hence the maybe-unused parameters).
@@ -123,56 +123,43 @@ bool dtype_built_for_some_family(DType dtype) {
   return false;
 }
 
-// The query heads per token in a tile of the sm90 forward for `problem` (which it covers) on
-// cuda:`device`: the group it packs (fwd_sm90.h), or 1.
-int sm90_packed_heads(const FwdProblem& problem, int device) {
-  const sm90::FwdTileConfig tile =
-      sm90::fwd_tile_config(sm90::fwd_head_dim_family(problem.head_dim), problem.dropout_p > 0.0f);
-  return 1 << sm90::fwd_pack_gqa_shift(problem, tile.block_m, api::decode_device_sm_count(device),
-                                       sm90::pack_gqa_from_env());
-}
-
-// The sm90 forward's key split for `problem` on cuda:`device` (sm90::fwd_split_count): the count,
-// 1 without a workspace (`has_workspace` false) or without the decode kernel's combine pass in this
-// build, and the workspace bytes it needs (0 unsplit).
-struct Sm90SplitPlan {
-  int num_splits = 1;
-  size_t workspace_bytes = 0;
-};
+// The sm90 forward's plan for `problem` (which it covers) on cuda:`device` (sm90::plan_fwd): it
+// splits the keys only with a workspace (`has_workspace`; the size query plans with one) and the
+// decode kernel's combine pass in this build.
 static_assert(sm90::kFwdMaxSplits <= sm80::kDecodeMaxSplits, "the combine pass merges the splits");
 
-Sm90SplitPlan plan_sm90_split(const FwdProblem& problem, int device, bool has_workspace) {
-  Sm90SplitPlan plan;
-  if (!has_workspace || !api::decode_kernel_built(problem.dtype, problem.head_dim)) return plan;
-  const sm90::FwdTileConfig tile = sm90::fwd_tile_config(sm90::fwd_head_dim_family(problem.head_dim), false);
-  const int pack_shift = sm90::fwd_pack_gqa_shift(problem, tile.block_m, api::decode_device_sm_count(device),
-                                                  sm90::pack_gqa_from_env());
-  plan.num_splits = sm90::fwd_split_count(problem, tile.block_m, tile.block_n, pack_shift,
-                                          api::decode_device_sm_count(device), sm90::forced_splits_from_env());
-  if (plan.num_splits > 1) {
-    plan.workspace_bytes = sm80::decode_workspace_layout(api::decode_view_of_fwd(problem), plan.num_splits).total_bytes;
-  }
-  return plan;
+sm90::FwdPlan plan_sm90(const FwdProblem& problem, int device, bool has_workspace) {
+  const bool can_split = has_workspace && api::decode_kernel_built(problem.dtype, problem.head_dim);
+  return sm90::plan_fwd(problem, api::decode_device_sm_count(device), can_split, sm90::pack_gqa_from_env(),
+                        sm90::forced_splits_from_env());
 }
 
-// Runs `problem` on the sm90 forward, split as plan_sm90_split says for the caller's workspace,
-// then the combine pass when split.
+// The workspace bytes of a plan: the split partials in the decode workspace's layout, 0 unsplit.
+size_t sm90_workspace_bytes(const FwdProblem& problem, const sm90::FwdPlan& plan) {
+  if (plan.num_splits <= 1) return 0;
+  return sm80::decode_workspace_layout(api::decode_view_of_fwd(problem), plan.num_splits).total_bytes;
+}
+
+// Runs `problem` on the sm90 forward as plan_sm90 says for the caller's workspace, then the combine
+// pass when the keys split.
 void run_on_sm90(const char* fn, const FwdProblem& problem, const FwdCommon& params, int device, void* stream) {
-  const Sm90SplitPlan plan = plan_sm90_split(problem, device, params.workspace != nullptr);
+  sm90::FwdPlan plan = plan_sm90(problem, device, params.workspace != nullptr);
   if (plan.num_splits > 1) {
-    if (params.workspace_bytes < plan.workspace_bytes) {
+    const size_t needed = sm90_workspace_bytes(problem, plan);
+    if (params.workspace_bytes < needed) {
       throw Error(std::string(fn) + ": workspace_bytes is " + std::to_string(params.workspace_bytes) +
-                  " but this call needs " + std::to_string(plan.workspace_bytes) + " (" + fn +
+                  " but this call needs " + std::to_string(needed) + " (" + fn +
                   "_workspace_size); pass that much, or a null workspace to run without a key split");
     }
     api::check_decode_workspace_alignment(fn, params.workspace);
+    plan.workspace = params.workspace;
   }
-  if (debug_enabled() && plan.num_splits > 1) {
-    std::fprintf(stderr, "flashkit: %s: sm90 forward keys split %d ways, then the decode kernel's combine pass\n",
-                 fn, plan.num_splits);
+  if (debug_enabled()) {
+    std::fprintf(stderr, "flashkit: %s: sm90 forward plan: %d query head(s) per kv head packed into a tile, keys "
+                 "split %d way(s)%s\n", fn, 1 << plan.pack_shift, plan.num_splits,
+                 plan.num_splits > 1 ? ", then the decode kernel's combine pass" : "");
   }
-  find_sm90_fwd(problem.dtype, sm90::fwd_head_dim_family(problem.head_dim))(
-      problem, sm90::FwdSplit{plan.num_splits, params.workspace}, stream);
+  find_sm90_fwd(problem.dtype, sm90::fwd_head_dim_family(problem.head_dim))(problem, plan, stream);
   if (plan.num_splits > 1) {
     KvcacheProblem combine = api::decode_view_of_fwd(problem);
     combine.num_splits = plan.num_splits;
@@ -209,8 +196,11 @@ void check_requested_path(const char* fn, const FwdProblem& problem, FwdPath req
 }
 
 // Which kernel runs `problem` on cuda:`device` (current; check_requested_path passed): the forced
-// one, once the device is known to run it, or the automatic choice. Launches nothing.
-FwdPath choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath requested, int device) {
+// one, once the device is known to run it, or the automatic choice, which weighs the sm90 forward
+// as it would run with or without a workspace (`has_workspace`: split keys or not). Launches
+// nothing.
+FwdPath choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath requested, int device,
+                         bool has_workspace) {
   api::check_sm80_or_newer(fn, device);
   const int arch = cuda::current_device_arch();
   if (requested == FwdPath::kSm90 && arch != 90) {
@@ -221,8 +211,10 @@ FwdPath choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath requ
   if (requested != FwdPath::kAuto) return requested;
   const bool sm90 = arch == 90 && sm90_unavailable_reason(problem).empty();
   // fwd_prefers_decode includes the problem checks; only the build's kernel is left to ask for.
-  const int forward_heads_per_tile = sm90 ? sm90_packed_heads(problem, device) : 1;
-  if (api::fwd_prefers_decode(problem, api::decode_device_sm_count(device), forward_heads_per_tile) &&
+  sm90::FwdPlan forward;  // the sm80 forward's: one head per tile, no split
+  if (sm90) forward = plan_sm90(problem, device, has_workspace);
+  if (api::fwd_prefers_decode(problem, api::decode_device_sm_count(device), 1 << forward.pack_shift,
+                              forward.num_splits > 1) &&
       api::decode_kernel_built(problem.dtype, problem.head_dim)) {
     return FwdPath::kDecode;
   }
@@ -270,7 +262,7 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, const FwdCommon& par
   check_requested_path(fn, problem, requested);
   if (!api::has_query_rows(problem)) return;
   const api::CurrentDeviceGuard device_guard(device);
-  const FwdPath path = choose_cuda_path(fn, problem, requested, device);
+  const FwdPath path = choose_cuda_path(fn, problem, requested, device, params.workspace != nullptr);
   if (path == FwdPath::kDecode) {
     run_on_decode(fn, problem, params, device, stream);
     return;
@@ -281,21 +273,17 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, const FwdCommon& par
     if (use_sm90) {
       const int family90 = sm90::fwd_head_dim_family(problem.head_dim);
       const sm90::FwdTileConfig tile = sm90::fwd_tile_config(family90, problem.dropout_p > 0.0f);
-      const int packed_heads = sm90_packed_heads(problem, device);
       std::fprintf(stderr,
                    "flashkit: %s: cuda:%d sm90 forward (wgmma + TMA), %s head dim %d (family %d), "
                    "tile %dx%d, %d stages, %d consumer warpgroups, batch %d heads %d/%d seqlen "
-                   "%d/%d%s%s%s\n",
+                   "%d/%d%s%s\n",
                    fn, device, build_dtype_name(problem.dtype), problem.head_dim, family90, tile.block_m,
                    tile.block_n, tile.stages, tile.block_m / 64, problem.batch, problem.heads_q,
                    problem.heads_kv, problem.seqlen_q, problem.seqlen_k,
                    problem.is_varlen() ? " (varlen maxima)" : "",
                    sm90::fwd_takes_sliding_window_instance(family90, problem.window_left, problem.dropout_p)
                        ? ", the sliding-window instance (skips blocks left of the window per consumer)"
-                       : "",
-                   packed_heads > 1 ? (", query heads packed " + std::to_string(packed_heads) + " per kv head")
-                                          .c_str()
-                                    : "");
+                       : "");
     } else {
       const sm80::FwdTileConfig tile = sm80::fwd_tile_config(family);
       const std::string why_not_sm90 =
@@ -326,9 +314,9 @@ size_t cuda_workspace_bytes(const char* fn, const FwdProblem& problem, int devic
   check_requested_path(fn, problem, requested);
   if (!api::has_query_rows(problem)) return 0;
   const api::CurrentDeviceGuard device_guard(device);
-  switch (choose_cuda_path(fn, problem, requested, device)) {
+  switch (choose_cuda_path(fn, problem, requested, device, true)) {
     case FwdPath::kDecode: return plan_fwd_decode(api::decode_view_of_fwd(problem), device, true).workspace_bytes;
-    case FwdPath::kSm90: return plan_sm90_split(problem, device, true).workspace_bytes;
+    case FwdPath::kSm90: return sm90_workspace_bytes(problem, plan_sm90(problem, device, true));
     default: return 0;
   }
 }

@@ -736,9 +736,9 @@ TEST(Sm90PackedHeads, WhichProblemsArePacked) {
   p.heads_kv = 8;
   p.head_dim = 128;
   p.seqlen_k = 4096;
-  auto shift = [&p](int seqlen_q, PackGqa mode = PackGqa::kAuto) {
+  auto shift = [&p](int seqlen_q, PackGqa mode = PackGqa::kAuto, bool can_split = true) {
     p.seqlen_q = seqlen_q;
-    return fwd_pack_gqa_shift(p, 128, kSms, mode);
+    return fwd_pack_gqa_shift(p, 128, 128, kSms, can_split, mode);
   };
   // 256 unpacked tiles and more (G = 4, tiles of 128 rows): pack where the rows in use per row run
   // improve by more than 1%.
@@ -748,19 +748,24 @@ TEST(Sm90PackedHeads, WhichProblemsArePacked) {
   EXPECT_EQ(shift(200), 2) << "200 / 256 against 800 / 896";
   EXPECT_EQ(shift(4096), 0) << "whole tiles either way";
   p.seqlen_q = 2048;
-  EXPECT_EQ(fwd_pack_gqa_shift(p, 192, kSms, PackGqa::kAuto), 2) << "2048 / 2112 against 8192 / 8256";
+  EXPECT_EQ(fwd_pack_gqa_shift(p, 192, 128, kSms, true, PackGqa::kAuto), 2) << "2048 / 2112 against 8192 / 8256";
   p.seqlen_q = 8192;
-  EXPECT_EQ(fwd_pack_gqa_shift(p, 192, kSms, PackGqa::kAuto), 0) << "8192 / 8256 against 32768 / 32832";
+  EXPECT_EQ(fwd_pack_gqa_shift(p, 192, 128, kSms, true, PackGqa::kAuto), 0) << "8192 / 8256 against 32768 / 32832";
   EXPECT_EQ(shift(4096, PackGqa::kWherever), 2);
   EXPECT_EQ(shift(33, PackGqa::kNever), 0);
   // Varlen: wherever the unpacked tiles (at max_seqlen_q) exceed a wave.
   p.cu_seqlens_q = reinterpret_cast<const int*>(0x100);
   EXPECT_EQ(shift(4096), 2);
   p.cu_seqlens_q = nullptr;
-  // Unpacked tiles within one wave: 4 x 32 = 128 at up to 128 tokens.
+  // Unpacked tiles within one wave (4 x 32 = 128 at up to 128 tokens): only where the packed tiles
+  // then split the keys, and there are at least 32 key blocks.
   p.batch = 4;
-  EXPECT_EQ(shift(32), 0);
-  EXPECT_EQ(shift(32, PackGqa::kWherever), 2);
+  EXPECT_EQ(shift(32), 2) << "32 blocks of keys, 32 packed tiles: split";
+  EXPECT_EQ(shift(32, PackGqa::kAuto, false), 0) << "no split without a workspace";
+  p.seqlen_k = 2048;
+  EXPECT_EQ(shift(32), 0) << "16 blocks of keys";
+  p.seqlen_k = 4096;
+  EXPECT_EQ(shift(32, PackGqa::kWherever, false), 2);
   EXPECT_EQ(shift(129), 2) << "256 tiles";
   p.batch = 8;
   // What is not covered runs unpacked, also when packing is asked for everywhere.

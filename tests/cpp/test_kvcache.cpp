@@ -581,7 +581,7 @@ TEST(FwdDecodeRoute, DecodeViewMatchesTheForwardReference) {
     fill_short_query(c, seed, fwd);
     fill_short_query(c, seed++, dec);
     const FwdProblem problem = api::validate_mha_fwd(fwd.params);
-    EXPECT_TRUE(api::fwd_prefers_decode(problem, kH100Sms, 1));
+    EXPECT_TRUE(api::fwd_prefers_decode(problem, kH100Sms, 1, false));
     cpu::reference_fwd(problem);
     cpu::reference_kvcache(api::decode_view_of_fwd(api::validate_mha_fwd(dec.params)));
     ASSERT_EQ(fwd.out.size(), dec.out.size());
@@ -597,35 +597,46 @@ TEST(FwdDecodeRoute, WhichProblemsTakeTheDecodeKernel) {
   // Beside a forward kernel with one query head per tile: up to 16 tokens, past 16 only while the
   // forward kernels' tiles (batch x heads_q = 16 here) would fill at most a quarter of the SMs, and
   // never past 32.
-  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 1));
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 1, false));
   p.seqlen_q = api::kFwdDecodeMaxSeqlenQ + 1;
-  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 1));
-  EXPECT_TRUE(api::fwd_prefers_decode(p, 64, 1));
-  EXPECT_FALSE(api::fwd_prefers_decode(p, 63, 1));
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 1, false));
+  EXPECT_TRUE(api::fwd_prefers_decode(p, 64, 1, false));
+  EXPECT_FALSE(api::fwd_prefers_decode(p, 63, 1, false));
   p.seqlen_q = api::kFwdDecodeMaxSeqlenQFewTiles;
-  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 1));
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 1, false));
   p.seqlen_q = api::kFwdDecodeMaxSeqlenQFewTiles + 1;
-  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 1));  // a longer query: the forward kernels
-  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 4));
+  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 1, false));  // a longer query: the forward kernels
+  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 4, false));
   EXPECT_TRUE(api::fwd_decode_unsupported_reason(p).empty());  // (which a forced path overrides)
   // Beside the packed forward (4 heads per kv head here, batch 2 x 2 kv heads): up to 16 packed
   // rows, else while the decode kernel's 16-row tiles, batch x heads_kv x ceil(rows / 16), fill at
   // most 3/4 of the SMs.
   p.seqlen_q = 4;
-  EXPECT_TRUE(api::fwd_prefers_decode(p, 4, 4)) << "16 rows: one decode tile per kv head, any SM count";
+  EXPECT_TRUE(api::fwd_prefers_decode(p, 4, 4, false)) << "16 rows: one decode tile per kv head, any SM count";
   p.seqlen_q = 5;
-  EXPECT_FALSE(api::fwd_prefers_decode(p, 4, 4)) << "2 x 2 x 2 decode tiles on 4 SMs";
-  EXPECT_TRUE(api::fwd_prefers_decode(p, 11, 4)) << "8 decode tiles on 11 SMs";
-  EXPECT_FALSE(api::fwd_prefers_decode(p, 10, 4));
+  EXPECT_FALSE(api::fwd_prefers_decode(p, 4, 4, false)) << "2 x 2 x 2 decode tiles on 4 SMs";
+  EXPECT_TRUE(api::fwd_prefers_decode(p, 11, 4, false)) << "8 decode tiles on 11 SMs";
+  EXPECT_FALSE(api::fwd_prefers_decode(p, 10, 4, false));
   p.seqlen_q = api::kFwdDecodeMaxSeqlenQFewTiles;
-  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 4)) << "32 decode tiles";
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 4, false)) << "32 decode tiles";
   p.batch = 4;
   p.heads_q = 32;
   p.heads_kv = 8;
   p.seqlen_q = 8;
-  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 4)) << "64 decode tiles";
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 4, false)) << "64 decode tiles";
   p.seqlen_q = 16;
-  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 4)) << "128 decode tiles";
+  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 4, false)) << "128 decode tiles";
+  // Beside a forward that splits the keys: one token, or up to 16 rows of the decode kernel's.
+  p.seqlen_q = 4;
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 4, true)) << "4 tokens x 4 heads";
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 1, true));
+  p.seqlen_q = 5;
+  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 4, true));
+  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 1, true));
+  p.seqlen_q = 1;
+  p.heads_q = 64;
+  p.heads_kv = 1;
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 64, true)) << "one token of 64 heads";
   p.batch = 2;
   p.heads_q = 8;
   p.heads_kv = 2;
@@ -638,8 +649,8 @@ TEST(FwdDecodeRoute, WhichProblemsTakeTheDecodeKernel) {
            [](FwdProblem& x) { x.heads_q = x.heads_kv = 65536; }}) {
     FwdProblem refused = p;
     refuse(refused);
-    EXPECT_FALSE(api::fwd_prefers_decode(refused, kH100Sms, 1));
-    EXPECT_FALSE(api::fwd_prefers_decode(refused, kH100Sms, 4));
+    EXPECT_FALSE(api::fwd_prefers_decode(refused, kH100Sms, 1, false));
+    EXPECT_FALSE(api::fwd_prefers_decode(refused, kH100Sms, 4, false));
     EXPECT_FALSE(api::fwd_decode_unsupported_reason(refused).empty());
   }
 }
@@ -657,7 +668,7 @@ TEST(FwdDecodeRoute, VarlenKeysAreOneCacheRowBetweenTheOffsets) {
   p.cu_seqlens_k = cu_k;
   p.q_batch_stride = p.k_batch_stride = p.v_batch_stride = p.out_batch_stride = 0;
   p.seqlen_k = 20;  // max_seqlen_k
-  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 4));
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 4, false));
   const KvcacheProblem d = api::decode_view_of_fwd(p);
   EXPECT_EQ(d.cu_seqlens_q, cu_q);
   EXPECT_EQ(d.cache_leftpad, cu_k);
@@ -668,7 +679,7 @@ TEST(FwdDecodeRoute, VarlenKeysAreOneCacheRowBetweenTheOffsets) {
   EXPECT_EQ(d.seqused_k, nullptr);
   static const int used_k[3] = {5, 0, 7};  // seqused_k: that many keys from each left pad
   p.seqused_k = used_k;
-  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 4));
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 4, false));
   EXPECT_EQ(api::decode_view_of_fwd(p).seqused_k, used_k);
   EXPECT_THROW(cpu::reference_kvcache(d), Error);  // the CPU backend runs reference_fwd instead
 }

@@ -33,21 +33,16 @@ template <> struct ElementOf<DType::kFloat16> { using type = __half; };
 
 // Launches fwd_kernel<Traits, kPipelined> on the problem: tensor maps, tile order, grid, shared
 // memory.
-// The query heads are packed where fwd_pack_gqa_shift says (FLASHKIT_SM90_PACK_GQA may force it);
-// with Traits::kSplitKeys the keys are split as `split` says (its workspace holds the partials).
+// The query heads packed as plan.pack_shift says; with Traits::kSplitKeys the keys split
+// plan.num_splits ways (plan.workspace holds the partials).
 template <typename Traits, bool kPipelined>
-void launch_fwd(const FwdProblem& problem, const FwdSplit& split, cudaStream_t stream) {
-  int device = 0;
-  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
-  int sm_count = 0;
-  cuda::check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
-              "cudaDeviceGetAttribute(multiprocessor count)");
-  const int pack_shift = fwd_pack_gqa_shift(problem, Traits::kBlockM, sm_count, pack_gqa_from_env());
+void launch_fwd(const FwdProblem& problem, const FwdPlan& plan, cudaStream_t stream) {
+  const int pack_shift = plan.pack_shift;
   const int group = 1 << pack_shift;
   const int row_heads = problem.heads_q / group;  // the (batch, head) pairs' heads: kv heads when packed
   const int64_t rows = static_cast<int64_t>(problem.seqlen_q) * group;
   const int64_t num_m_blocks = (rows + Traits::kBlockM - 1) / Traits::kBlockM;
-  const int num_splits = Traits::kSplitKeys ? split.num_splits : 1;
+  const int num_splits = Traits::kSplitKeys ? plan.num_splits : 1;
   const int64_t num_blocks = num_m_blocks * problem.batch * row_heads * num_splits;
   if (num_blocks == 0) return;
   if (num_blocks > INT32_MAX) {
@@ -69,8 +64,8 @@ void launch_fwd(const FwdProblem& problem, const FwdSplit& split, cudaStream_t s
     const int64_t key_blocks = (problem.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     params.blocks_per_split = static_cast<int>((key_blocks + num_splits - 1) / num_splits);
     const size_t partial_rows = static_cast<size_t>(num_splits) * problem.batch * problem.heads_q * problem.seqlen_q;
-    params.split_lse = static_cast<float*>(split.workspace);
-    params.split_out = reinterpret_cast<float*>(static_cast<char*>(split.workspace) +
+    params.split_lse = static_cast<float*>(plan.workspace);
+    params.split_out = reinterpret_cast<float*>(static_cast<char*>(plan.workspace) +
                                                 (partial_rows * sizeof(float) + 255) / 256 * 256);
   }
   params.tile_counter = nullptr;
@@ -124,6 +119,8 @@ void launch_fwd(const FwdProblem& problem, const FwdSplit& split, cudaStream_t s
   const char* grid = std::getenv("FLASHKIT_SM90_GRID");
   const std::string forced = grid != nullptr ? grid : "";
   const bool uniform = !uneven_tiles && !varlen;
+  int device = 0;
+  cuda::check(cudaGetDevice(&device), "cudaGetDevice");
   bool dynamic = forced.empty() ? !uniform : forced == "dynamic";
   if (dynamic) {
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -139,7 +136,12 @@ void launch_fwd(const FwdProblem& problem, const FwdSplit& split, cudaStream_t s
   }
   const bool persistent = dynamic || (forced.empty() ? uniform : forced == "persistent");
   int64_t ctas = num_blocks;
-  if (persistent) ctas = std::min<int64_t>(num_blocks, sm_count);
+  if (persistent) {
+    int sm_count = 0;
+    cuda::check(cudaDeviceGetAttribute(&sm_count, cudaDevAttrMultiProcessorCount, device),
+                "cudaDeviceGetAttribute(multiprocessor count)");
+    ctas = std::min<int64_t>(num_blocks, sm_count);
+  }
 
   auto kernel = fwd_kernel<Traits, kPipelined>;
   cuda::check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -151,7 +153,7 @@ void launch_fwd(const FwdProblem& problem, const FwdSplit& split, cudaStream_t s
 }
 
 template <DType kDType, int kHeadDimFamily>
-void run_fwd(const FwdProblem& problem, const FwdSplit& split, void* stream_ptr) {
+void run_fwd(const FwdProblem& problem, const FwdPlan& plan, void* stream_ptr) {
   constexpr FwdTileConfig kTile = fwd_tile_config(kHeadDimFamily);
   constexpr FwdTileConfig kDropoutTile = fwd_tile_config(kHeadDimFamily, true);
   static_assert(kTile.block_m > 0 && kDropoutTile.block_m > 0,
@@ -175,15 +177,15 @@ void run_fwd(const FwdProblem& problem, const FwdSplit& split, void* stream_ptr)
   const char* schedule = std::getenv("FLASHKIT_SM90_SCHEDULE");
   const bool serial = schedule != nullptr && std::string(schedule) == "serial";
   if (problem.dropout_p > 0.0f) {
-    launch_fwd<DropoutTraits, true>(problem, split, stream);
-  } else if (split.num_splits > 1) {
-    launch_fwd<SplitTraits, true>(problem, split, stream);
+    launch_fwd<DropoutTraits, true>(problem, plan, stream);
+  } else if (plan.num_splits > 1) {
+    launch_fwd<SplitTraits, true>(problem, plan, stream);
   } else if (serial) {
-    launch_fwd<Traits, false>(problem, split, stream);
+    launch_fwd<Traits, false>(problem, plan, stream);
   } else if (fwd_takes_sliding_window_instance(kHeadDimFamily, problem.window_left, problem.dropout_p)) {
-    launch_fwd<WindowTraits, true>(problem, split, stream);
+    launch_fwd<WindowTraits, true>(problem, plan, stream);
   } else {
-    launch_fwd<Traits, true>(problem, split, stream);
+    launch_fwd<Traits, true>(problem, plan, stream);
   }
 }
 

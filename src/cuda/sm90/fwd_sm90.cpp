@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string>
 
+#include "cuda/sm90/fwd_tile_config_sm90.h"
 #include "cuda/sm90/tma_layout.h"
 #include "flashkit/error.h"
 
@@ -47,7 +48,8 @@ PackGqa pack_gqa_from_env() {
               "wherever the sm90 forward can) or unset (where that pays)");
 }
 
-int fwd_pack_gqa_shift(const FwdProblem& p, int block_m, int sm_count, PackGqa mode) {
+int fwd_pack_gqa_shift(const FwdProblem& p, int block_m, int block_n, int sm_count, bool can_split,
+                       PackGqa mode) {
   if (mode == PackGqa::kNever || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return 0;
   const int group = p.heads_q / p.heads_kv;
   if (group < 2 || group > 64 || (group & (group - 1)) != 0) return 0;
@@ -58,7 +60,11 @@ int fwd_pack_gqa_shift(const FwdProblem& p, int block_m, int sm_count, PackGqa m
   while ((1 << shift) < group) ++shift;
   if (mode == PackGqa::kWherever) return shift;
   auto tiles = [block_m](int64_t rows) { return (rows + block_m - 1) / block_m; };
-  if (static_cast<int64_t>(p.batch) * p.heads_q * tiles(p.seqlen_q) <= sm_count) return 0;
+  if (static_cast<int64_t>(p.batch) * p.heads_q * tiles(p.seqlen_q) <= sm_count) {
+    const int64_t key_blocks = (static_cast<int64_t>(p.seqlen_k) + block_n - 1) / block_n;
+    const bool splits = can_split && fwd_split_count(p, block_m, block_n, shift, sm_count, 0) > 1;
+    return splits && key_blocks >= kFwdPackSplitMinKeyBlocks ? shift : 0;
+  }
   if (p.is_varlen()) return shift;
   auto in_use = [&](int64_t rows) { return static_cast<double>(rows) / static_cast<double>(tiles(rows) * block_m); };
   return in_use(packed_rows) > 1.01 * in_use(p.seqlen_q) ? shift : 0;
@@ -85,6 +91,16 @@ int fwd_split_count(const FwdProblem& p, int block_m, int block_n, int pack_shif
   if (2 * tiles > sm_count) return 1;
   const int64_t splits = std::min<int64_t>({sm_count / tiles, key_blocks / kFwdMinBlocksPerSplit, kFwdMaxSplits});
   return static_cast<int>(std::max<int64_t>(1, splits));
+}
+
+FwdPlan plan_fwd(const FwdProblem& p, int sm_count, bool can_split, PackGqa pack_mode, int forced_splits) {
+  const FwdTileConfig tile = fwd_tile_config(fwd_head_dim_family(p.head_dim), p.dropout_p > 0.0f);
+  FwdPlan plan;
+  plan.pack_shift = fwd_pack_gqa_shift(p, tile.block_m, tile.block_n, sm_count, can_split, pack_mode);
+  if (can_split) {
+    plan.num_splits = fwd_split_count(p, tile.block_m, tile.block_n, plan.pack_shift, sm_count, forced_splits);
+  }
+  return plan;
 }
 
 }  // namespace flashkit::sm90

@@ -34,66 +34,76 @@ std::string fwd_unsupported_reason(const FwdProblem& problem);
 // (the mask is addressed by the tile's head and rows), no ALiBi (a slope per tile), s_q x G below
 // 2^31.
 //
-// Where it pays (H200, bf16, bench/NOTES.md session 26): packing never adds empty rows (G x s_q
-// rounded up to a tile is at most G times s_q rounded up), and where the unpacked tiles exceed one
-// wave it removes up to G times the empty rows' work: d128 32/8 heads, 8-64 query tokens, batch 8
-// and 32: 1.24x-2.24x; 200 tokens, whose last tile is 56% empty: 1.03x-1.15x; d64's 192-row tiles
-// over 512 and 2048 tokens (11% and 3% of the rows empty, 3% and 1% packed): 1.09x and 1.02x-1.05x
-// (32/8 heads). But where the
-// unpacked tiles fit one wave, each has an SM to itself, and one whose rows end within its first
-// consumer's 64 skips the other's products: packed, G times fewer tiles run all their rows (batch 1
-// and 4 at 32 and 64 tokens: 0.77x-0.85x). With whole tiles either way (s_q a multiple of the tile)
-// the GQA grid read -9% to +9% per cell, no better on the whole. So the sm90 forward packs where
-// the unpacked tiles, batch x heads_q x ceil(s_q / block_m), exceed `sm_count`, and then varlen
-// problems always (each sequence's last tile is part empty; packed, one per kv head instead of one
-// per query head), fixed-length ones where the rows in use per row run, G s_q / round_up(G s_q,
-// block_m), beat s_q / round_up(s_q, block_m) by more than 1%.
+// Split keys: where the tiles fill few of the SMs and the keys are many, each tile's key blocks
+// are cut into num_splits ranges, one CTA each. A split writes its rows' normalized output and
+// log-sum-exp in fp32 into a workspace laid out as the decode kernel's
+// (sm80::decode_workspace_layout of the problem's decode view), and the decode kernel's combine
+// pass merges them into out and softmax_lse. Not with dropout (its instance does not split) or a
+// sliding window's left edge (its tiles' key ranges differ, and a row sees few keys).
 //
+// When each pays (H200, bf16 d128, 32/8 heads, CUDA-graph timing, bench/NOTES.md session 26):
+// - Packing never adds empty rows (G x s_q rounded up to a tile is at most G times s_q rounded
+//   up). Where the unpacked tiles exceed one wave it removes up to G times the empty rows' work:
+//   8-64 query tokens at batch 8 and 32: 1.24x-2.24x; 200 tokens (last tile 56% empty):
+//   1.03x-1.15x; d64's 192-row tiles over 512 and 2048 tokens: 1.09x and 1.02x-1.05x. With whole
+//   tiles either way the GQA grid read -9% to +9% per cell, no better on the whole.
+// - Where the unpacked tiles fit one wave, each has an SM to itself (and one whose rows end within
+//   its first consumer's 64 skips the other's products): packed without a split, G times fewer
+//   tiles run all their rows, 0.77x-0.85x at batch 1 and 4 with 32-64 tokens. Split, the packed
+//   tiles read each kv head's keys once per split where the unpacked ones read them G times:
+//   1.2x-2.5x the unpacked split at batch 1-4 with 16-64 tokens and 8k-32k keys, about even at
+//   128-200 tokens, 0.79x-1.33x with 2k keys (16 blocks: at most 4 splits).
+// - Splitting at batch 1: 1.5x-3.5x the unsplit forward at 64-200 tokens and 8k-32k keys.
+// So the plan (plan_fwd): with `can_split` (a workspace and the combine pass), problems whose
+// unpacked tiles fill at most a wave pack when their keys are at least kFwdPackSplitMinKeyBlocks
+// blocks; problems with more tiles pack as varlen always (each sequence's last tile is part empty;
+// packed, one per kv head instead of one per query head), fixed-length ones where the rows in use
+// per row run, G s_q / round_up(G s_q, block_m), beat s_q / round_up(s_q, block_m) by more than 1%.
+// Then the keys split where the (packed or not) tiles fill at most half the SMs: as many splits as
+// bring them to one wave, each of at least kFwdMinBlocksPerSplit key blocks, at most kFwdMaxSplits.
 enum class PackGqa {
   kAuto,      // as said above; FLASHKIT_SM90_PACK_GQA unset
   kNever,     // FLASHKIT_SM90_PACK_GQA=0 (measurements)
   kWherever,  // FLASHKIT_SM90_PACK_GQA=1: every problem it covers (tests)
 };
+constexpr int kFwdPackSplitMinKeyBlocks = 32;
+constexpr int kFwdMaxSplits = 128;  // sm80::kDecodeMaxSplits: the combine's limit
+constexpr int kFwdMinBlocksPerSplit = 4;
 
 // FLASHKIT_SM90_PACK_GQA, read at each call; throws flashkit::Error on a value other than 0 or 1.
 PackGqa pack_gqa_from_env();
 
-// log2(G) when the sm90 forward packs `problem`'s query heads on tiles of `block_m` rows on a GPU of
-// `sm_count` SMs, else 0.
-int fwd_pack_gqa_shift(const FwdProblem& problem, int block_m, int sm_count, PackGqa mode);
+// FLASHKIT_SM90_SPLITS: unset or 0 for the automatic count, n >= 1 forces n wherever the forward
+// can split (1: never), up to the key blocks; throws flashkit::Error on another value.
+int forced_splits_from_env();
 
-// Split keys: where the tiles (packed or not) fill few of the SMs and the keys are many, each
-// tile's key blocks are cut into `num_splits` ranges, one CTA each. A split writes its rows'
-// normalized output and log-sum-exp in fp32 into a workspace laid out as the decode kernel's
-// (sm80::decode_workspace_layout of the problem's decode view), and the decode kernel's combine
-// pass merges them into out and softmax_lse. Not with dropout (its instance does not split) or a
-// sliding window's left edge (its tiles' key ranges differ; no split needed where a row sees few
-// keys).
-//
-// The number of splits for `problem` on tiles of `block_m` x `block_n` (with `pack_shift`, as
-// fwd_pack_gqa_shift says) on `sm_count` SMs, 1 for none. `forced` > 0 (FLASHKIT_SM90_SPLITS, for
-// tests): that many wherever covered, up to the key blocks and kFwdMaxSplits. Otherwise split only
-// where the tiles fill at most half the SMs: as many splits as bring them to one wave, each of at
-// least kFwdMinBlocksPerSplit key blocks.
-constexpr int kFwdMaxSplits = 128;  // sm80::kDecodeMaxSplits: the combine's limit
-constexpr int kFwdMinBlocksPerSplit = 4;
+// log2(G) when the sm90 forward packs `problem`'s query heads on tiles of `block_m` x `block_n` on
+// a GPU of `sm_count` SMs, else 0 (the rule above).
+int fwd_pack_gqa_shift(const FwdProblem& problem, int block_m, int block_n, int sm_count, bool can_split,
+                       PackGqa mode);
+
+// The number of key splits for `problem` on tiles of `block_m` x `block_n` with `pack_shift`, 1 for
+// none (the rule above); `forced` > 0: that many wherever covered, up to the key blocks and
+// kFwdMaxSplits.
 int fwd_split_count(const FwdProblem& problem, int block_m, int block_n, int pack_shift, int sm_count,
                     int forced);
 
-// FLASHKIT_SM90_SPLITS: unset or 0 for the automatic count, n >= 1 forces n (1: never split); throws
-// flashkit::Error on another value.
-int forced_splits_from_env();
-
-// One launch's key split: num_splits > 1 writes the partials into `workspace`; 1 runs unsplit.
-struct FwdSplit {
+// How one launch runs: the packing, and the key split (num_splits > 1 writes the partials into
+// `workspace`, which the caller then combines; 1 runs unsplit).
+struct FwdPlan {
+  int pack_shift = 0;
   int num_splits = 1;
   void* workspace = nullptr;
 };
 
+// The plan of `problem` (covered by the sm90 forward) on `sm_count` SMs; it splits only with
+// `can_split`. The workspace is the caller's to set.
+FwdPlan plan_fwd(const FwdProblem& problem, int sm_count, bool can_split, PackGqa pack_mode, int forced_splits);
+
 // Enqueues the forward pass of `problem` (device pointers, validated, covered) on the cudaStream_t
-// `stream`, split as `split` says (the combine pass is the caller's). Instantiated once per (dtype,
-// family) in a generated .cu file; see src/CMakeLists.txt.
+// `stream` as `plan` says (the combine pass of a split is the caller's). Instantiated once per
+// (dtype, family) in a generated .cu file; see src/CMakeLists.txt.
 template <DType kDType, int kHeadDimFamily>
-void run_fwd(const FwdProblem& problem, const FwdSplit& split, void* stream);
+void run_fwd(const FwdProblem& problem, const FwdPlan& plan, void* stream);
 
 }  // namespace flashkit::sm90
