@@ -39,6 +39,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <iostream>
 #include <map>
@@ -260,18 +261,29 @@ INSTANTIATE_TEST_SUITE_P(EmptyRows, GpuFwdCaseTest, ::testing::ValuesIn(empty_ro
 INSTANTIATE_TEST_SUITE_P(ShortQueries, GpuFwdCaseTest, ::testing::ValuesIn(short_query_cases()),
                          param_name);
 
-// Each case with the query heads packed wherever the sm90 forward can (FLASHKIT_SM90_PACK_GQA=1)
-// and never (=0), both against the oracle. Elsewhere than sm90 both runs take the same kernel.
-TEST_P(GpuFwdPackedHeadsTest, PackedAndUnpackedMatchTheOracle) {
-  const FwdCase& c = GetParam();
+// Runs `c` once under each of `runs` (environment variables set for that run only), each against
+// the same oracle: the sm90 forward's plan forced one way and another.
+using EnvRun = std::vector<std::pair<const char*, const char*>>;
+void check_under_each_env(const FwdCase& c, const std::vector<EnvRun>& runs) {
   if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
   const HostInputs in = make_inputs(c);
   const Oracle oracle = run_oracle(c, in, all_items(c));
-  for (const char* mode : {"1", "0"}) {
-    SCOPED_TRACE(std::string("FLASHKIT_SM90_PACK_GQA=") + mode);
-    const ScopedEnv pack("FLASHKIT_SM90_PACK_GQA", mode);
+  for (const EnvRun& run : runs) {
+    std::string trace;
+    std::deque<ScopedEnv> env;
+    for (const auto& [name, value] : run) {
+      trace += std::string(name) + "=" + value + " ";
+      env.emplace_back(name, value);
+    }
+    SCOPED_TRACE(trace);
     run_and_check(c, in, oracle, contiguous_layout(c));
   }
+}
+
+// Each case with the query heads packed wherever the sm90 forward can (FLASHKIT_SM90_PACK_GQA=1)
+// and never (=0). Elsewhere than sm90 both runs take the same kernel.
+TEST_P(GpuFwdPackedHeadsTest, PackedAndUnpackedMatchTheOracle) {
+  check_under_each_env(GetParam(), {{{"FLASHKIT_SM90_PACK_GQA", "1"}}, {{"FLASHKIT_SM90_PACK_GQA", "0"}}});
 }
 
 INSTANTIATE_TEST_SUITE_P(PackedHeads, GpuFwdPackedHeadsTest, ::testing::ValuesIn(packed_head_cases()),
@@ -279,19 +291,11 @@ INSTANTIATE_TEST_SUITE_P(PackedHeads, GpuFwdPackedHeadsTest, ::testing::ValuesIn
 
 // Each case with the sm90 forward's keys split 3 ways, and 16 ways with the query heads packed
 // wherever it can (FLASHKIT_SM90_SPLITS, FLASHKIT_SM90_PACK_GQA; the harness passes the workspace the
-// size query asks for), against the oracle. Elsewhere than sm90, and where the sm90 forward does not
-// split (dropout, a window's left edge), the same kernel runs twice.
+// size query asks for). Elsewhere than sm90, and where the sm90 forward does not split (dropout, a
+// window's left edge), the same kernel runs twice.
 TEST_P(GpuFwdSplitKeysTest, SplitKeysMatchTheOracle) {
-  const FwdCase& c = GetParam();
-  if (const std::string why = case_unavailable(c); !why.empty()) GTEST_SKIP() << why;
-  const HostInputs in = make_inputs(c);
-  const Oracle oracle = run_oracle(c, in, all_items(c));
-  for (const auto& [splits, pack] : {std::pair{"3", "0"}, {"16", "1"}}) {
-    SCOPED_TRACE(std::string("FLASHKIT_SM90_SPLITS=") + splits + " FLASHKIT_SM90_PACK_GQA=" + pack);
-    const ScopedEnv split_env("FLASHKIT_SM90_SPLITS", splits);
-    const ScopedEnv pack_env("FLASHKIT_SM90_PACK_GQA", pack);
-    run_and_check(c, in, oracle, contiguous_layout(c));
-  }
+  check_under_each_env(GetParam(), {{{"FLASHKIT_SM90_SPLITS", "3"}, {"FLASHKIT_SM90_PACK_GQA", "0"}},
+                                    {{"FLASHKIT_SM90_SPLITS", "16"}, {"FLASHKIT_SM90_PACK_GQA", "1"}}});
 }
 
 INSTANTIATE_TEST_SUITE_P(SplitKeys, GpuFwdSplitKeysTest, ::testing::ValuesIn(split_key_cases()), param_name);
