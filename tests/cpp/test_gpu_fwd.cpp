@@ -302,7 +302,7 @@ INSTANTIATE_TEST_SUITE_P(SplitKeys, GpuFwdSplitKeysTest, ::testing::ValuesIn(spl
 
 // One query token of few sequences against many keys: the decode kernel splits the keys through
 // the workspace, and without a workspace runs unsplit; both match the oracle. On the automatic
-// path whatever FLASHKIT_FWD_PATH the suite runs under (the forward kernels take no workspace).
+// path whatever FLASHKIT_FWD_PATH the suite runs under (one query token: the decode kernel).
 TEST_F(GpuFwdTest, ShortQueriesSplitTheKeysWithAWorkspace) {
   const ScopedEnv automatic("FLASHKIT_FWD_PATH", "");
   const int d = built_head_dim(128);

@@ -63,6 +63,12 @@
 // clears the dropped 16-bit halves (sm80::drop_packed_pairs, PRMT + LOP3 per two values) instead
 // of a shift, compare and select per fp32 value. The 1/(1-p) scales O once in the epilogue.
 //
+// Packed query heads (FwdParams::pack_shift, GQA): a tile's rows are (token, head) pairs of one kv
+// head's group, loaded and stored through maps with the heads dim split in two; masks take each
+// row's token. Split keys (Traits::kSplitKeys, its own instance): a tile runs one range of its key
+// blocks and writes fp32 partial rows, which the decode kernel's combine pass merges. When each
+// runs: sm90::plan_fwd (fwd_sm90.h).
+//
 // Blocks are visited from the last to the first, as in the sm80 kernel, so the blocks the causal
 // diagonal or the sequence end cut come first. Rows and keys past a sequence's end are read (TMA
 // zero-fills past the tensor, and in a packed varlen tensor reads the next sequence) but masked,
