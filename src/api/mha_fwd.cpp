@@ -134,10 +134,10 @@ sm90::FwdPlan plan_sm90(const FwdProblem& problem, int device, bool has_workspac
                         sm90::forced_splits_from_env());
 }
 
-// The workspace bytes of a plan: the split partials in the decode workspace's layout, 0 unsplit.
-size_t sm90_workspace_bytes(const FwdProblem& problem, const sm90::FwdPlan& plan) {
-  if (plan.num_splits <= 1) return 0;
-  return sm80::decode_workspace_layout(api::decode_view_of_fwd(problem), plan.num_splits).total_bytes;
+// Where a plan's split partials go in the workspace: the decode workspace's layout (total 0
+// unsplit), which the combine pass reads.
+sm80::DecodeWorkspaceLayout sm90_workspace_layout(const FwdProblem& problem, const sm90::FwdPlan& plan) {
+  return sm80::decode_workspace_layout(api::decode_view_of_fwd(problem), plan.num_splits);
 }
 
 // Runs `problem` on the sm90 forward as plan_sm90 says for the caller's workspace, then the combine
@@ -145,14 +145,16 @@ size_t sm90_workspace_bytes(const FwdProblem& problem, const sm90::FwdPlan& plan
 void run_on_sm90(const char* fn, const FwdProblem& problem, const FwdCommon& params, int device, void* stream) {
   sm90::FwdPlan plan = plan_sm90(problem, device, params.workspace != nullptr);
   if (plan.num_splits > 1) {
-    const size_t needed = sm90_workspace_bytes(problem, plan);
-    if (params.workspace_bytes < needed) {
+    const sm80::DecodeWorkspaceLayout layout = sm90_workspace_layout(problem, plan);
+    if (params.workspace_bytes < layout.total_bytes) {
       throw Error(std::string(fn) + ": workspace_bytes is " + std::to_string(params.workspace_bytes) +
-                  " but this call needs " + std::to_string(needed) + " (" + fn +
+                  " but this call needs " + std::to_string(layout.total_bytes) + " (" + fn +
                   "_workspace_size); pass that much, or a null workspace to run without a key split");
     }
     api::check_decode_workspace_alignment(fn, params.workspace);
-    plan.workspace = params.workspace;
+    char* workspace = static_cast<char*>(params.workspace);
+    plan.split_lse = reinterpret_cast<float*>(workspace);
+    plan.split_out = reinterpret_cast<float*>(workspace + layout.out_offset);
   }
   if (debug_enabled()) {
     std::fprintf(stderr, "flashkit: %s: sm90 forward plan: %d query head(s) per kv head packed into a tile, keys "
@@ -316,7 +318,7 @@ size_t cuda_workspace_bytes(const char* fn, const FwdProblem& problem, int devic
   const api::CurrentDeviceGuard device_guard(device);
   switch (choose_cuda_path(fn, problem, requested, device, true)) {
     case FwdPath::kDecode: return plan_fwd_decode(api::decode_view_of_fwd(problem), device, true).workspace_bytes;
-    case FwdPath::kSm90: return sm90_workspace_bytes(problem, plan_sm90(problem, device, true));
+    case FwdPath::kSm90: return sm90_workspace_layout(problem, plan_sm90(problem, device, true)).total_bytes;
     default: return 0;
   }
 }

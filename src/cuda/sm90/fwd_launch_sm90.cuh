@@ -34,7 +34,7 @@ template <> struct ElementOf<DType::kFloat16> { using type = __half; };
 // Launches fwd_kernel<Traits, kPipelined> on the problem: tensor maps, tile order, grid, shared
 // memory.
 // The query heads packed as plan.pack_shift says; with Traits::kSplitKeys the keys split
-// plan.num_splits ways (plan.workspace holds the partials).
+// plan.num_splits ways (into plan.split_lse and split_out).
 template <typename Traits, bool kPipelined>
 void launch_fwd(const FwdProblem& problem, const FwdPlan& plan, cudaStream_t stream) {
   const int pack_shift = plan.pack_shift;
@@ -59,14 +59,10 @@ void launch_fwd(const FwdProblem& problem, const FwdPlan& plan, cudaStream_t str
   params.split_lse = nullptr;
   params.split_out = nullptr;
   if constexpr (Traits::kSplitKeys) {
-    // The decode workspace's layout (sm80::decode_workspace_layout): lse partials first, then the
-    // output partials at the next 256-byte boundary.
     const int64_t key_blocks = (problem.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN;
     params.blocks_per_split = static_cast<int>((key_blocks + num_splits - 1) / num_splits);
-    const size_t partial_rows = static_cast<size_t>(num_splits) * problem.batch * problem.heads_q * problem.seqlen_q;
-    params.split_lse = static_cast<float*>(plan.workspace);
-    params.split_out = reinterpret_cast<float*>(static_cast<char*>(plan.workspace) +
-                                                (partial_rows * sizeof(float) + 255) / 256 * 256);
+    params.split_lse = plan.split_lse;
+    params.split_out = plan.split_out;
   }
   params.tile_counter = nullptr;
   params.q_map = grouped_rows_tensor_map(problem, problem.q, problem.q_tensor_rows(), problem.heads_q, group,

@@ -89,15 +89,17 @@ int fwd_split_count(const FwdProblem& problem, int block_m, int block_n, int pac
                     int forced);
 
 // How one launch runs: the packing, and the key split (num_splits > 1 writes the partials into
-// `workspace`, which the caller then combines; 1 runs unsplit).
+// split_lse and split_out, the two parts of the caller's workspace in sm80::decode_workspace_layout,
+// which the caller then combines; 1 runs unsplit).
 struct FwdPlan {
   int pack_shift = 0;
   int num_splits = 1;
-  void* workspace = nullptr;
+  float* split_lse = nullptr;
+  float* split_out = nullptr;
 };
 
 // The plan of `problem` (covered by the sm90 forward) on `sm_count` SMs; it splits only with
-// `can_split`. The workspace is the caller's to set.
+// `can_split`. The partials' pointers are the caller's to set.
 FwdPlan plan_fwd(const FwdProblem& problem, int sm_count, bool can_split, PackGqa pack_mode, int forced_splits);
 
 // Enqueues the forward pass of `problem` (device pointers, validated, covered) on the cudaStream_t
