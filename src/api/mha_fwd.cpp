@@ -140,10 +140,10 @@ sm80::DecodeWorkspaceLayout sm90_workspace_layout(const FwdProblem& problem, con
   return sm80::decode_workspace_layout(api::decode_view_of_fwd(problem), plan.num_splits);
 }
 
-// Runs `problem` on the sm90 forward as plan_sm90 says for the caller's workspace, then the combine
-// pass when the keys split.
-void run_on_sm90(const char* fn, const FwdProblem& problem, const FwdCommon& params, int device, void* stream) {
-  sm90::FwdPlan plan = plan_sm90(problem, device, params.workspace != nullptr);
+// Runs `problem` on the sm90 forward as `plan` (plan_sm90's for the caller's workspace) says, then
+// the combine pass when the keys split.
+void run_on_sm90(const char* fn, const FwdProblem& problem, const FwdCommon& params, sm90::FwdPlan plan,
+                 void* stream) {
   if (plan.num_splits > 1) {
     const sm80::DecodeWorkspaceLayout layout = sm90_workspace_layout(problem, plan);
     if (params.workspace_bytes < layout.total_bytes) {
@@ -197,12 +197,18 @@ void check_requested_path(const char* fn, const FwdProblem& problem, FwdPath req
   }
 }
 
+// The kernel that runs a problem, and the sm90 forward's plan when it is that one.
+struct CudaChoice {
+  FwdPath path = FwdPath::kSm80;
+  sm90::FwdPlan sm90_plan;
+};
+
 // Which kernel runs `problem` on cuda:`device` (current; check_requested_path passed): the forced
 // one, once the device is known to run it, or the automatic choice, which weighs the sm90 forward
 // as it would run with or without a workspace (`has_workspace`: split keys or not). Launches
 // nothing.
-FwdPath choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath requested, int device,
-                         bool has_workspace) {
+CudaChoice choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath requested, int device,
+                            bool has_workspace) {
   api::check_sm80_or_newer(fn, device);
   const int arch = cuda::current_device_arch();
   if (requested == FwdPath::kSm90 && arch != 90) {
@@ -210,7 +216,8 @@ FwdPath choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath requ
                 " has compute capability " + std::to_string(arch / 10) + "." +
                 std::to_string(arch % 10) + "; the sm90 kernels run on 9.0 (Hopper) only");
   }
-  if (requested != FwdPath::kAuto) return requested;
+  if (requested == FwdPath::kSm90) return {FwdPath::kSm90, plan_sm90(problem, device, has_workspace)};
+  if (requested != FwdPath::kAuto) return {requested, {}};
   const bool sm90 = arch == 90 && sm90_unavailable_reason(problem).empty();
   // fwd_prefers_decode includes the problem checks; only the build's kernel is left to ask for.
   sm90::FwdPlan forward;  // the sm80 forward's: one head per tile, no split
@@ -218,9 +225,9 @@ FwdPath choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath requ
   if (api::fwd_prefers_decode(problem, api::decode_device_sm_count(device), 1 << forward.pack_shift,
                               forward.num_splits > 1) &&
       api::decode_kernel_built(problem.dtype, problem.head_dim)) {
-    return FwdPath::kDecode;
+    return {FwdPath::kDecode, {}};
   }
-  return sm90 ? FwdPath::kSm90 : FwdPath::kSm80;
+  return {sm90 ? FwdPath::kSm90 : FwdPath::kSm80, forward};
 }
 
 // The decode kernel's plan for `decode` (the problem's decode view): the heuristic's key split when
@@ -264,7 +271,8 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, const FwdCommon& par
   check_requested_path(fn, problem, requested);
   if (!api::has_query_rows(problem)) return;
   const api::CurrentDeviceGuard device_guard(device);
-  const FwdPath path = choose_cuda_path(fn, problem, requested, device, params.workspace != nullptr);
+  const CudaChoice choice = choose_cuda_path(fn, problem, requested, device, params.workspace != nullptr);
+  const FwdPath path = choice.path;
   if (path == FwdPath::kDecode) {
     run_on_decode(fn, problem, params, device, stream);
     return;
@@ -303,7 +311,7 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, const FwdCommon& par
     }
   }
   if (use_sm90) {
-    run_on_sm90(fn, problem, params, device, stream);
+    run_on_sm90(fn, problem, params, choice.sm90_plan, stream);
   } else {
     find_sm80_fwd(problem.dtype, family)(problem, stream);
   }
@@ -316,9 +324,10 @@ size_t cuda_workspace_bytes(const char* fn, const FwdProblem& problem, int devic
   check_requested_path(fn, problem, requested);
   if (!api::has_query_rows(problem)) return 0;
   const api::CurrentDeviceGuard device_guard(device);
-  switch (choose_cuda_path(fn, problem, requested, device, true)) {
+  const CudaChoice choice = choose_cuda_path(fn, problem, requested, device, true);
+  switch (choice.path) {
     case FwdPath::kDecode: return plan_fwd_decode(api::decode_view_of_fwd(problem), device, true).workspace_bytes;
-    case FwdPath::kSm90: return sm90_workspace_layout(problem, plan_sm90(problem, device, true)).total_bytes;
+    case FwdPath::kSm90: return sm90_workspace_layout(problem, choice.sm90_plan).total_bytes;
     default: return 0;
   }
 }
