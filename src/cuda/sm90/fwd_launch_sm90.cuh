@@ -32,8 +32,7 @@ template <> struct ElementOf<DType::kBFloat16> { using type = __nv_bfloat16; };
 template <> struct ElementOf<DType::kFloat16> { using type = __half; };
 
 // Launches fwd_kernel<Traits, kPipelined> on the problem: tensor maps, tile order, grid, shared
-// memory.
-// The query heads packed as plan.pack_shift says; with Traits::kSplitKeys the keys split
+// memory. The query heads packed as plan.pack_shift says; with Traits::kSplitKeys the keys split
 // plan.num_splits ways (into plan.split_lse and split_out).
 template <typename Traits, bool kPipelined>
 void launch_fwd(const FwdProblem& problem, const FwdPlan& plan, cudaStream_t stream) {
@@ -46,8 +45,10 @@ void launch_fwd(const FwdProblem& problem, const FwdPlan& plan, cudaStream_t str
   const int64_t num_blocks = num_m_blocks * problem.batch * row_heads * num_splits;
   if (num_blocks == 0) return;
   if (num_blocks > INT32_MAX) {
-    throw Error("mha_fwd: batch * heads_q * ceil(seqlen_q / " + std::to_string(Traits::kBlockM) +
-                ") = " + std::to_string(num_blocks) + " exceeds the 2^31 - 1 CTAs one launch can run");
+    throw Error("mha_fwd: the sm90 forward's tiles, batch * heads_q / " + std::to_string(group) +
+                " * ceil(seqlen_q * " + std::to_string(group) + " / " + std::to_string(Traits::kBlockM) +
+                ") * " + std::to_string(num_splits) + " split(s) = " + std::to_string(num_blocks) +
+                ", exceed the 2^31 - 1 one launch can run");
   }
 
   const bool varlen = problem.is_varlen();
