@@ -7,7 +7,7 @@ SDPA's flash and cuDNN backends, in one run.
 a path through FLASHKIT_FWD_PATH (read on every call): `decode` the decode kernel, `sm90` the
 wgmma forward with one query head per tile and `sm90packed` with a kv head's query heads packed
 into its tiles (FLASHKIT_SM90_PACK_GQA=0 / 1); `flashkit_varlen` is the same batch through
-flash_attn_varlen_func (automatic path). bf16, head dim 128, 32 query heads over --heads-kv, no mask;
+flash_attn_varlen_func (automatic path). bf16, head dim 128, --heads-q over --heads-kv, no mask;
 q [b, s_q, h, d] and k / v [b, s_k, h_kv, d] memory (SDPA reads [b, h, s, d] views of it, GQA
 through enable_gqa). tbps counts the bytes of K and V once; tflops 4 * b * h * s_q * s_k * d.
 Every implementation's output is compared with SDPA flash's. Method as bench/peers_decode.py
@@ -15,7 +15,7 @@ Every implementation's output is compared with SDPA flash's. Method as bench/pee
 included, or with --graphs the GPU time of calls replayed from a CUDA graph.
 
 usage: short_queries.py [--seqlen-q 1,4,16,32,64] [--seqlen-k 2k,8k,32k] [--batch 1,8,32]
-                        [--heads-kv 8] [--max-tokens 256k] [--graphs] [--impls a,b,...]
+                        [--heads-q 32] [--heads-kv 8] [--max-tokens 256k] [--graphs] [--impls a,b,...]
                         --json OUT.json [--md OUT.md]
 Needs flashkit importable (PYTHONPATH=<build>/python).
 """
@@ -61,7 +61,7 @@ def run(args):
 
     backends = {"sdpa_flash": SDPBackend.FLASH_ATTENTION, "sdpa_cudnn": SDPBackend.CUDNN_ATTENTION}
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
-    hq, hkv, d = 32, args.heads_kv, 128
+    hq, hkv, d = args.heads_q, args.heads_kv, 128
     timer = time_graph_ms if args.graphs else time_ms
     records = []
     for sk in args.seqlen_k:
@@ -146,7 +146,8 @@ def write_markdown(path, result):
         return None if not row.get(a) or not row.get(b) else row[b] / row[a]
     lines = [f"# short queries: {result['gpu']}, {result['date']}, "
              f"commit {result['git_commit']}", "",
-             f"flash_attn_func, bf16, 32/{result['records'][0]['heads_kv']} heads, head dim 128, "
+             f"flash_attn_func, bf16, {result['records'][0]['heads_q']}/{result['records'][0]['heads_kv']} heads, "
+             "head dim 128, "
              f"no mask; ms per call, timed {result['records'][0]['timing']} (lower is better); "
              "a / b = b's time over a's (> 1: a faster)", "",
              "| s_k | batch | s_q | " + " | ".join(IMPLS) + " | " +
@@ -165,6 +166,7 @@ def main():
     p.add_argument("--seqlen-q", default="1,4,16,32,64")
     p.add_argument("--seqlen-k", default="2k,8k,32k")
     p.add_argument("--batch", default="1,8,32")
+    p.add_argument("--heads-q", type=int, default=32)
     p.add_argument("--heads-kv", type=int, default=8)
     p.add_argument("--max-tokens", default="256k")
     p.add_argument("--graphs", action="store_true",

@@ -7,7 +7,7 @@
 // (fwd_decode_route.h says which problems and why); otherwise, on compute capability 9.0, the sm90
 // (wgmma + TMA) kernel of the problem's (dtype, head-dim family) when this build compiled it and it
 // covers the problem (sm90::fwd_unsupported_reason; with a kv head's query heads packed into its
-// tiles where that pays, sm90::fwd_pack_gqa_shift), and otherwise the sm80 (mma.sync) kernel,
+// tiles where that pays, sm90::fwd_pack_gqa_group), and otherwise the sm80 (mma.sync) kernel,
 // provided this build compiled it; the generated build_config.h lists which ones it did. The
 // environment variable FLASHKIT_FWD_PATH=sm80|sm90|decode forces a path (for tests and for chasing
 // a bug); forcing one where it cannot run is an error, not a fallback. Everything that can be
@@ -158,7 +158,7 @@ void run_on_sm90(const char* fn, const FwdProblem& problem, const FwdCommon& par
   }
   if (debug_enabled()) {
     std::fprintf(stderr, "flashkit: %s: sm90 forward plan: %d query head(s) per kv head packed into a tile, keys "
-                 "split %d way(s)%s\n", fn, 1 << plan.pack_shift, plan.num_splits,
+                 "split %d way(s)%s\n", fn, plan.pack_group, plan.num_splits,
                  plan.num_splits > 1 ? ", then the decode kernel's combine pass" : "");
   }
   find_sm90_fwd(problem.dtype, sm90::fwd_head_dim_family(problem.head_dim))(problem, plan, stream);
@@ -222,7 +222,7 @@ CudaChoice choose_cuda_path(const char* fn, const FwdProblem& problem, FwdPath r
   // fwd_prefers_decode includes the problem checks; only the build's kernel is left to ask for.
   sm90::FwdPlan forward;  // the sm80 forward's: one head per tile, no split
   if (sm90) forward = plan_sm90(problem, device, has_workspace);
-  if (api::fwd_prefers_decode(problem, api::decode_device_sm_count(device), 1 << forward.pack_shift,
+  if (api::fwd_prefers_decode(problem, api::decode_device_sm_count(device), forward.pack_group,
                               forward.num_splits > 1) &&
       api::decode_kernel_built(problem.dtype, problem.head_dim)) {
     return {FwdPath::kDecode, {}};

@@ -17,8 +17,9 @@
 //   EmptyRows/*           windows and causal masks that leave rows without keys
 //   ShortQueries/*        up to 32 query tokens (the decode kernel), fixed and varlen, keys split
 //                         over the SMs
-//   PackedHeads/*         GQA with G = 2 ... 64 and 33 ... 257 query tokens, the sm90 forward's
-//                         query heads packed and not (FLASHKIT_SM90_PACK_GQA)
+//   PackedHeads/*         GQA with G = 2 ... 64 (powers of two and others) and 33 ... 257 query
+//                         tokens, the sm90 forward's query heads packed and not
+//                         (FLASHKIT_SM90_PACK_GQA)
 //   SplitKeys/*           the sm90 forward's keys split 3 and 16 ways (FLASHKIT_SM90_SPLITS)
 //   NoKeys/*              seqlen_k == 0: out 0, lse -inf
 //   GpuFwdTest.*          layout invariance, offsets past 2^31 elements, grid limits, a created
@@ -26,7 +27,8 @@
 //                         forced paths (FLASHKIT_FWD_PATH)
 //
 // Each case runs on the path the dispatcher picks: the decode kernel for short queries (varlen
-// batches included; src/api/fwd_decode_route.h), else sm90 on a Hopper GPU wherever it covers the case, else sm80. To run the suite on both paths there, run the binary a second time with
+// batches included; src/api/fwd_decode_route.h), else sm90 on a Hopper GPU wherever it covers the
+// case, else sm80. To run the suite on both paths there, run the binary a second time with
 // FLASHKIT_FWD_PATH=sm80 (scripts/gpu_check.sh does: step gpu_tests_sm80).
 // Without a GPU every test skips itself (fixture SetUp). FLASHKIT_TEST_VERBOSE=1 prints the errors
 // measured for passing cases too.
@@ -46,6 +48,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -137,11 +140,12 @@ std::vector<FwdCase> short_query_cases() {
   return finish(cases, 0x7000);
 }
 
-// The sm90 forward's packed query heads (fwd_pack_gqa_shift): mask x G {2, 4, 8, 16, 32, 64} x
-// {fixed, varlen}, each drawing (dtype, head dim, kv heads, seqlen_q past the decode kernel's 32,
-// seqlen_k, batch). ALiBi is left out (it never packs). Run packed and unpacked each
+// The sm90 forward's packed query heads (fwd_pack_gqa_group): mask x G {2, 3, 4, 5, 6, 7, 8, 12, 24,
+// 64} (powers of two, whose tokens fill a consumer's 64 rows, and the others, which leave padding
+// rows) x {fixed, varlen}, each drawing (dtype, head dim, kv heads, seqlen_q past the decode
+// kernel's 32, seqlen_k, batch). ALiBi is left out (it never packs). Run packed and unpacked each
 // (GpuFwdPackedHeadsTest); scripts/gpu_check.sh runs the other GQA suites forced packed too.
-// 5 x 6 x 2 = 60 cases.
+// 5 x 10 x 2 = 100 cases.
 std::vector<FwdCase> packed_head_cases() {
   const std::vector<MaskKind> masks = {MaskKind::kNone, MaskKind::kCausal, MaskKind::kLocal, MaskKind::kSoftcap,
                                        MaskKind::kCausalSoftcap};
@@ -151,9 +155,9 @@ std::vector<FwdCase> packed_head_cases() {
   std::vector<FwdCase> cases;
   Rng rng(0x9AC6);
   for (MaskKind mask : masks) {
-    for (int group = 2; group <= 64; group *= 2) {
+    for (int group : {2, 3, 4, 5, 6, 7, 8, 12, 24, 64}) {
       for (bool varlen : {false, true}) {
-        const int heads_kv = group >= 32 ? 1 : rng.uniform_int(1, 2);
+        const int heads_kv = group >= 24 ? 1 : rng.uniform_int(1, 2);
         const int sq = rng.pick(query_lengths);
         FwdCase c = fixed_case(rng.chance(0.5) ? DType::kBFloat16 : DType::kFloat16, rng.pick(head_dims),
                                group * heads_kv, heads_kv, rng.uniform_int(1, 2), sq, rng.pick(key_lengths));
@@ -729,9 +733,9 @@ TEST(TileCounterSlots, OnePerDeviceAndStreamAndThreadForThePerThreadStream) {
   EXPECT_EQ(tile_counter_slot(kDevice, stream(2)), second);
 }
 
-// Which problems the sm90 forward packs (fwd_pack_gqa_shift): host logic, no GPU needed.
+// Which problems the sm90 forward packs (fwd_pack_gqa_group): host logic, no GPU needed.
 TEST(Sm90PackedHeads, WhichProblemsArePacked) {
-  using flashkit::sm90::fwd_pack_gqa_shift;
+  using flashkit::sm90::fwd_pack_gqa_group;
   using flashkit::sm90::PackGqa;
   constexpr int kSms = 132;
   FwdProblem p;
@@ -740,56 +744,84 @@ TEST(Sm90PackedHeads, WhichProblemsArePacked) {
   p.heads_kv = 8;
   p.head_dim = 128;
   p.seqlen_k = 4096;
-  auto shift = [&p](int seqlen_q, PackGqa mode = PackGqa::kAuto, bool can_split = true) {
+  auto group = [&p](int seqlen_q, PackGqa mode = PackGqa::kAuto, bool can_split = true) {
     p.seqlen_q = seqlen_q;
-    return fwd_pack_gqa_shift(p, 128, 128, kSms, can_split, mode);
+    return fwd_pack_gqa_group(p, 128, 128, kSms, can_split, mode);
   };
   // 256 unpacked tiles and more (G = 4, tiles of 128 rows): pack where the rows in use per row run
   // improve by more than 1%.
-  EXPECT_EQ(shift(1), 2) << "1 / 128 against 4 / 128";
-  EXPECT_EQ(shift(33), 2) << "33 / 128 against 132 / 256";
-  EXPECT_EQ(shift(100), 0) << "100 / 128 against 400 / 512: the same";
-  EXPECT_EQ(shift(200), 2) << "200 / 256 against 800 / 896";
-  EXPECT_EQ(shift(4096), 0) << "whole tiles either way";
+  EXPECT_EQ(group(1), 4) << "1 / 128 against 4 / 128";
+  EXPECT_EQ(group(33), 4) << "33 / 128 against 132 / 256";
+  EXPECT_EQ(group(100), 1) << "100 / 128 against 400 / 512: the same";
+  EXPECT_EQ(group(200), 4) << "200 / 256 against 800 / 896";
+  EXPECT_EQ(group(4096), 1) << "whole tiles either way";
   p.seqlen_q = 2048;
-  EXPECT_EQ(fwd_pack_gqa_shift(p, 192, 128, kSms, true, PackGqa::kAuto), 2) << "2048 / 2112 against 8192 / 8256";
+  EXPECT_EQ(fwd_pack_gqa_group(p, 192, 128, kSms, true, PackGqa::kAuto), 4) << "2048 / 2112 against 8192 / 8256";
   p.seqlen_q = 8192;
-  EXPECT_EQ(fwd_pack_gqa_shift(p, 192, 128, kSms, true, PackGqa::kAuto), 0) << "8192 / 8256 against 32768 / 32832";
-  EXPECT_EQ(shift(4096, PackGqa::kWherever), 2);
-  EXPECT_EQ(shift(33, PackGqa::kNever), 0);
-  // Varlen: wherever the unpacked tiles (at max_seqlen_q) exceed a wave.
+  EXPECT_EQ(fwd_pack_gqa_group(p, 192, 128, kSms, true, PackGqa::kAuto), 1) << "8192 / 8256 against 32768 / 32832";
+  EXPECT_EQ(group(4096, PackGqa::kWherever), 4);
+  EXPECT_EQ(group(33, PackGqa::kNever), 1);
+  // Varlen: wherever the unpacked tiles (at max_seqlen_q) exceed a wave and packing leaves no more
+  // rows empty.
   p.cu_seqlens_q = reinterpret_cast<const int*>(0x100);
-  EXPECT_EQ(shift(4096), 2);
+  EXPECT_EQ(group(4096), 4);
   p.cu_seqlens_q = nullptr;
   // Unpacked tiles within one wave (4 x 32 = 128 at up to 128 tokens): only where the packed tiles
   // then split the keys, and there are at least 32 key blocks.
   p.batch = 4;
-  EXPECT_EQ(shift(32), 2) << "32 blocks of keys, 32 packed tiles: split";
-  EXPECT_EQ(shift(32, PackGqa::kAuto, false), 0) << "no split without a workspace";
+  EXPECT_EQ(group(32), 4) << "32 blocks of keys, 32 packed tiles: split";
+  EXPECT_EQ(group(32, PackGqa::kAuto, false), 1) << "no split without a workspace";
   p.seqlen_k = 2048;
-  EXPECT_EQ(shift(32), 0) << "16 blocks of keys";
+  EXPECT_EQ(group(32), 1) << "16 blocks of keys";
   p.seqlen_k = 4096;
-  EXPECT_EQ(shift(32, PackGqa::kWherever, false), 2);
-  EXPECT_EQ(shift(129), 2) << "256 tiles";
+  EXPECT_EQ(group(32, PackGqa::kWherever, false), 4);
+  EXPECT_EQ(group(129), 4) << "256 tiles";
   p.batch = 8;
-  // What is not covered runs unpacked, also when packing is asked for everywhere.
-  for (auto [hq, hkv] : {std::pair{8, 8}, {24, 8}, {6, 1}, {128, 1}}) {
+  // G = 7 (28 / 4 heads): 9 tokens per consumer, 18 per tile of 128 rows (126 in use).
+  p.heads_q = 28;
+  p.heads_kv = 4;
+  EXPECT_EQ(group(33), 7) << "33 / 128 against 231 / 256";
+  EXPECT_EQ(group(128), 1) << "128 / 128 against 896 / 1024";
+  EXPECT_EQ(group(200), 7) << "200 / 256 against 1400 / 1536";
+  p.cu_seqlens_q = reinterpret_cast<const int*>(0x100);
+  EXPECT_EQ(group(128), 1) << "varlen, but packed leaves more rows empty";
+  p.cu_seqlens_q = nullptr;
+  // Every G from 2 to 64 is covered; what is not runs unpacked, also when packing is asked for
+  // everywhere.
+  for (auto [hq, hkv, g] : {std::tuple{24, 8, 3}, {6, 1, 6}, {28, 4, 7}, {48, 2, 24}, {64, 1, 64}, {8, 8, 1},
+                            {128, 1, 1}, {130, 2, 1}}) {
     p.heads_q = hq;
     p.heads_kv = hkv;
-    EXPECT_EQ(shift(33, PackGqa::kWherever), 0) << hq << "/" << hkv << " heads";
+    EXPECT_EQ(group(33, PackGqa::kWherever), g) << hq << "/" << hkv << " heads";
   }
   p.heads_q = 64;
   p.heads_kv = 1;
-  EXPECT_EQ(shift(33, PackGqa::kWherever), 6) << "64 query heads per kv head";
   p.dropout_p = 0.1f;
-  EXPECT_EQ(shift(33, PackGqa::kWherever), 0) << "dropout";
+  EXPECT_EQ(group(33, PackGqa::kWherever), 1) << "dropout";
   p.dropout_p = 0.0f;
   const float slopes[64] = {};
   p.alibi_slopes = slopes;
-  EXPECT_EQ(shift(33, PackGqa::kWherever), 0) << "ALiBi";
+  EXPECT_EQ(group(33, PackGqa::kWherever), 1) << "ALiBi";
   p.alibi_slopes = nullptr;
-  EXPECT_EQ(shift(INT32_MAX / 64, PackGqa::kWherever), 0) << "s_q x G past 2^31";
-  EXPECT_EQ(shift(0, PackGqa::kWherever), 0) << "no query rows";
+  EXPECT_EQ(group(INT32_MAX / 64, PackGqa::kWherever), 1) << "s_q x G past 2^31";
+  EXPECT_EQ(group(0, PackGqa::kWherever), 1) << "no query rows";
+}
+
+// The kernel's row arithmetic (TileRows): j / G through fwd_pack_reciprocal for every row of a
+// consumer's 64 (and every row of a tile, up to 256) and every G it packs; and the tokens per tile.
+TEST(Sm90PackedHeads, RowDivisionIsExact) {
+  using flashkit::sm90::fwd_pack_reciprocal;
+  using flashkit::sm90::fwd_tokens_per_tile;
+  for (int g = 1; g <= 64; ++g) {
+    for (int j = 0; j < 256; ++j) {
+      ASSERT_EQ((j * fwd_pack_reciprocal(g)) >> 16, j / g) << "j = " << j << ", G = " << g;
+    }
+  }
+  EXPECT_EQ(fwd_tokens_per_tile(128, 1), 128);
+  EXPECT_EQ(fwd_tokens_per_tile(192, 4), 48);
+  EXPECT_EQ(fwd_tokens_per_tile(128, 7), 18);
+  EXPECT_EQ(fwd_tokens_per_tile(192, 24), 6);
+  EXPECT_EQ(fwd_tokens_per_tile(128, 64), 2);
 }
 
 // How many ways the sm90 forward splits the keys (fwd_split_count): host logic, no GPU needed.
@@ -804,32 +836,32 @@ TEST(Sm90SplitKeys, HowManySplits) {
   p.seqlen_q = 64;
   p.seqlen_k = 32768;  // 256 blocks of 128 keys
   // 32 tiles unpacked: 4 splits bring them to one wave; packed (8 kv heads x 256 rows: 16 tiles) 8.
-  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 0), 4);
-  EXPECT_EQ(fwd_split_count(p, 128, 128, 2, kSms, 0), 8);
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 1, kSms, 0), 4);
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 4, kSms, 0), 8);
   // At least 4 key blocks per split.
   p.seqlen_k = 1024;
-  EXPECT_EQ(fwd_split_count(p, 128, 128, 2, kSms, 0), 2);
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 4, kSms, 0), 2);
   p.seqlen_k = 32768;
   // More than half the SMs busy without a split: none.
   p.batch = 3;
-  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 0), 1) << "96 tiles";
-  EXPECT_EQ(fwd_split_count(p, 128, 128, 2, kSms, 0), 2) << "48 tiles";
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 1, kSms, 0), 1) << "96 tiles";
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 4, kSms, 0), 2) << "48 tiles";
   p.batch = 1;
   // Forced: that many, up to the key blocks and 128.
-  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 7), 7);
-  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 1), 1);
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 1, kSms, 7), 7);
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 1, kSms, 1), 1);
   p.seqlen_k = 300;
-  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 16), 3);
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 1, kSms, 16), 3);
   p.seqlen_k = 32768;
   // Never with dropout, a left window edge or no keys.
   p.dropout_p = 0.1f;
-  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 7), 1);
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 1, kSms, 7), 1);
   p.dropout_p = 0.0f;
   p.window_left = 100;
-  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 7), 1);
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 1, kSms, 7), 1);
   p.window_left = -1;
   p.seqlen_k = 0;
-  EXPECT_EQ(fwd_split_count(p, 128, 128, 0, kSms, 7), 1);
+  EXPECT_EQ(fwd_split_count(p, 128, 128, 1, kSms, 7), 1);
 }
 
 // ------------------------------------------------------------------------------------------------

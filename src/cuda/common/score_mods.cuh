@@ -58,23 +58,22 @@ __device__ __forceinline__ void transform_scores(float (&s)[Traits::kMTiles][Tra
   }
 }
 
-// Sets the scores of keys a row may not see to -inf. Only blocks cut by the mask call this. Row r
-// of the tile is query token r >> row_shift (the sm90 forward's packed query heads: 2^row_shift
-// heads per token; 0: rows are tokens).
+// Sets the scores of keys a row may not see to -inf. Only blocks cut by the mask call this.
+// tokens[mt][half]: the query token of this lane's row mt * 16 + lane / 4 + half * 8 of the tile
+// (the sm90 forward's packed query heads hold several rows per token; computed once per tile).
 template <typename Traits>
 __device__ __forceinline__ void mask_scores(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
-                                            const KeyWindow& window, int first_row, int first_key,
-                                            int row_shift = 0) {
+                                            const KeyWindow& window, const int (&tokens)[Traits::kMTiles][2],
+                                            int first_key) {
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const int lane_key = first_key + (lane % 4) * 2;
 #pragma unroll
   for (int mt = 0; mt < Traits::kMTiles; ++mt) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = (first_row + mt * 16 + lane / 4 + half * 8) >> row_shift;
       // Visible columns of this lane, relative to its first key: [begin, end).
-      const int begin = window.key_begin(row) - lane_key;
-      const int end = window.key_end(row) - lane_key;
+      const int begin = window.key_begin(tokens[mt][half]) - lane_key;
+      const int end = window.key_end(tokens[mt][half]) - lane_key;
 #pragma unroll
       for (int nt = 0; nt < Traits::kNTiles; ++nt) {
 #pragma unroll
@@ -85,6 +84,20 @@ __device__ __forceinline__ void mask_scores(float (&s)[Traits::kMTiles][Traits::
       }
     }
   }
+}
+
+// The same where row r of the tile is token first_row + r (the sm80 kernels).
+template <typename Traits>
+__device__ __forceinline__ void mask_scores(float (&s)[Traits::kMTiles][Traits::kNTiles][4],
+                                            const KeyWindow& window, int first_row, int first_key) {
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  int tokens[Traits::kMTiles][2];
+#pragma unroll
+  for (int mt = 0; mt < Traits::kMTiles; ++mt) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) tokens[mt][half] = first_row + mt * 16 + lane / 4 + half * 8;
+  }
+  mask_scores<Traits>(s, window, tokens, first_key);
 }
 
 }  // namespace flashkit::sm80

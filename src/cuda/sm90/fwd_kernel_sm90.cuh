@@ -63,9 +63,9 @@
 // clears the dropped 16-bit halves (sm80::drop_packed_pairs, PRMT + LOP3 per two values) instead
 // of a shift, compare and select per fp32 value. The 1/(1-p) scales O once in the epilogue.
 //
-// Packed query heads (FwdParams::pack_shift, GQA): a tile's rows are (token, head) pairs of one kv
-// head's group, loaded and stored through maps with the heads dim split in two; masks take each
-// row's token. Split keys (Traits::kSplitKeys, its own instance): a tile runs one range of its key
+// Packed query heads (FwdParams::rows, GQA): a tile's rows are (token, head) pairs of one kv head's
+// group, loaded and stored through maps with the heads dim split in two; masks take each row's
+// token. Split keys (Traits::kSplitKeys, its own instance): a tile runs one range of its key
 // blocks and writes fp32 partial rows, which the decode kernel's combine pass merges. When each
 // runs: sm90::plan_fwd (fwd_sm90.h).
 //
@@ -174,17 +174,43 @@ __device__ __forceinline__ long long trace_sm_id() {
   } while (0)
 #endif
 
+// Which query token and head each row of a tile holds. Each consumer warpgroup's 64 rows hold whole
+// tokens: `tokens_per_consumer` = 64 / G of them, G rows each, one per query head of a kv head's
+// group (G = `group`; 1: the rows are tokens of one query head). Row 64 c + j of a tile is then
+// token c x tokens_per_consumer + j / G of the tile's tokens, head j % G of the group; where G does
+// not divide 64, rows j >= tokens_per_consumer x G are padding, which Q's loads leave zero and
+// nothing stores. (Whole tokens per consumer, so that each consumer's rows of O go out in one box
+// of the map; with G a power of two the rows of a tile are simply its tokens x G in order.)
+struct TileRows {
+  int group;
+  int tokens_per_consumer;
+  int reciprocal;  // ceil(2^16 / G): j / G = (j x reciprocal) >> 16 exactly for j < 256 (fwd_sm90.h)
+
+  // Row `row` (never negative: shifts and masks, not the signed division's fix-ups) as its token of
+  // the tile's tokens (bits 0-7) and its head in the group (bits 8-13); a padding row gets token
+  // kPaddingToken, past any tile's tokens. The kernel keeps the codes of a tile's rows in shared
+  // memory (Barriers::row_codes): held in registers through the main loop, even one more register
+  // made d256's kernels spill.
+  static constexpr int kPaddingToken = 255;
+  __device__ __forceinline__ int code(int row) const {
+    const int j = row & 63;
+    const int in_consumer = (j * reciprocal) >> 16;  // j / G
+    if (in_consumer >= tokens_per_consumer) return kPaddingToken;
+    return ((row >> 6) * tokens_per_consumer + in_consumer) | (j - group * in_consumer) << 8;
+  }
+  __device__ __forceinline__ static int token(int code) { return code & 0xff; }
+  __device__ __forceinline__ static int head(int code) { return code >> 8; }
+};
+
 // The kernel's parameter block: the problem and the tensor maps of Q, K, V and O (K and V rank 4
 // [D, seqlen, heads, batch] for fixed-length problems, rank 3 [D, total tokens, heads] for varlen;
 // Q and O with the heads split into (head in group, group), rank 5 / 4, grouped_rows_tensor_map, in
-// boxes of a tile's rows (Q) and of one consumer's 64 rows (O)).
+// boxes of one consumer's rows).
 struct FwdParams {
   FwdProblem problem;
-  // The tiles' rows (fwd_pack_gqa_shift, fwd_sm90.h). 0: a tile's rows are tokens of one query head.
-  // Otherwise log2(G): row r of a (batch, kv head)'s s_q x G rows is token r >> pack_shift of query
-  // head kv_head x G + r % G, and the Q and O maps have groups of G. The first query head of a
-  // tile's rows, FwdTile::head, is then its group's first.
-  int pack_shift;
+  // The tiles' rows (fwd_pack_gqa_group, fwd_sm90.h): with G > 1 a tile runs G query heads of one kv
+  // head, the Q and O maps have groups of G, and FwdTile::head is the group's first head.
+  TileRows rows;
   // Split keys (Traits::kSplitKeys; fwd_split_count): tile `linear` is split linear / (tiles per
   // split) of its tile's key blocks, [split, split + 1) x blocks_per_split, and writes its rows'
   // partials to split_lse [splits, batch, heads_q, seqlen_q] and split_out [..., head_dim] (fp32,
@@ -239,8 +265,8 @@ struct TileOrder {
   }
 };
 
-// Where a tile's rows and keys live, and which key blocks it visits. Rows are counted as the kernel
-// packs them (FwdParams::pack_shift): tokens of one head, or (token, head in group) pairs.
+// Where a tile's rows and keys live, and which key blocks it visits. A tile runs `tokens_per_tile`
+// query tokens (FwdParams::rows: of one head, or each with the G heads of a group).
 struct alignas(16) FwdTile {
   int batch;
   int head;  // the query head of the rows; packed: the first of the group
@@ -250,9 +276,9 @@ struct alignas(16) FwdTile {
   int len_k;
   int q_token;  // varlen: the first token of the sequence in the packed tensors; 0 otherwise
   int k_token;
-  int m0;             // first row of the tile in its sequence's rows
-  int rows_in_block;  // rows of the tile inside the sequence (<= 0: the tile is past its end)
-  int n_begin;        // visible key blocks [n_begin, n_end), walked from the last
+  int token0;   // the tile's first query token in its sequence
+  int tokens;   // its tokens inside the sequence (<= 0: the tile is past its end)
+  int n_begin;  // visible key blocks [n_begin, n_end), walked from the last
   int n_end;
   int split;  // the tile's key split (kSplitKeys), else 0
 
@@ -260,10 +286,11 @@ struct alignas(16) FwdTile {
   template <int kBlockM, int kBlockN, bool kSplitKeys>
   __device__ __forceinline__ static FwdTile locate(const FwdParams& params, int linear) {
     const FwdProblem& p = params.problem;
-    const int shift = params.pack_shift;
+    const int group = params.rows.group;
+    const int tokens_per_tile = kBlockM / 64 * params.rows.tokens_per_consumer;
     FwdTile t;
-    const int num_m_blocks = ((p.seqlen_q << shift) + kBlockM - 1) / kBlockM;
-    const int row_heads = p.heads_q >> shift;  // heads (packed: groups) whose rows the tiles run
+    const int num_m_blocks = (p.seqlen_q + tokens_per_tile - 1) / tokens_per_tile;
+    const int row_heads = p.heads_q / group;  // heads (packed: groups) whose rows the tiles run
     t.split = 0;
     if constexpr (kSplitKeys) {
       const int tiles_per_split = num_m_blocks * p.batch * row_heads;
@@ -272,7 +299,7 @@ struct alignas(16) FwdTile {
     }
     const TileOrder order = TileOrder::locate(linear, num_m_blocks, p.batch * row_heads, params.tile_groups);
     t.m_block = order.m_block;
-    t.head = (order.batch_head % row_heads) << shift;
+    t.head = (order.batch_head % row_heads) * group;
     t.batch = order.batch_head / row_heads;
     t.kv_head = t.head / (p.heads_q / p.heads_kv);
     t.len_q = p.seqlen_q;
@@ -285,14 +312,14 @@ struct alignas(16) FwdTile {
       t.len_q = p.cu_seqlens_q[t.batch + 1] - t.q_token;
       t.len_k = p.seqused_k != nullptr ? p.seqused_k[t.batch] : p.cu_seqlens_k[t.batch + 1] - t.k_token;
     }
-    t.m0 = t.m_block * kBlockM;
-    t.rows_in_block = min(kBlockM, (t.len_q << shift) - t.m0);
+    t.token0 = t.m_block * tokens_per_tile;
+    t.tokens = min(tokens_per_tile, t.len_q - t.token0);
     t.n_begin = 0;
     t.n_end = 0;
-    if (t.rows_in_block > 0) {
+    if (t.tokens > 0) {
       const sm80::KeyWindow window{t.len_q, t.len_k, p.window_left, p.window_right};
-      const int key_lo = window.key_begin(t.m0 >> shift);
-      const int key_hi = window.key_end((t.m0 + t.rows_in_block - 1) >> shift);
+      const int key_lo = window.key_begin(t.token0);
+      const int key_hi = window.key_end(t.token0 + t.tokens - 1);
       t.n_begin = key_lo / kBlockN;
       t.n_end = key_hi > key_lo ? (key_hi + kBlockN - 1) / kBlockN : t.n_begin;
       if constexpr (kSplitKeys) {  // a split without blocks of the tile: none (its partials: -inf, 0)
@@ -394,6 +421,7 @@ struct FwdKernelTraits {
     // That tile as the producer located it, so that the consumers start it without the integer
     // divisions of FwdTile::locate (~900 cycles of dependent latency at each tile's start).
     FwdTile located;
+    uint16_t row_codes[kBlockM];  // TileRows::code of each row of every tile, written at the start
   };
   // Shared-memory plan, byte offsets from a 1024-byte aligned base: Q, the K and V stages, O's
   // staging tiles where they fit and O is stored (kStageOutput; not kSplitKeys), barriers last.
@@ -421,7 +449,8 @@ enum class FwdBarrier : uint32_t {
                                      // consumer before it, which passes the turn)
   kScheduler1,                       // consumer 1 may issue its matrix products
   kScheduler2,                       // consumer 2 (of three) may issue its matrix products
-  kOutput0,  // consumer c's staging tile (kOutput0 + c, its 128 threads): free, then written
+  kOutput0,  // consumer c's own (kOutput0 + c, its 128 threads): its staging tile free, then written;
+             // Q's padding rows zeroed (consumer_warpgroup's start)
 };
 
 // The tiles a CTA walks: tile blockIdx.x first, then either every gridDim.x-th after it (the static
@@ -502,7 +531,7 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
   };
   for (int linear = blockIdx.x; linear < num_tiles; linear = take_next_tile(params.tile_counter, linear, num_tiles)) {
     tile = FwdTile::locate<Traits::kBlockM, kBlockN, Traits::kSplitKeys>(params, linear);
-    if (tile.rows_in_block <= 0) continue;  // varlen: past the sequence; the consumers skip it too
+    if (tile.tokens <= 0) continue;  // varlen: past the sequence; the consumers skip it too
     batch = varlen ? 0 : tile.batch;
     mbarrier_wait(smem_u32(&bars.q_empty), (q_loads & 1u) ^ 1u);
     ++q_loads;
@@ -510,11 +539,15 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
       *reinterpret_cast<volatile int*>(&bars.tile) = linear;
       bars.located = tile;
       const uint32_t q_full = smem_u32(&bars.q_full);
-      if (tile.has_keys()) {
-        mbarrier_arrive_expect_tx(q_full, QTile::kBytes);
-        tma_load_grouped_tile<QTile>(smem + Traits::kQOffset, params.q_map, q_full, varlen,
-                                     tile.q_token + (tile.m0 >> params.pack_shift),
-                                     tile.head >> params.pack_shift, batch);
+      if (tile.has_keys()) {  // one box per consumer: its rows in use (TileRows)
+        const int tokens = params.rows.tokens_per_consumer;
+        mbarrier_arrive_expect_tx(q_full, Traits::kConsumerWarpgroups * QTile::kColumnBlocks * tokens *
+                                              params.rows.group * 128);
+#pragma unroll
+        for (int c = 0; c < Traits::kConsumerWarpgroups; ++c) {
+          tma_load_grouped_tile<QTile>(smem + Traits::kQOffset + c * 64 * 128, params.q_map, q_full, varlen,
+                                       tile.q_token + tile.token0 + c * tokens, tile.head / params.rows.group, batch);
+        }
       } else {
         mbarrier_arrive(q_full);
       }
@@ -626,13 +659,13 @@ __device__ __forceinline__ void store_output_staged(const FwdParams& params, con
   store_accumulator_tile<Element, Traits::kHeadDim>(acc_o, staging, warp);
   fence_proxy_async_shared();
   named_barrier_sync(barrier, kWarpgroupThreads);
-  const int shift = params.pack_shift;
-  const int first_row = tile.m0 + consumer * 64;         // this warpgroup's first row (FwdTile's rows)
-  const int rows = tile.rows_in_block - consumer * 64;  // of which inside the sequence
-  if (p.cu_seqlens_q == nullptr || rows >= 64) {
+  const int group = params.rows.group;
+  const int first_token = tile.token0 + consumer * params.rows.tokens_per_consumer;  // this warpgroup's
+  const int tokens = tile.tokens - consumer * params.rows.tokens_per_consumer;     // of which inside the sequence
+  if (p.cu_seqlens_q == nullptr || tokens >= params.rows.tokens_per_consumer) {
     if (thread == 0) {
-      const int token = tile.q_token + (first_row >> shift);
-      const int head_group = tile.head >> shift;
+      const int token = tile.q_token + first_token;
+      const int head_group = tile.head / group;
 #pragma unroll
       for (int cb = 0; cb < OTile::kColumnBlocks; ++cb) {
         const uint32_t src = staging + cb * OTile::kColumnBlockBytes;
@@ -646,19 +679,16 @@ __device__ __forceinline__ void store_output_staged(const FwdParams& params, con
     }
   } else {
     const int chunks = p.head_dim / 8;  // the columns past head_dim are padding
-    const int head_in_group = (1 << shift) - 1;
     Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride + tile.head * p.out_head_stride;
-    for (int i = thread; i < rows * chunks; i += kWarpgroupThreads) {
-      const int row = i / chunks;
+    for (int i = thread; i < tokens * group * chunks; i += kWarpgroupThreads) {
+      const int row = i / chunks;  // rows (token, head in group) of the warpgroup, in order
       const int chunk = i % chunks;
-      const int packed_row = first_row + row;
-      const int64_t token = tile.q_token + (packed_row >> shift);
+      const int64_t token = tile.q_token + first_token + row / group;
       uint4 v;
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                    : "r"(staging + OTile::chunk_offset(row, chunk)));
-      *reinterpret_cast<uint4*>(out + (packed_row & head_in_group) * p.out_head_stride + token * p.out_row_stride +
-                                chunk * 8) = v;
+      *reinterpret_cast<uint4*>(out + (row % group) * p.out_head_stride + token * p.out_row_stride + chunk * 8) = v;
     }
   }
 }
@@ -703,27 +733,26 @@ __device__ __forceinline__ void store_output_row_half(const float (&acc_o)[kDTil
   }
 }
 
-// The split epilogue (Traits::kSplitKeys): this thread's two rows of its warp's 16, normalized, as
-// fp32 partial rows of split tile.split: FwdParams::split_lse / split_out at row ((split x batch +
-// b) x heads_q + head) x seqlen_q + token, the decode workspace's order, which the combine pass
-// reads. Rows past the sequence (which the combine skips) and columns past head_dim are not written.
-// A split that sees none of a row's keys writes its lse -inf and zeros (finalize), weight 0.
+// The split epilogue (Traits::kSplitKeys): this thread's two rows of its warp's 16 (their
+// TileRows::code in row_codes), normalized, as fp32 partial rows of split tile.split:
+// FwdParams::split_lse / split_out at row ((split x batch + b) x heads_q + head) x seqlen_q + token,
+// the decode workspace's order, which the combine pass reads. Rows past the sequence (which the
+// combine skips) and columns past head_dim are not written. A split that sees none of a row's keys
+// writes its lse -inf and zeros (finalize), weight 0.
 template <typename Traits>
 __device__ __forceinline__ void store_split_partials(const FwdParams& params, const float (&acc_o)[Traits::kDTiles][4],
-                                                     const float (&lse)[2], const FwdTile& tile, int warp_row0,
-                                                     int lane) {
+                                                     const float (&lse)[2], const FwdTile& tile,
+                                                     const int (&row_codes)[2], int lane) {
   const FwdProblem& p = params.problem;
-  const int shift = params.pack_shift;
   const int t = lane % 4;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int row = warp_row0 + lane / 4 + half * 8;
-    if (row >= tile.rows_in_block) continue;
-    const int packed_row = tile.m0 + row;
-    const int head = tile.head + (packed_row & ((1 << shift) - 1));
+    const int token = TileRows::token(row_codes[half]);
+    if (token >= tile.tokens) continue;
+    const int head = tile.head + TileRows::head(row_codes[half]);
     const int64_t partial_row =
         ((static_cast<int64_t>(tile.split) * p.batch + tile.batch) * p.heads_q + head) * p.seqlen_q +
-        (packed_row >> shift);
+        tile.token0 + token;
     if (t == 0) params.split_lse[partial_row] = lse[half];
     float* out = params.split_out + partial_row * p.head_dim + 2 * t;
 #pragma unroll
@@ -779,6 +808,25 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
   Cursor ring;  // the next K/V stage to consume, continued across tiles
   uint32_t q_loads = 0;
 
+  // Each warpgroup's rows' codes (TileRows::code), and Q's padding rows (where G does not divide
+  // 64), which no load writes, zero, so that their scores are finite. (A row is 128 bytes of its
+  // column block whatever the swizzle.)
+  {
+    const int thread = static_cast<int>(threadIdx.x) % kWarpgroupThreads;
+    if (thread < 64) bars.row_codes[row0 + thread] = static_cast<uint16_t>(params.rows.code(row0 + thread));
+    const int used = params.rows.tokens_per_consumer * params.rows.group;
+    for (int i = thread; i < Traits::QTile::kColumnBlocks * (64 - used) * 8; i += kWarpgroupThreads) {
+      const int cb = i / ((64 - used) * 8);
+      const int rest = i % ((64 - used) * 8);
+      const uint32_t addr = sQ_rows + cb * Traits::QTile::kColumnBlockBytes + (used + rest / 8) * 128 + (rest % 8) * 16;
+      asm volatile("st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(addr), "r"(0) : "memory");
+    }
+    fence_proxy_async_shared();
+    named_barrier_sync(static_cast<uint32_t>(FwdBarrier::kOutput0) + consumer, kWarpgroupThreads);
+  }
+  // The code of this lane's row `half` (of its two in the warp's 16 rows).
+  auto row_code = [&](int half) { return static_cast<int>(bars.row_codes[warp_row0 + lane / 4 + 8 * half]); };
+
   for (;;) {
     // The producer's next tile, and its Q (take_next_tile).
     mbarrier_wait(smem_u32(&bars.q_full), q_loads & 1u);
@@ -790,8 +838,10 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     FLASHKIT_FWD_TRACE(6, trace_global_ns());
     FLASHKIT_FWD_TRACE(7, trace_sm_id());
     FLASHKIT_FWD_TRACE(9, tile.n_end - tile.n_begin);
-    const int m0 = tile.m0;
-    const int shift = params.pack_shift;  // the token of row r is r >> shift (FwdParams)
+    // This warpgroup's tokens of the tile, [first_token, first_token + tokens) (TileRows); without
+    // packing, row r of the tile is token tile.token0 + r (ALiBi and dropout never pack).
+    const int first_token = tile.token0 + consumer * params.rows.tokens_per_consumer;
+    const int tokens = min(params.rows.tokens_per_consumer, tile.token0 + tile.tokens - first_token);
     const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
     const float alibi_slope =
         p.alibi_slopes != nullptr ? p.alibi_slopes[tile.batch * p.alibi_batch_stride + tile.head] : 0.0f;
@@ -812,10 +862,12 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     // (ALiBi's rows are tokens: it never runs packed.)
     auto softmax_block = [&](float (&acc_s)[1][kNTiles][4], int n0, float (&rescale)[2]) {
       if (transform) {
-        sm80::transform_scores<Traits>(acc_s, p, m0 + warp_row0, n0, alibi_slope, diagonal);
+        sm80::transform_scores<Traits>(acc_s, p, tile.token0 + warp_row0, n0, alibi_slope, diagonal);
       }
-      if (!window.block_unmasked(m0 >> shift, ((m0 + tile.rows_in_block - 1) >> shift) + 1, n0, n0 + kBlockN)) {
-        sm80::mask_scores<Traits>(acc_s, window, m0 + warp_row0, n0, shift);
+      if (!window.block_unmasked(tile.token0, tile.token0 + tile.tokens, n0, n0 + kBlockN)) {
+        const int row_tokens[1][2] = {
+            {tile.token0 + TileRows::token(row_code(0)), tile.token0 + TileRows::token(row_code(1))}};
+        sm80::mask_scores<Traits>(acc_s, window, row_tokens, n0);
       }
       bool any;
       if constexpr (Traits::kRowByRowSoftmax) {
@@ -826,7 +878,8 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       }
       if constexpr (Traits::kDropout) {
         sm80::draw_drop_marks(drop_marks, dropout_mask, drop_marker,
-                              static_cast<uint32_t>(tile.batch * p.heads_q + tile.head), m0 + warp_row0, n0);
+                              static_cast<uint32_t>(tile.batch * p.heads_q + tile.head), tile.token0 + warp_row0,
+                              n0);
       }
       return any;
     };
@@ -836,7 +889,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     // products would have made, in the pipelined schedule's order (the K and V stages of each block,
     // the turns, Q), so that the other consumers' products have the tensor cores to themselves.
     // Its output rows are never stored and its LSE rows never written.
-    const bool rows_here = !kPipelined || !Traits::kSkipIdleRows || row0 < tile.rows_in_block;
+    const bool rows_here = !kPipelined || !Traits::kSkipIdleRows || tokens > 0;
     if (!tile.has_keys()) release_q();  // the producer may publish the next tile
     if (Traits::kSkipIdleRows && tile.has_keys() && !rows_here) {
       if (consumer == kLastConsumer) turn.pass();
@@ -913,13 +966,12 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
         int n_block = tile.n_end - 1;
         int n_stop = tile.n_begin;
         if constexpr (kBlockM > kBlockN) {
-          const int last_row = m0 + min(row0 + 64, tile.rows_in_block) - 1;
-          const int seen_end = (window.key_end(last_row >> shift) + kBlockN - 1) / kBlockN;
+          const int seen_end = (window.key_end(first_token + tokens - 1) + kBlockN - 1) / kBlockN;
           const int spare_blocks = tile.n_end - 1 - tile.n_begin;  // all but one
           const int unseen_blocks =
               __shfl_sync(0xffffffffu, min(tile.n_end - seen_end, spare_blocks), 0);
           if constexpr (Traits::kSkipTrailingBlocks) {
-            const int seen_begin = window.key_begin((m0 + row0) >> shift) / kBlockN;
+            const int seen_begin = window.key_begin(first_token) / kBlockN;
             const int trailing = min(seen_begin - tile.n_begin, spare_blocks - unseen_blocks);
             n_stop = __reduce_max_sync(0xffffffffu, tile.n_begin + trailing);
           }
@@ -1073,7 +1125,7 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     float lse[2];
     softmax.finalize(acc_o, log2_scale, lse, Traits::kDropout ? 1.0f / (1.0f - p.dropout_p) : 1.0f);
     if constexpr (Traits::kSplitKeys) {
-      store_split_partials<Traits>(params, acc_o[0], lse, tile, warp_row0, lane);
+      store_split_partials<Traits>(params, acc_o[0], lse, tile, {row_code(0), row_code(1)}, lane);
       FLASHKIT_FWD_TRACE(5, clock64());
       FLASHKIT_FWD_TRACE(8, trace_global_ns());
       continue;
@@ -1082,16 +1134,14 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
       store_output_staged<Traits>(params, &acc_o[0][0][0], smem + Traits::kOOffset + consumer * Traits::OTile::kBytes,
                                   tile, consumer, warp);
     }
-    const int g = lane / 4;
     const int t = lane % 4;
     const int head_chunks = p.head_dim / 8;  // the columns past head_dim are padding
-    const int head_in_group = (1 << shift) - 1;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = warp_row0 + g + half * 8;
-      const bool row_inside = row < tile.rows_in_block;
-      const int token = (m0 + row) >> shift;
-      const int head = tile.head + ((m0 + row) & head_in_group);
+      const int code = row_code(half);
+      const bool row_inside = TileRows::token(code) < tile.tokens;
+      const int token = tile.token0 + TileRows::token(code);
+      const int head = tile.head + TileRows::head(code);
       if constexpr (!Traits::kStageOutput) {
         Element* out_row = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride +
                            head * p.out_head_stride + (static_cast<int64_t>(tile.q_token) + token) * p.out_row_stride;

@@ -32,29 +32,30 @@ template <> struct ElementOf<DType::kBFloat16> { using type = __nv_bfloat16; };
 template <> struct ElementOf<DType::kFloat16> { using type = __half; };
 
 // Launches fwd_kernel<Traits, kPipelined> on the problem: tensor maps, tile order, grid, shared
-// memory. The query heads packed as plan.pack_shift says; with Traits::kSplitKeys the keys split
+// memory. The query heads packed as plan.pack_group says; with Traits::kSplitKeys the keys split
 // plan.num_splits ways (into plan.split_lse and split_out).
 template <typename Traits, bool kPipelined>
 void launch_fwd(const FwdProblem& problem, const FwdPlan& plan, cudaStream_t stream) {
-  const int pack_shift = plan.pack_shift;
-  const int group = 1 << pack_shift;
+  const int group = plan.pack_group;
   const int row_heads = problem.heads_q / group;  // the (batch, head) pairs' heads: kv heads when packed
-  const int64_t rows = static_cast<int64_t>(problem.seqlen_q) * group;
-  const int64_t num_m_blocks = (rows + Traits::kBlockM - 1) / Traits::kBlockM;
+  const int tokens_per_tile = fwd_tokens_per_tile(Traits::kBlockM, group);
+  const int64_t num_m_blocks = (problem.seqlen_q + tokens_per_tile - 1) / tokens_per_tile;
   const int num_splits = Traits::kSplitKeys ? plan.num_splits : 1;
   const int64_t num_blocks = num_m_blocks * problem.batch * row_heads * num_splits;
   if (num_blocks == 0) return;
   if (num_blocks > INT32_MAX) {
     throw Error("mha_fwd: the sm90 forward's tiles, batch * heads_q / " + std::to_string(group) +
-                " * ceil(seqlen_q * " + std::to_string(group) + " / " + std::to_string(Traits::kBlockM) +
-                ") * " + std::to_string(num_splits) + " split(s) = " + std::to_string(num_blocks) +
+                " * ceil(seqlen_q / " + std::to_string(tokens_per_tile) + ") * " + std::to_string(num_splits) +
+                " split(s) = " + std::to_string(num_blocks) +
                 ", exceed the 2^31 - 1 one launch can run");
   }
 
   const bool varlen = problem.is_varlen();
   FwdParams params;
   params.problem = problem;
-  params.pack_shift = pack_shift;
+  params.rows.group = group;
+  params.rows.tokens_per_consumer = 64 / group;
+  params.rows.reciprocal = fwd_pack_reciprocal(group);
   params.num_splits = num_splits;
   params.blocks_per_split = 0;
   params.split_lse = nullptr;
@@ -66,19 +67,20 @@ void launch_fwd(const FwdProblem& problem, const FwdPlan& plan, cudaStream_t str
     params.split_out = plan.split_out;
   }
   params.tile_counter = nullptr;
+  // Q and O move in boxes of one consumer's tokens (TileRows).
   params.q_map = grouped_rows_tensor_map(problem, problem.q, problem.q_tensor_rows(), problem.heads_q, group,
                                          problem.q_row_stride, problem.q_head_stride, problem.q_batch_stride,
-                                         Traits::kBlockM, "q");
+                                         params.rows.tokens_per_consumer, "q");
   params.k_map = input_tensor_map(problem, problem.k, problem.k_tensor_rows(),
                                   problem.heads_kv, problem.k_row_stride, problem.k_head_stride,
                                   problem.k_batch_stride, Traits::kBlockN, "k");
   params.v_map = input_tensor_map(problem, problem.v, problem.k_tensor_rows(),
                                   problem.heads_kv, problem.v_row_stride, problem.v_head_stride,
                                   problem.v_batch_stride, Traits::kBlockN, "v");
-  if constexpr (Traits::kStageOutput) {  // the staged epilogue stores one consumer's 64 rows per box
+  if constexpr (Traits::kStageOutput) {
     params.o_map = grouped_rows_tensor_map(problem, problem.out, problem.q_tensor_rows(), problem.heads_q, group,
                                            problem.out_row_stride, problem.out_head_stride,
-                                           problem.out_batch_stride, 64, "out");
+                                           problem.out_batch_stride, params.rows.tokens_per_consumer, "out");
   }
 
   // Tile order (TileOrder in fwd_kernel_sm90.cuh). Under a causal or sliding-window mask the tiles

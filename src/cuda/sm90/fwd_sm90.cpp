@@ -48,26 +48,25 @@ PackGqa pack_gqa_from_env() {
               "wherever the sm90 forward can) or unset (where that pays)");
 }
 
-int fwd_pack_gqa_shift(const FwdProblem& p, int block_m, int block_n, int sm_count, bool can_split,
+int fwd_pack_gqa_group(const FwdProblem& p, int block_m, int block_n, int sm_count, bool can_split,
                        PackGqa mode) {
-  if (mode == PackGqa::kNever || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return 0;
+  if (mode == PackGqa::kNever || p.heads_kv <= 0 || p.heads_q % p.heads_kv != 0) return 1;
   const int group = p.heads_q / p.heads_kv;
-  if (group < 2 || group > 64 || (group & (group - 1)) != 0) return 0;
-  if (p.dropout_p > 0.0f || p.alibi_slopes != nullptr || p.seqlen_q <= 0) return 0;
-  const int64_t packed_rows = static_cast<int64_t>(p.seqlen_q) * group;  // seqlen_q: the maximum if varlen
-  if (packed_rows > INT32_MAX - block_m) return 0;
-  int shift = 0;
-  while ((1 << shift) < group) ++shift;
-  if (mode == PackGqa::kWherever) return shift;
-  auto tiles = [block_m](int64_t rows) { return (rows + block_m - 1) / block_m; };
-  if (static_cast<int64_t>(p.batch) * p.heads_q * tiles(p.seqlen_q) <= sm_count) {
+  if (group < 2 || group > 64) return 1;
+  if (p.dropout_p > 0.0f || p.alibi_slopes != nullptr || p.seqlen_q <= 0) return 1;
+  if (static_cast<int64_t>(p.seqlen_q) * group > INT32_MAX - block_m) return 1;  // seqlen_q: the maximum if varlen
+  if (mode == PackGqa::kWherever) return group;
+  auto tiles = [](int64_t tokens, int tokens_per_tile) { return (tokens + tokens_per_tile - 1) / tokens_per_tile; };
+  if (static_cast<int64_t>(p.batch) * p.heads_q * tiles(p.seqlen_q, block_m) <= sm_count) {
     const int64_t key_blocks = (static_cast<int64_t>(p.seqlen_k) + block_n - 1) / block_n;
-    const bool splits = can_split && fwd_split_count(p, block_m, block_n, shift, sm_count, 0) > 1;
-    return splits && key_blocks >= kFwdPackSplitMinKeyBlocks ? shift : 0;
+    const bool splits = can_split && fwd_split_count(p, block_m, block_n, group, sm_count, 0) > 1;
+    return splits && key_blocks >= kFwdPackSplitMinKeyBlocks ? group : 1;
   }
-  if (p.is_varlen()) return shift;
-  auto in_use = [&](int64_t rows) { return static_cast<double>(rows) / static_cast<double>(tiles(rows) * block_m); };
-  return in_use(packed_rows) > 1.01 * in_use(p.seqlen_q) ? shift : 0;
+  // The rows in use per row run: s_q x G rows on G times fewer (packed) tiles, against s_q.
+  const double packed = static_cast<double>(p.seqlen_q) * group /
+                        static_cast<double>(tiles(p.seqlen_q, fwd_tokens_per_tile(block_m, group)) * block_m);
+  const double unpacked = static_cast<double>(p.seqlen_q) / static_cast<double>(tiles(p.seqlen_q, block_m) * block_m);
+  return packed > 1.01 * unpacked || (p.is_varlen() && packed >= unpacked) ? group : 1;
 }
 
 int forced_splits_from_env() {
@@ -82,12 +81,13 @@ int forced_splits_from_env() {
   return static_cast<int>(n);
 }
 
-int fwd_split_count(const FwdProblem& p, int block_m, int block_n, int pack_shift, int sm_count, int forced) {
+int fwd_split_count(const FwdProblem& p, int block_m, int block_n, int pack_group, int sm_count, int forced) {
   if (p.dropout_p > 0.0f || p.window_left >= 0 || p.seqlen_k <= 0 || p.seqlen_q <= 0) return 1;
   const int64_t key_blocks = (static_cast<int64_t>(p.seqlen_k) + block_n - 1) / block_n;  // the maximum if varlen
   if (forced > 0) return static_cast<int>(std::min<int64_t>({forced, key_blocks, kFwdMaxSplits}));
-  const int64_t rows = static_cast<int64_t>(p.seqlen_q) << pack_shift;
-  const int64_t tiles = static_cast<int64_t>(p.batch) * (p.heads_q >> pack_shift) * ((rows + block_m - 1) / block_m);
+  const int tokens_per_tile = fwd_tokens_per_tile(block_m, pack_group);
+  const int64_t tiles = static_cast<int64_t>(p.batch) * (p.heads_q / pack_group) *
+                        ((p.seqlen_q + tokens_per_tile - 1) / tokens_per_tile);
   if (2 * tiles > sm_count) return 1;
   const int64_t splits = std::min<int64_t>({sm_count / tiles, key_blocks / kFwdMinBlocksPerSplit, kFwdMaxSplits});
   return static_cast<int>(std::max<int64_t>(1, splits));
@@ -96,9 +96,9 @@ int fwd_split_count(const FwdProblem& p, int block_m, int block_n, int pack_shif
 FwdPlan plan_fwd(const FwdProblem& p, int sm_count, bool can_split, PackGqa pack_mode, int forced_splits) {
   const FwdTileConfig tile = fwd_tile_config(fwd_head_dim_family(p.head_dim), p.dropout_p > 0.0f);
   FwdPlan plan;
-  plan.pack_shift = fwd_pack_gqa_shift(p, tile.block_m, tile.block_n, sm_count, can_split, pack_mode);
+  plan.pack_group = fwd_pack_gqa_group(p, tile.block_m, tile.block_n, sm_count, can_split, pack_mode);
   if (can_split) {
-    plan.num_splits = fwd_split_count(p, tile.block_m, tile.block_n, plan.pack_shift, sm_count, forced_splits);
+    plan.num_splits = fwd_split_count(p, tile.block_m, tile.block_n, plan.pack_group, sm_count, forced_splits);
   }
   return plan;
 }

@@ -27,12 +27,13 @@ constexpr int fwd_head_dim_family(int head_dim) {
 std::string fwd_unsupported_reason(const FwdProblem& problem);
 
 // Grouped-query attention with a kv head's G = heads_q / heads_kv query heads packed into one tile
-// (FlashAttention-3's PackGQA): the kernel's tiles then run over the rows of a (batch, kv head),
-// row r being token r / G of query head kv_head * G + r % G, so that s_q tokens fill s_q x G rows
-// instead of s_q rows of each of G tiles. What it covers: G a power of two up to 64 (G divides every
-// tile's rows and each consumer's 64, so that Q and O move as TMA boxes of whole tokens), no dropout
-// (the mask is addressed by the tile's head and rows), no ALiBi (a slope per tile), s_q x G below
-// 2^31.
+// (FlashAttention-3's PackGQA): the kernel's tiles then run over the (token, head) pairs of a
+// (batch, kv head), each token's G query heads in G rows, so that s_q tokens fill s_q x G rows
+// instead of s_q rows of each of G tiles. Each consumer warpgroup's 64 rows hold floor(64 / G)
+// whole tokens (fwd_tokens_per_tile), so that its Q and O move as TMA boxes of whole tokens; where
+// G does not divide 64 the rest are padding (G = 7: 63 of 64 rows in use, G = 24: 48). What it
+// covers: 2 <= G <= 64, no dropout (the mask is addressed by the tile's head and rows), no ALiBi (a
+// slope per tile), s_q x G below 2^31.
 //
 // Split keys: where the tiles fill few of the SMs and the keys are many, each tile's key blocks
 // are cut into num_splits ranges, one CTA each. A split writes its rows' normalized output and
@@ -42,8 +43,9 @@ std::string fwd_unsupported_reason(const FwdProblem& problem);
 // sliding window's left edge (its tiles' key ranges differ, and a row sees few keys).
 //
 // When each pays (H200, bf16 d128, 32/8 heads, CUDA-graph timing, bench/NOTES.md session 26):
-// - Packing never adds empty rows (G x s_q rounded up to a tile is at most G times s_q rounded
-//   up). Where the unpacked tiles exceed one wave it removes up to G times the empty rows' work:
+// - With G a power of two, packing never adds empty rows (G x s_q rounded up to a tile is at most
+//   G times s_q rounded up). Where the unpacked tiles exceed one wave it removes up to G times the
+//   empty rows' work:
 //   8-64 query tokens at batch 8 and 32: 1.24x-2.24x; 200 tokens (last tile 56% empty):
 //   1.03x-1.15x; d64's 192-row tiles over 512 and 2048 tokens: 1.09x and 1.02x-1.05x. With whole
 //   tiles either way the GQA grid read -9% to +9% per cell, no better on the whole.
@@ -56,9 +58,10 @@ std::string fwd_unsupported_reason(const FwdProblem& problem);
 // - Splitting at batch 1: 1.5x-3.5x the unsplit forward at 64-200 tokens and 8k-32k keys.
 // So the plan (plan_fwd): with `can_split` (a workspace and the combine pass), problems whose
 // unpacked tiles fill at most a wave pack when their keys are at least kFwdPackSplitMinKeyBlocks
-// blocks; problems with more tiles pack as varlen always (each sequence's last tile is part empty;
-// packed, one per kv head instead of one per query head), fixed-length ones where the rows in use
-// per row run, G s_q / round_up(G s_q, block_m), beat s_q / round_up(s_q, block_m) by more than 1%.
+// blocks; problems with more tiles pack where the rows in use per row run, G s_q / (block_m x
+// packed tiles), beat s_q / round_up(s_q, block_m) by more than 1%, and as varlen also where they
+// are no worse (each sequence's last tile is part empty; packed, one per kv head instead of one per
+// query head).
 // Then the keys split where the (packed or not) tiles fill at most half the SMs: as many splits as
 // bring them to one wave, each of at least kFwdMinBlocksPerSplit key blocks, at most kFwdMaxSplits.
 enum class PackGqa {
@@ -77,22 +80,30 @@ PackGqa pack_gqa_from_env();
 // can split (1: never), up to the key blocks; throws flashkit::Error on another value.
 int forced_splits_from_env();
 
-// log2(G) when the sm90 forward packs `problem`'s query heads on tiles of `block_m` x `block_n` on
-// a GPU of `sm_count` SMs, else 0 (the rule above).
-int fwd_pack_gqa_shift(const FwdProblem& problem, int block_m, int block_n, int sm_count, bool can_split,
+// The query tokens of a tile of `block_m` rows (64 per consumer warpgroup) with `group` query heads
+// packed per token (1: unpacked): floor(64 / group) per consumer.
+constexpr int fwd_tokens_per_tile(int block_m, int group) { return block_m / 64 * (64 / group); }
+
+// ceil(2^16 / group): the kernel's j / group as (j x reciprocal) >> 16, exact for 0 <= j < 256 and
+// 1 <= group <= 64 (the error term j x (reciprocal x group - 2^16) / 2^16 stays below 1 / group).
+constexpr int fwd_pack_reciprocal(int group) { return (65536 + group - 1) / group; }
+
+// G when the sm90 forward packs `problem`'s query heads on tiles of `block_m` x `block_n` on a GPU
+// of `sm_count` SMs, else 1 (the rule above).
+int fwd_pack_gqa_group(const FwdProblem& problem, int block_m, int block_n, int sm_count, bool can_split,
                        PackGqa mode);
 
-// The number of key splits for `problem` on tiles of `block_m` x `block_n` with `pack_shift`, 1 for
-// none (the rule above); `forced` > 0: that many wherever covered, up to the key blocks and
-// kFwdMaxSplits.
-int fwd_split_count(const FwdProblem& problem, int block_m, int block_n, int pack_shift, int sm_count,
+// The number of key splits for `problem` on tiles of `block_m` x `block_n` with `pack_group` query
+// heads per token (1: unpacked), 1 for none (the rule above); `forced` > 0: that many wherever
+// covered, up to the key blocks and kFwdMaxSplits.
+int fwd_split_count(const FwdProblem& problem, int block_m, int block_n, int pack_group, int sm_count,
                     int forced);
 
 // How one launch runs: the packing, and the key split (num_splits > 1 writes the partials into
 // split_lse and split_out, the two parts of the caller's workspace in sm80::decode_workspace_layout,
 // which the caller then combines; 1 runs unsplit).
 struct FwdPlan {
-  int pack_shift = 0;
+  int pack_group = 1;  // query heads per token in a tile's rows (1: unpacked)
   int num_splits = 1;
   float* split_lse = nullptr;
   float* split_out = nullptr;

@@ -113,12 +113,12 @@ CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64_t rows
 }
 
 CUtensorMap grouped_rows_tensor_map(const FwdProblem& p, const void* base, int64_t rows, int heads, int group,
-                                    int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows,
+                                    int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_tokens,
                                     const char* what) {
   const int64_t extents[5] = {p.head_dim, group, rows, heads / group, p.batch};
   const int64_t strides[4] = {head_stride, row_stride, group * head_stride, batch_stride};
   const cuuint32_t box[5] = {kSwizzleAtomElements, static_cast<cuuint32_t>(group),
-                             static_cast<cuuint32_t>(box_rows / group), 1, 1};
+                             static_cast<cuuint32_t>(box_tokens), 1, 1};
   return api_tensor_map(p, base, p.is_varlen() ? 4 : 5, extents, strides, box, rows <= 0, what);
 }
 

@@ -49,13 +49,12 @@ CUtensorMap input_tensor_map(const FwdProblem& p, const void* base, int64_t rows
 
 // The map of q or out with each kv head's `group` query heads side by side in a box (the sm90
 // forward's packed query heads): [D, group, seqlen, heads / group, batch] (fixed) or [D, group,
-// total, heads / group] (varlen), in boxes of 64 x group x box_rows / group, whose box_rows rows
-// land in shared memory in the order (token, head in group): row r of a box is token r / group of
-// head r % group. `group` divides heads and box_rows; group 1 is the plain layout of
-// input_tensor_map with a dim of extent 1 more. The same rules for empty tensors and dims of
-// extent 1.
+// total, heads / group] (varlen), in boxes of 64 x group x box_tokens, whose group x box_tokens
+// rows land in shared memory in the order (token, head in group): row r of a box is token r / group
+// of head r % group. `group` divides heads; group 1 is the plain layout of input_tensor_map with a
+// dim of extent 1 more. The same rules for empty tensors and dims of extent 1.
 CUtensorMap grouped_rows_tensor_map(const FwdProblem& p, const void* base, int64_t rows, int heads, int group,
-                                    int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_rows,
+                                    int64_t row_stride, int64_t head_stride, int64_t batch_stride, int box_tokens,
                                     const char* what);
 
 }  // namespace flashkit::sm90
