@@ -22,12 +22,15 @@ std::string fwd_decode_unsupported_reason(const FwdProblem& p) {
 bool fwd_prefers_decode(const FwdProblem& p, int sm_count, int forward_heads_per_tile, bool forward_splits) {
   if (p.seqlen_q > kFwdDecodeMaxSeqlenQFewTiles || !fwd_decode_unsupported_reason(p).empty()) return false;
   const int64_t decode_rows = static_cast<int64_t>(p.seqlen_q) * (p.heads_q / p.heads_kv);  // per kv head
-  if (forward_splits) return p.seqlen_q == 1 || decode_rows <= sm80::kDecodeRows;
+  const int64_t decode_tiles =
+      static_cast<int64_t>(p.batch) * p.heads_kv * ((decode_rows + sm80::kDecodeRows - 1) / sm80::kDecodeRows);
+  if (forward_splits) {
+    return p.seqlen_q == 1 || decode_rows <= sm80::kDecodeRows ||
+           (p.seqlen_k <= kFwdDecodeMaxKeysBesideSplit && 4 * decode_tiles <= sm_count);
+  }
   if (forward_heads_per_tile <= 1) {
     return p.seqlen_q <= kFwdDecodeMaxSeqlenQ || static_cast<int64_t>(p.batch) * p.heads_q <= sm_count / 4;
   }
-  const int64_t decode_tiles =
-      static_cast<int64_t>(p.batch) * p.heads_kv * ((decode_rows + sm80::kDecodeRows - 1) / sm80::kDecodeRows);
   return decode_rows <= sm80::kDecodeRows || 4 * decode_tiles <= 3 * static_cast<int64_t>(sm_count);
 }
 

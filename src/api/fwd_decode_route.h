@@ -11,8 +11,9 @@
 // tokens, it reads no more key bytes than the forward kernels (ceil(seqlen_q x group / 16) tiles per
 // kv head, against group tiles) and computes less; up to 32 it still wins where the forward kernels'
 // few tiles leave most SMs idle. Against the sm90 forward with packed query heads, which also
-// reads the keys once per kv head, the bounds are in packed rows (fwd_prefers_decode). Variable-length batches too (padded batches in
-// generate() go through flash_attn_varlen_func), with max_seqlen_q as the bound.
+// reads the keys once per kv head, the bounds are in packed rows (fwd_prefers_decode).
+// Variable-length batches too (padded batches in generate() go through flash_attn_varlen_func),
+// with max_seqlen_q as the bound.
 #pragma once
 
 #include <string>
@@ -31,6 +32,10 @@ constexpr int kFwdDecodeMaxSeqlenQ = 16;
 // kernel is 1.26x-2.9x the sm90 forward at batch 1 (32 tiles), 0.86x-1.30x at batch 2 (64 tiles)
 // and 0.63x-0.83x from batch 4 (128 tiles).
 constexpr int kFwdDecodeMaxSeqlenQFewTiles = 32;
+// Keys up to which the decode kernel also takes more than 16 packed rows beside a forward that
+// splits, while its tiles are few (fwd_prefers_decode): with 16 key blocks the forward splits at
+// most 4 ways and leaves most SMs idle.
+constexpr int kFwdDecodeMaxKeysBesideSplit = 2048;
 
 // Why the decode kernel cannot run `problem` ("" when it can), the build and the device aside.
 std::string fwd_decode_unsupported_reason(const FwdProblem& problem);
@@ -46,7 +51,11 @@ std::string fwd_decode_unsupported_reason(const FwdProblem& problem);
 //   each kv head's keys once and fill the SMs; the decode kernel computes 16 rows where the forward
 //   computes 128. H200, bf16 d128, 32/8 heads, 2k-32k keys (session 26):
 //   the decode kernel 1.03x-1.12x the split forward at one token, at 16 tokens 0.96x (2k keys) and
-//   0.46x-0.61x (8k-32k);
+//   0.46x-0.61x (8k-32k). Also up to kFwdDecodeMaxKeysBesideSplit keys while the decode kernel's
+//   tiles, batch x heads_kv x ceil(seqlen_q x G / 16), fill at most a quarter of the SMs: at 2k
+//   keys, 32/8 and 28/4 heads, batch 1-4, 4-16 tokens (session 27), the decode kernel 1.03x-1.39x
+//   the forward wherever its tiles were at most 32, 0.64x-0.90x wherever they were 56 or more; at
+//   8k-32k keys 0.54x-0.93x beyond 16 rows (G = 7 at batch 1, 8k, 4 tokens: 1.02x);
 // - beside a forward that packs but does not split (its tiles fill the SMs): seqlen_q x G at most
 //   16 rows, or the decode kernel's tiles, batch x heads_kv x ceil(seqlen_q x G / 16), at most 3/4
 //   of the SMs. Session 26: the packed forward 1.1x-3.2x the decode kernel from 8 tokens at batch

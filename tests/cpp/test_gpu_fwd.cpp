@@ -766,13 +766,22 @@ TEST(Sm90PackedHeads, WhichProblemsArePacked) {
   p.cu_seqlens_q = reinterpret_cast<const int*>(0x100);
   EXPECT_EQ(group(4096), 4);
   p.cu_seqlens_q = nullptr;
-  // Unpacked tiles within one wave (4 x 32 = 128 at up to 128 tokens): only where the packed tiles
-  // then split the keys, and there are at least 32 key blocks.
+  // Unpacked tiles within one wave (4 x 32 = 128 at up to 128 tokens): only where the busiest CTA
+  // costs less packed (key blocks of its split x 1.3 with two consumers busy, + 8 for a split).
   p.batch = 4;
-  EXPECT_EQ(group(32), 4) << "32 blocks of keys, 32 packed tiles: split";
-  EXPECT_EQ(group(32, PackGqa::kAuto, false), 1) << "no split without a workspace";
+  EXPECT_EQ(group(32), 4) << "32 packed tiles split 4 ways: 8 x 1.3 + 8 against 32";
+  EXPECT_EQ(group(32, PackGqa::kAuto, false), 1) << "no split without a workspace: 32 x 1.3 against 32";
   p.seqlen_k = 2048;
-  EXPECT_EQ(group(32), 1) << "16 blocks of keys";
+  EXPECT_EQ(group(16), 4) << "16 blocks of keys: 4 + 8 against 16";
+  EXPECT_EQ(group(64), 1) << "64 packed tiles split 2 ways: 8 x 1.3 + 8 against 16";
+  p.batch = 1;
+  EXPECT_EQ(group(8), 1) << "4 splits either way: 4 + 8 against 4 + 8";
+  EXPECT_EQ(group(32), 1) << "4 x 1.3 + 8 against 4 + 8";
+  p.seqlen_k = 8192;
+  EXPECT_EQ(group(32), 4) << "16 splits packed, 4 unpacked: 4 x 1.3 + 8 against 16 + 8";
+  EXPECT_EQ(group(64), 4) << "8 splits packed: 8 x 1.3 + 8 against 16 + 8";
+  EXPECT_EQ(group(128), 1) << "4 splits either way: 16 x 1.3 + 8 against 16 x 1.3 + 8";
+  p.batch = 4;
   p.seqlen_k = 4096;
   EXPECT_EQ(group(32, PackGqa::kWherever, false), 4);
   EXPECT_EQ(group(129), 4) << "256 tiles";

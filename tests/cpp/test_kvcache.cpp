@@ -626,13 +626,24 @@ TEST(FwdDecodeRoute, WhichProblemsTakeTheDecodeKernel) {
   EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 4, false)) << "64 decode tiles";
   p.seqlen_q = 16;
   EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 4, false)) << "128 decode tiles";
-  // Beside a forward that splits the keys: one token, or up to 16 rows of the decode kernel's.
+  // Beside a forward that splits the keys: one token, or up to 16 rows of the decode kernel's; with
+  // at most 2048 keys also while the decode kernel's tiles fill at most a quarter of the SMs.
   p.seqlen_q = 4;
   EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 4, true)) << "4 tokens x 4 heads";
   EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 1, true));
   p.seqlen_q = 5;
-  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 4, true));
+  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 4, true)) << "64 decode tiles";
   EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 1, true));
+  p.seqlen_k = api::kFwdDecodeMaxKeysBesideSplit;
+  p.batch = 2;
+  EXPECT_TRUE(api::fwd_prefers_decode(p, kH100Sms, 4, true)) << "32 decode tiles, 2048 keys";
+  p.seqlen_q = 9;
+  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 4, true)) << "48 decode tiles";
+  p.seqlen_q = 5;
+  p.seqlen_k = api::kFwdDecodeMaxKeysBesideSplit + 1;
+  EXPECT_FALSE(api::fwd_prefers_decode(p, kH100Sms, 4, true)) << "more keys";
+  p.batch = 4;
+  p.seqlen_k = 37;
   p.seqlen_q = 1;
   p.heads_q = 64;
   p.heads_kv = 1;

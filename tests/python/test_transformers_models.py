@@ -79,6 +79,10 @@ DECODERS = {
     "gemma3": lambda: (transformers.Gemma3ForCausalLM,
                        tiny(transformers.Gemma3TextConfig, head_dim=16, sliding_window=6,
                             query_pre_attn_scalar=37, sliding_window_pattern=2)),
+    # Qwen2-7B's 7 query heads per kv head (28 / 4), with biased q / k / v projections.
+    "qwen2-g7": lambda: (transformers.Qwen2ForCausalLM,
+                         tiny(transformers.Qwen2Config, hidden_size=112, num_attention_heads=7,
+                              num_key_value_heads=1)),
 }
 
 
@@ -93,6 +97,23 @@ def test_decoder_padded_logits_match_eager(device, family, left):
     outs = {k: m(input_ids=ids, attention_mask=mask, use_cache=False).logits
             for k, m in models.items()}
     check_models(f"{family} padded logits", outs, mask.bool())
+
+
+@pytest.mark.parametrize("pack", ["0", "1"], ids=["unpacked", "packed"])
+@torch.no_grad()
+def test_qwen2_packed_query_heads_match_eager(device, monkeypatch, pack):
+    """G = 7 with the sm90 forward's query heads packed into its tiles wherever it can, and never
+    (FLASHKIT_SM90_PACK_GQA, read at each call; elsewhere than Hopper both run the same kernel):
+    padded prefill logits, then single-token decode steps through a dynamic cache."""
+    monkeypatch.setenv("FLASHKIT_SM90_PACK_GQA", pack)
+    model_cls, config = DECODERS["qwen2-g7"]()
+    models = make_models(model_cls, config, device)
+    torch.manual_seed(4)
+    ids = torch.randint(1, VOCAB, (3, 40), device=device)
+    mask = padded(3, 40, device, left=True)
+    outs = {k: decode_stepwise(m, ids, mask, 33, transformers.DynamicCache(config=m.config))
+            for k, m in models.items()}
+    check_models(f"qwen2 G = 7 (pack {pack}) prefill + decode", outs, mask.bool())
 
 
 def decode_stepwise(model, ids, mask, prompt, cache):

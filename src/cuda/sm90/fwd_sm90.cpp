@@ -58,9 +58,19 @@ int fwd_pack_gqa_group(const FwdProblem& p, int block_m, int block_n, int sm_cou
   if (mode == PackGqa::kWherever) return group;
   auto tiles = [](int64_t tokens, int tokens_per_tile) { return (tokens + tokens_per_tile - 1) / tokens_per_tile; };
   if (static_cast<int64_t>(p.batch) * p.heads_q * tiles(p.seqlen_q, block_m) <= sm_count) {
-    const int64_t key_blocks = (static_cast<int64_t>(p.seqlen_k) + block_n - 1) / block_n;
-    const bool splits = can_split && fwd_split_count(p, block_m, block_n, group, sm_count, 0) > 1;
-    return splits && key_blocks >= kFwdPackSplitMinKeyBlocks ? group : 1;
+    // Within one wave the busiest CTA sets the time (fwd_sm90.h): its split's key blocks, each
+    // costing more with more consumers busy, and the split's fixed cost.
+    auto busiest_cta_cost = [&](int g) {
+      const int tokens_per_consumer = 64 / g;
+      const int64_t tokens = std::min<int64_t>(p.seqlen_q, fwd_tokens_per_tile(block_m, g));
+      const int64_t consumers = (tokens + tokens_per_consumer - 1) / tokens_per_consumer;
+      const int64_t key_blocks = (static_cast<int64_t>(p.seqlen_k) + block_n - 1) / block_n;
+      const int splits = can_split ? fwd_split_count(p, block_m, block_n, g, sm_count, 0) : 1;
+      const double block_cost = 1.0 + kFwdConsumerBlockCost * static_cast<double>(consumers - 1);
+      return static_cast<double>((key_blocks + splits - 1) / splits) * block_cost +
+             (splits > 1 ? kFwdSplitCostBlocks : 0.0);
+    };
+    return busiest_cta_cost(group) < busiest_cta_cost(1) ? group : 1;
   }
   // The rows in use per row run: s_q x G rows on G times fewer (packed) tiles, against s_q.
   const double packed = static_cast<double>(p.seqlen_q) * group /

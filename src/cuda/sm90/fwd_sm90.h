@@ -54,14 +54,22 @@ std::string fwd_unsupported_reason(const FwdProblem& problem);
 //   tiles run all their rows, 0.77x-0.85x at batch 1 and 4 with 32-64 tokens. Split, the packed
 //   tiles read each kv head's keys once per split where the unpacked ones read them G times:
 //   1.2x-2.5x the unpacked split at batch 1-4 with 16-64 tokens and 8k-32k keys, about even at
-//   128-200 tokens, 0.79x-1.33x with 2k keys (16 blocks: at most 4 splits).
+//   128-200 tokens (the same number of splits either way), 0.79x-1.33x at batch 1 with 2k keys (16
+//   blocks: 4 splits either way). At batch 4 with 2k keys the unpacked tiles (128) are too many to
+//   split while the packed ones (32) split 4 ways: 8-32 tokens 1.10x-1.45x unpacked (and 1.10x-1.42x
+//   the decode kernel, which the route took before, session 27), but at 64 tokens 0.80x: 64
+//   packed tiles split 2 ways give each CTA 2 consumers x 8 key blocks, the unpacked ones 1 x 16.
+//   Fitted to those cells (session 27): a CTA's key block costs 1 + 0.3 per consumer past the
+//   first (H200, d128: ~1.3-1.45 us with one, ~1.65-2 with two), and a split adds about 8 blocks
+//   (the partials written and read, the combine launch: ~10-12 us).
 // - Splitting at batch 1: 1.5x-3.5x the unsplit forward at 64-200 tokens and 8k-32k keys.
-// So the plan (plan_fwd): with `can_split` (a workspace and the combine pass), problems whose
-// unpacked tiles fill at most a wave pack when their keys are at least kFwdPackSplitMinKeyBlocks
-// blocks; problems with more tiles pack where the rows in use per row run, G s_q / (block_m x
-// packed tiles), beat s_q / round_up(s_q, block_m) by more than 1%, and as varlen also where they
-// are no worse (each sequence's last tile is part empty; packed, one per kv head instead of one per
-// query head).
+// So the plan (plan_fwd): problems whose unpacked tiles fill at most a wave pack where the busiest
+// CTA costs less packed: its split's key blocks x (1 + kFwdConsumerBlockCost per consumer past the
+// first), plus kFwdSplitCostBlocks if it splits (the splits as below; only with `can_split`, a
+// workspace and the combine pass). Problems with more tiles pack where the rows in use per row run,
+// G s_q / (block_m x packed tiles), beat s_q / round_up(s_q, block_m) by more than 1%, and as
+// varlen also where they are no worse (each sequence's last tile is part empty; packed, one per kv
+// head instead of one per query head).
 // Then the keys split where the (packed or not) tiles fill at most half the SMs: as many splits as
 // bring them to one wave, each of at least kFwdMinBlocksPerSplit key blocks, at most kFwdMaxSplits.
 enum class PackGqa {
@@ -69,8 +77,9 @@ enum class PackGqa {
   kNever,     // FLASHKIT_SM90_PACK_GQA=0 (measurements)
   kWherever,  // FLASHKIT_SM90_PACK_GQA=1: every problem it covers (tests)
 };
-constexpr int kFwdPackSplitMinKeyBlocks = 32;
 constexpr int kFwdMaxSplits = 128;  // sm80::kDecodeMaxSplits: the combine's limit
+constexpr double kFwdConsumerBlockCost = 0.3;
+constexpr double kFwdSplitCostBlocks = 8.0;
 constexpr int kFwdMinBlocksPerSplit = 4;
 
 // FLASHKIT_SM90_PACK_GQA, read at each call; throws flashkit::Error on a value other than 0 or 1.
