@@ -99,23 +99,6 @@ def test_decoder_padded_logits_match_eager(device, family, left):
     check_models(f"{family} padded logits", outs, mask.bool())
 
 
-@pytest.mark.parametrize("pack", ["0", "1"], ids=["unpacked", "packed"])
-@torch.no_grad()
-def test_qwen2_packed_query_heads_match_eager(device, monkeypatch, pack):
-    """G = 7 with the sm90 forward's query heads packed into its tiles wherever it can, and never
-    (FLASHKIT_SM90_PACK_GQA, read at each call; elsewhere than Hopper both run the same kernel):
-    padded prefill logits, then single-token decode steps through a dynamic cache."""
-    monkeypatch.setenv("FLASHKIT_SM90_PACK_GQA", pack)
-    model_cls, config = DECODERS["qwen2-g7"]()
-    models = make_models(model_cls, config, device)
-    torch.manual_seed(4)
-    ids = torch.randint(1, VOCAB, (3, 40), device=device)
-    mask = padded(3, 40, device, left=True)
-    outs = {k: decode_stepwise(m, ids, mask, 33, transformers.DynamicCache(config=m.config))
-            for k, m in models.items()}
-    check_models(f"qwen2 G = 7 (pack {pack}) prefill + decode", outs, mask.bool())
-
-
 def decode_stepwise(model, ids, mask, prompt, cache):
     """Prefill `prompt` tokens, then decode the rest one token at a time through `cache`."""
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -147,6 +130,23 @@ def test_decoder_kv_cache_decode_matches_eager(device, family, cache):
               else transformers.DynamicCache(config=m.config))
         outs[k] = decode_stepwise(m, ids, mask, 14, kv)
     check_models(f"{family} {cache}-cache decode", outs, mask.bool())
+
+
+@pytest.mark.parametrize("pack", ["0", "1"], ids=["unpacked", "packed"])
+@torch.no_grad()
+def test_qwen2_packed_query_heads_match_eager(device, monkeypatch, pack):
+    """G = 7 with the sm90 forward's query heads packed into its tiles wherever it can, and never
+    (FLASHKIT_SM90_PACK_GQA, read at each call; elsewhere than Hopper both run the same kernel):
+    padded prefill logits, then single-token decode steps through a dynamic cache."""
+    monkeypatch.setenv("FLASHKIT_SM90_PACK_GQA", pack)
+    model_cls, config = DECODERS["qwen2-g7"]()
+    models = make_models(model_cls, config, device)
+    torch.manual_seed(4)
+    ids = torch.randint(1, VOCAB, (3, 40), device=device)
+    mask = padded(3, 40, device, left=True)
+    outs = {k: decode_stepwise(m, ids, mask, 33, transformers.DynamicCache(config=m.config))
+            for k, m in models.items()}
+    check_models(f"qwen2 G = 7 (pack {pack}) prefill + decode", outs, mask.bool())
 
 
 @pytest.mark.parametrize("pad", [False, True], ids=["unpadded", "left-padded"])

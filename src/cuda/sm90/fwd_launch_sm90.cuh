@@ -54,7 +54,7 @@ void launch_fwd(const FwdProblem& problem, const FwdPlan& plan, cudaStream_t str
   FwdParams params;
   params.problem = problem;
   params.rows.group = group;
-  params.rows.tokens_per_consumer = 64 / group;
+  params.rows.tokens_per_consumer = fwd_tokens_per_consumer(group);
   params.rows.reciprocal = fwd_pack_reciprocal(group);
   params.num_splits = num_splits;
   params.blocks_per_split = 0;

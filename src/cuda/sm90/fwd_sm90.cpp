@@ -61,7 +61,7 @@ int fwd_pack_gqa_group(const FwdProblem& p, int block_m, int block_n, int sm_cou
     // Within one wave the busiest CTA sets the time (fwd_sm90.h): its split's key blocks, each
     // costing more with more consumers busy, and the split's fixed cost.
     auto busiest_cta_cost = [&](int g) {
-      const int tokens_per_consumer = 64 / g;
+      const int tokens_per_consumer = fwd_tokens_per_consumer(g);
       const int64_t tokens = std::min<int64_t>(p.seqlen_q, fwd_tokens_per_tile(block_m, g));
       const int64_t consumers = (tokens + tokens_per_consumer - 1) / tokens_per_consumer;
       const int64_t key_blocks = (static_cast<int64_t>(p.seqlen_k) + block_n - 1) / block_n;

@@ -89,9 +89,10 @@ PackGqa pack_gqa_from_env();
 // can split (1: never), up to the key blocks; throws flashkit::Error on another value.
 int forced_splits_from_env();
 
-// The query tokens of a tile of `block_m` rows (64 per consumer warpgroup) with `group` query heads
-// packed per token (1: unpacked): floor(64 / group) per consumer.
-constexpr int fwd_tokens_per_tile(int block_m, int group) { return block_m / 64 * (64 / group); }
+// The query tokens of one consumer warpgroup's 64 rows with `group` query heads packed per token
+// (1: unpacked), and of a tile of `block_m` rows (64 per consumer).
+constexpr int fwd_tokens_per_consumer(int group) { return 64 / group; }
+constexpr int fwd_tokens_per_tile(int block_m, int group) { return block_m / 64 * fwd_tokens_per_consumer(group); }
 
 // ceil(2^16 / group): the kernel's j / group as (j x reciprocal) >> 16, exact for 0 <= j < 256 and
 // 1 <= group <= 64 (the error term j x (reciprocal x group - 2^16) / 2^16 stays below 1 / group).
