@@ -200,6 +200,18 @@ struct TileRows {
   }
   __device__ __forceinline__ static int token(int code) { return code & 0xff; }
   __device__ __forceinline__ static int head(int code) { return code >> 8; }
+
+  // Consumer `consumer`'s tokens of a tile whose tokens are [token0, token0 + tile_tokens) of its
+  // sequence (FwdTile): [first, first + count), count < tokens_per_consumer where the sequence ends
+  // inside its rows and <= 0 where it ends before them.
+  struct ConsumerTokens {
+    int first;
+    int count;
+  };
+  __device__ __forceinline__ ConsumerTokens consumer_tokens(int token0, int tile_tokens, int consumer) const {
+    const int before = consumer * tokens_per_consumer;
+    return {token0 + before, min(tokens_per_consumer, tile_tokens - before)};
+  }
 };
 
 // The kernel's parameter block: the problem and the tensor maps of Q, K, V and O (K and V rank 4
@@ -546,7 +558,8 @@ __device__ __forceinline__ void producer_warp(const FwdParams& params, uint32_t 
 #pragma unroll
         for (int c = 0; c < Traits::kConsumerWarpgroups; ++c) {
           tma_load_grouped_tile<QTile>(smem + Traits::kQOffset + c * 64 * 128, params.q_map, q_full, varlen,
-                                       tile.q_token + tile.token0 + c * tokens, tile.head / params.rows.group, batch);
+                                       tile.q_token + params.rows.consumer_tokens(tile.token0, tile.tokens, c).first,
+                                       tile.head / params.rows.group, batch);
         }
       } else {
         mbarrier_arrive(q_full);
@@ -660,30 +673,27 @@ __device__ __forceinline__ void store_output_staged(const FwdParams& params, con
   fence_proxy_async_shared();
   named_barrier_sync(barrier, kWarpgroupThreads);
   const int group = params.rows.group;
-  const int first_token = tile.token0 + consumer * params.rows.tokens_per_consumer;  // this warpgroup's
-  const int tokens = tile.tokens - consumer * params.rows.tokens_per_consumer;     // of which inside the sequence
-  if (p.cu_seqlens_q == nullptr || tokens >= params.rows.tokens_per_consumer) {
+  const TileRows::ConsumerTokens rows = params.rows.consumer_tokens(tile.token0, tile.tokens, consumer);
+  if (p.cu_seqlens_q == nullptr || rows.count == params.rows.tokens_per_consumer) {
     if (thread == 0) {
-      const int token = tile.q_token + first_token;
+      const int token = tile.q_token + rows.first;
       const int head_group = tile.head / group;
-#pragma unroll
-      for (int cb = 0; cb < OTile::kColumnBlocks; ++cb) {
-        const uint32_t src = staging + cb * OTile::kColumnBlockBytes;
+      for_each_column_block<OTile>(staging, [&](uint32_t block, int column) {
         if (p.cu_seqlens_q != nullptr) {
-          tma_store_4d(params.o_map, src, cb * kSwizzleAtomElements, 0, token, head_group);
+          tma_store_4d(params.o_map, block, column, 0, token, head_group);
         } else {
-          tma_store_5d(params.o_map, src, cb * kSwizzleAtomElements, 0, token, head_group, tile.batch);
+          tma_store_5d(params.o_map, block, column, 0, token, head_group, tile.batch);
         }
-      }
+      });
       tma_store_commit();
     }
   } else {
     const int chunks = p.head_dim / 8;  // the columns past head_dim are padding
     Element* out = static_cast<Element*>(p.out) + tile.batch * p.out_batch_stride + tile.head * p.out_head_stride;
-    for (int i = thread; i < tokens * group * chunks; i += kWarpgroupThreads) {
+    for (int i = thread; i < rows.count * group * chunks; i += kWarpgroupThreads) {
       const int row = i / chunks;  // rows (token, head in group) of the warpgroup, in order
       const int chunk = i % chunks;
-      const int64_t token = tile.q_token + first_token + row / group;
+      const int64_t token = tile.q_token + rows.first + row / group;
       uint4 v;
       asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
                    : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
@@ -840,8 +850,9 @@ __device__ __forceinline__ void consumer_warpgroup(const FwdParams& params, uint
     FLASHKIT_FWD_TRACE(9, tile.n_end - tile.n_begin);
     // This warpgroup's tokens of the tile, [first_token, first_token + tokens) (TileRows); without
     // packing, row r of the tile is token tile.token0 + r (ALiBi and dropout never pack).
-    const int first_token = tile.token0 + consumer * params.rows.tokens_per_consumer;
-    const int tokens = min(params.rows.tokens_per_consumer, tile.token0 + tile.tokens - first_token);
+    const TileRows::ConsumerTokens own = params.rows.consumer_tokens(tile.token0, tile.tokens, consumer);
+    const int first_token = own.first;
+    const int tokens = own.count;
     const sm80::KeyWindow window{tile.len_q, tile.len_k, p.window_left, p.window_right};
     const float alibi_slope =
         p.alibi_slopes != nullptr ? p.alibi_slopes[tile.batch * p.alibi_batch_stride + tile.head] : 0.0f;

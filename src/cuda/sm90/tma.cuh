@@ -47,20 +47,26 @@ __device__ __forceinline__ void tma_load_5d(uint32_t dst, const CUtensorMap& map
       : "memory");
 }
 
+// A tile moves as one box per 64-column block (the 128-byte swizzle's width): calls
+// `copy(block, first_column)` with each block's shared-memory address and first column.
+template <typename Tile, typename Copy>
+__device__ __forceinline__ void for_each_column_block(uint32_t tile, Copy copy) {
+#pragma unroll
+  for (int cb = 0; cb < Tile::kColumnBlocks; ++cb) copy(tile + cb * Tile::kColumnBlockBytes, cb * kSwizzleAtomElements);
+}
+
 // Copies rows [row, row + box rows) of the (head, batch) slice of a tensor, all column blocks, into
 // the tile at `dst`, completing on `bar`.
 template <typename Tile>
 __device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap& map, uint32_t bar,
                                               bool varlen, int row, int head, int batch) {
-#pragma unroll
-  for (int cb = 0; cb < Tile::kColumnBlocks; ++cb) {
-    const uint32_t block_dst = dst + cb * Tile::kColumnBlockBytes;
+  for_each_column_block<Tile>(dst, [&](uint32_t block, int column) {
     if (varlen) {
-      tma_load_3d(block_dst, map, bar, cb * kSwizzleAtomElements, row, head);
+      tma_load_3d(block, map, bar, column, row, head);
     } else {
-      tma_load_4d(block_dst, map, bar, cb * kSwizzleAtomElements, row, head, batch);
+      tma_load_4d(block, map, bar, column, row, head, batch);
     }
-  }
+  });
 }
 
 // The same through a map of grouped_rows_tensor_map (tensor_map.h): the box of the group of heads
@@ -68,15 +74,13 @@ __device__ __forceinline__ void tma_load_tile(uint32_t dst, const CUtensorMap& m
 template <typename Tile>
 __device__ __forceinline__ void tma_load_grouped_tile(uint32_t dst, const CUtensorMap& map, uint32_t bar,
                                                       bool varlen, int token, int head_group, int batch) {
-#pragma unroll
-  for (int cb = 0; cb < Tile::kColumnBlocks; ++cb) {
-    const uint32_t block_dst = dst + cb * Tile::kColumnBlockBytes;
+  for_each_column_block<Tile>(dst, [&](uint32_t block, int column) {
     if (varlen) {
-      tma_load_4d(block_dst, map, bar, cb * kSwizzleAtomElements, 0, token, head_group);
+      tma_load_4d(block, map, bar, column, 0, token, head_group);
     } else {
-      tma_load_5d(block_dst, map, bar, cb * kSwizzleAtomElements, 0, token, head_group, batch);
+      tma_load_5d(block, map, bar, column, 0, token, head_group, batch);
     }
-  }
+  });
 }
 
 // Copies `bytes` (a multiple of 16) from global memory at `src` (16-byte aligned) into shared memory
