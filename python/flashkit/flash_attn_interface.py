@@ -136,16 +136,17 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
     """Variable-length attention: flashkit::varlen_fwd forward, flashkit::varlen_bwd backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
+    def forward(ctx, q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                dropout_p, softmax_scale, causal, window, softcap, alibi_slopes, deterministic,
                 return_softmax):
         head_dim = q.shape[-1]
         q, k, v = _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v)
         out, softmax_lse, rng_state, s_dmask = _ops.varlen_fwd(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, None, max_seqlen_q, max_seqlen_k, alibi_slopes,
-            dropout_p, softmax_scale, causal, window[0], window[1], softcap, return_softmax, None)
-        ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
-                              rng_state)
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+            alibi_slopes, dropout_p, softmax_scale, causal, window[0], window[1], softcap,
+            return_softmax, None)
+        ctx.save_for_backward(q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k,
+                              alibi_slopes, rng_state)
         ctx.options = (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window,
                        softcap, deterministic)
         ctx.head_dim = head_dim
@@ -155,16 +156,16 @@ class _FlashAttnVarlenFunc(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # the gradients have no gradient of their own
     def backward(ctx, dout, _dlse, _ds_dmask):
-        (q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, alibi_slopes,
+        (q, k, v, out, softmax_lse, cu_seqlens_q, cu_seqlens_k, seqused_k, alibi_slopes,
          rng_state) = ctx.saved_tensors
         (max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window, softcap,
          deterministic) = ctx.options
         dq, dk, dv = _ops.varlen_bwd(_pad_head_dim(dout), q, k, v, out, softmax_lse, cu_seqlens_q,
-                                     cu_seqlens_k, None, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                                     dropout_p, rng_state, softmax_scale, causal, window[0],
-                                     window[1], softcap, deterministic)
+                                     cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k,
+                                     alibi_slopes, dropout_p, rng_state, softmax_scale, causal,
+                                     window[0], window[1], softcap, deterministic)
         d = ctx.head_dim
-        return (dq[..., :d], dk[..., :d], dv[..., :d]) + (None,) * 12
+        return (dq[..., :d], dk[..., :d], dv[..., :d]) + (None,) * 13
 
 
 def _attention(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
@@ -192,7 +193,7 @@ def _attention(fn, q, k, v, dropout_p, softmax_scale, causal, window_size, softc
 
 def _varlen_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                       dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                      deterministic, return_attn_probs):
+                      deterministic, return_attn_probs, seqused_k=None):
     if q.dim() != 3:
         raise RuntimeError(f"{fn}: q has shape {list(q.shape)}; expected 3 dims "
                            "[total_q, heads_q, head_dim]")
@@ -202,13 +203,13 @@ def _varlen_attention(fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max
     return_softmax = bool(return_attn_probs) and dropout_p > 0
     if _needs_grad(q, k, v):
         out, softmax_lse, s_dmask = _FlashAttnVarlenFunc.apply(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+            q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_k, max_seqlen_q, max_seqlen_k, dropout_p,
             softmax_scale, causal, window, softcap, alibi_slopes, deterministic, return_softmax)
     else:
         out, softmax_lse, _, s_dmask = _ops.varlen_fwd(
-            _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), cu_seqlens_q, cu_seqlens_k, None,
-            max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal, window[0],
-            window[1], softcap, return_softmax, None)
+            _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), cu_seqlens_q, cu_seqlens_k,
+            seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p, softmax_scale, causal,
+            window[0], window[1], softcap, return_softmax, None)
         out = out[..., :q.shape[-1]]
     return out, softmax_lse, s_dmask if return_softmax else None
 
@@ -351,7 +352,13 @@ def flash_attn_varlen_func(
         q: [total_q, heads_q, head_dim]; k, v: [total_k, heads_kv, head_dim].
         cu_seqlens_q, cu_seqlens_k: int32 [batch + 1], prefix sums of the lengths, from 0.
         max_seqlen_q, max_seqlen_k: bounds on every query / key length.
-        block_table: paged KV is not supported here yet (flash_attn_with_kvcache takes it).
+        block_table: optional int32 [batch, max_blocks_per_seq], a paged KV cache (as in
+            flash_attn 2.6): k and v are then [num_blocks, page_block_size, heads_kv, head_dim]
+            and key i of sequence b is row i % page_block_size of page
+            block_table[b, i // page_block_size]; cu_seqlens_k still gives the key lengths. Any
+            page_block_size (flash_attn: multiples of 256). flashkit gathers each sequence's
+            keys and values into a [batch x max_seqlen_k] copy (no host synchronisation) and
+            runs the varlen kernels on it, its lengths as seqused_k; gradients reach the cache.
         The rest as flash_attn_func; masks apply per sequence, except that a window side is
         unbounded at or beyond max_seqlen_k (as in flash_attn), not the sequence's own length.
 
@@ -359,17 +366,68 @@ def flash_attn_varlen_func(
         out [total_q, heads_q, head_dim] (rows past cu_seqlens_q[-1] are not written), or
         (out, softmax_lse [heads_q, total_q], S_dmask).
     """
+    fn = "flash_attn_varlen_func"
+    seqused_k = None
     if block_table is not None:
-        raise NotImplementedError("flash_attn_varlen_func: block_table (paged KV) is not supported "
-                                  "by flashkit's varlen forward yet; pass block_table=None "
-                                  "(flash_attn_with_kvcache takes paged caches)")
+        k, v, cu_seqlens_k, seqused_k = _gather_pages(fn, k, v, block_table, cu_seqlens_q,
+                                                      cu_seqlens_k, max_seqlen_k)
     out, softmax_lse, s_dmask = _varlen_attention(
-        "flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-        dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-        return_attn_probs)
+        fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+        softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+        return_attn_probs, seqused_k)
     if not return_attn_probs:
         return out
     return out, _packed_lse(softmax_lse, cu_seqlens_q, q.shape[0]), s_dmask
+
+
+def _gather_pages(fn, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_k):
+    """A paged cache's keys and values as varlen tensors of max_seqlen_k rows per sequence:
+    (k, v [batch * max_seqlen_k, heads_kv, head_dim], their cu_seqlens_k, seqused_k = each
+    sequence's key length from the caller's cu_seqlens_k). Rows past a sequence's length read
+    page 0 (never used); page indices are the caller's promise, as in flash_attn_with_kvcache,
+    clamped into [0, num_blocks) so that a bad one gives wrong rows, not a fault."""
+    for name, cache in (("k", k_cache), ("v", v_cache)):
+        if cache.dim() != 4:
+            raise RuntimeError(f"{fn}: with block_table, {name} has shape {list(cache.shape)}; "
+                               "expected 4 dims [num_blocks, page_block_size, heads_kv, head_dim]")
+    if k_cache.shape[:3] != v_cache.shape[:3]:
+        raise RuntimeError(f"{fn}: with block_table, k {list(k_cache.shape)} and v "
+                           f"{list(v_cache.shape)} must have the same pages, page size and heads")
+    if block_table.dtype != torch.int32:
+        raise RuntimeError(f"{fn}: block_table has dtype {block_table.dtype}; expected torch.int32")
+    if block_table.device != k_cache.device:
+        raise RuntimeError(f"{fn}: block_table is on {block_table.device} but k is on "
+                           f"{k_cache.device}")
+    batch = cu_seqlens_q.numel() - 1
+    if block_table.dim() != 2 or block_table.shape[0] != batch:
+        raise RuntimeError(f"{fn}: block_table has shape {list(block_table.shape)}; expected "
+                           f"[batch, max_blocks_per_seq] with batch = {batch} (cu_seqlens_q)")
+    if cu_seqlens_k.device != k_cache.device:
+        raise RuntimeError(f"{fn}: cu_seqlens_k is on {cu_seqlens_k.device} but k is on "
+                           f"{k_cache.device}")
+    if cu_seqlens_k.dim() != 1 or cu_seqlens_k.numel() != batch + 1:
+        raise RuntimeError(f"{fn}: cu_seqlens_k has shape {list(cu_seqlens_k.shape)}; expected "
+                           f"[batch + 1] = [{batch + 1}]")
+    num_blocks, page_size = k_cache.shape[0], k_cache.shape[1]
+    if max_seqlen_k > block_table.shape[1] * page_size:
+        raise RuntimeError(f"{fn}: max_seqlen_k is {max_seqlen_k} but block_table holds "
+                           f"{block_table.shape[1]} pages of {page_size} keys per sequence")
+    if max_seqlen_k > 0 and num_blocks == 0:
+        raise RuntimeError(f"{fn}: max_seqlen_k is {max_seqlen_k} but the cache has no pages")
+    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    if lengths.device.type == "cpu" and batch > 0 and int(lengths.max()) > max_seqlen_k:
+        raise RuntimeError(f"{fn}: a sequence has {int(lengths.max())} keys (cu_seqlens_k) but "
+                           f"max_seqlen_k is {max_seqlen_k}")
+    keys = torch.arange(max_seqlen_k, device=k_cache.device)
+    pages = block_table.index_select(1, keys // page_size).long()  # [batch, max_seqlen_k]
+    pages = torch.where(keys[None, :] < lengths[:, None], pages, 0).clamp_(0, max(num_blocks - 1, 0))
+    rows = (keys % page_size)[None, :].expand_as(pages)
+
+    def gather(cache):
+        return cache[pages, rows].reshape(batch * max_seqlen_k, *cache.shape[2:])
+
+    padded_cu = torch.arange(batch + 1, device=k_cache.device, dtype=torch.int32) * max_seqlen_k
+    return gather(k_cache), gather(v_cache), padded_cu, lengths
 
 
 def flash_attn_varlen_qkvpacked_func(

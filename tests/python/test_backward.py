@@ -17,7 +17,7 @@ from flashkit import (
     flash_attn_varlen_kvpacked_func,
 )
 from reference import Options, attention_ref, check_close, rounding_slack
-from test_forward import DTYPES, HEADS, make_options, pack, randn
+from test_forward import DTYPES, HEADS, make_options, pack, paged_cache, randn
 
 GRAD_FACTOR = 3.0
 
@@ -113,6 +113,44 @@ def test_grad_varlen(device, mask):
             check_close(f"{name} of sequence {b}", grads[i][rows][None], ref[i + 1], lowp[i + 1],
                         GRAD_FACTOR, rounding_slack(q.shape[-1], 1.0 if i == 0 else
                                                     lengths_q[b] / max(lengths_k[b], 1)))
+
+
+def test_grad_varlen_paged_kv(device):
+    """Gradients through flash_attn_varlen_func's block_table reach the cache's pages: each
+    sequence's rows against the reference, the pages no sequence reads zero."""
+    skip_unbuilt_bwd(device, torch.bfloat16, 64)
+    dtype = torch.bfloat16
+    lengths_q, lengths_k = [9, 0, 40, 23], [15, 3, 40, 0]
+    page_size = 16
+    k_cache, v_cache, block_table, ks, vs = paged_cache(lengths_k, page_size, 2, 64, dtype, 600)
+    qs = [randn((n, 4, 64), dtype, "cpu", 610 + b) for b, n in enumerate(lengths_q)]
+    douts = [randn((n, 4, 64), dtype, "cpu", 620 + b) for b, n in enumerate(lengths_q)]
+    q, cu_q = pack(qs)
+    dout, _ = pack(douts)
+    _, cu_k = pack(ks)
+    leaves = [t.to(device).requires_grad_() for t in (q, k_cache, v_cache)]
+    out = flash_attn_varlen_func(*leaves, cu_q.to(device), cu_k.to(device), max(lengths_q),
+                                 max(lengths_k), causal=True, block_table=block_table.to(device))
+    out.backward(dout.to(device))
+    dq, dk_cache, dv_cache = (leaf.grad.cpu() for leaf in leaves)
+    opts = Options(causal=True)
+    read = torch.zeros(k_cache.shape[:2], dtype=torch.bool)
+    for b in range(len(lengths_q)):
+        rows_q = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        keys = torch.arange(lengths_k[b])
+        pages, slots = block_table[b, keys // page_size].long(), keys % page_size
+        read[pages, slots] = True
+        ref = reference_grads(qs[b][None], ks[b][None], vs[b][None], douts[b][None], opts, True,
+                              stored_out=out[rows_q][None])
+        lowp = reference_grads(qs[b][None], ks[b][None], vs[b][None], douts[b][None], opts, False)
+        slack = rounding_slack(64, lengths_q[b] / max(lengths_k[b], 1))
+        check_close(f"dq of sequence {b}", dq[rows_q][None], ref[1], lowp[1], GRAD_FACTOR,
+                    rounding_slack(64, 1.0))
+        check_close(f"dk of sequence {b}", dk_cache[pages, slots][None], ref[2], lowp[2],
+                    GRAD_FACTOR, slack)
+        check_close(f"dv of sequence {b}", dv_cache[pages, slots][None], ref[3], lowp[3],
+                    GRAD_FACTOR, slack)
+    assert torch.all(dk_cache[~read] == 0) and torch.all(dv_cache[~read] == 0)
 
 
 def test_grad_packed_matches_unpacked(device):

@@ -104,10 +104,27 @@ def test_bad_varlen_input(device, case):
     assert flash_attn_varlen_func(*varlen_args(device)).shape == (12, 2, 64)
 
 
-def test_block_table_is_refused():
-    with pytest.raises(NotImplementedError, match="block_table"):
-        flash_attn_varlen_func(*varlen_args("cpu"), block_table=torch.zeros(2, 1,
-                                                                            dtype=torch.int32))
+PAGED_CASES = {  # (k cache shape, block_table dtype, block_table shape, max_seqlen_k, message)
+    "k not paged": ((12, 2, 64), torch.int32, (2, 2), 7, r"expected 4 dims \[num_blocks"),
+    "table dtype": ((4, 4, 2, 64), torch.int64, (2, 2), 7, r"block_table has dtype torch.int64"),
+    "table rows": ((4, 4, 2, 64), torch.int32, (3, 2), 7, r"block_table has shape \[3, 2\]"),
+    "table too short": ((4, 4, 2, 64), torch.int32, (2, 1), 7,
+                        r"max_seqlen_k is 7 but block_table holds 1 pages of 4 keys"),
+}
+
+
+@pytest.mark.parametrize("case", list(PAGED_CASES))
+def test_bad_paged_varlen_input(device, case):
+    cache_shape, dtype, table_shape, max_k, message = PAGED_CASES[case]
+    q, _, _, cu_q, cu_k, max_q, _ = varlen_args(device)
+    cache = t(*cache_shape, device=device)
+    table = torch.zeros(table_shape, dtype=dtype, device=device)
+    with pytest.raises(RuntimeError, match=message):
+        flash_attn_varlen_func(q, cache, cache, cu_q, cu_k, max_q, max_k, block_table=table)
+    good_table = torch.arange(4, dtype=torch.int32, device=device).view(2, 2)
+    good_cache = t(4, 4, 2, 64, device=device)
+    assert flash_attn_varlen_func(q, good_cache, good_cache, cu_q, cu_k, max_q, 7,
+                                  block_table=good_table).shape == (12, 2, 64)
 
 
 @pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU_REASON)

@@ -140,6 +140,61 @@ def test_varlen(device, dtype, head_dim, mask):
         check_close(f"softmax_lse of sequence {b}", lse[:, rows][None], lse_ref, lse_lowp, factor)
 
 
+def paged_cache(lengths_k, page_size, heads_kv, head_dim, dtype, seed):
+    """A paged cache holding each sequence's keys and values on the pages of a shuffled block
+    table, with spare pages no sequence uses: (k_cache, v_cache, block_table, ks, vs), ks[b] and
+    vs[b] being sequence b's keys and values in order (CPU tensors)."""
+    batch = len(lengths_k)
+    pages_per_seq = max(-(-max(lengths_k) // page_size), 1)
+    num_blocks = batch * pages_per_seq + 3
+    gen = torch.Generator().manual_seed(seed)
+    block_table = torch.randperm(num_blocks, generator=gen)[:batch * pages_per_seq]
+    block_table = block_table.view(batch, pages_per_seq).to(torch.int32)
+    k_cache = randn((num_blocks, page_size, heads_kv, head_dim), dtype, "cpu", seed + 1)
+    v_cache = randn((num_blocks, page_size, heads_kv, head_dim), dtype, "cpu", seed + 2)
+
+    def sequence(cache, b):
+        keys = torch.arange(lengths_k[b])
+        return cache[block_table[b, keys // page_size].long(), keys % page_size]
+
+    ks = [sequence(k_cache, b) for b in range(batch)]
+    vs = [sequence(v_cache, b) for b in range(batch)]
+    return k_cache, v_cache, block_table, ks, vs
+
+
+@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+@pytest.mark.parametrize("page_size", [1, 3, 16, 256])
+def test_varlen_paged_kv(device, page_size, mask):
+    """flash_attn_varlen_func with a block_table (flash_attn 2.6's paged KV): each sequence against
+    the reference on the keys and values its pages hold."""
+    dtype, head_dim, (heads_q, heads_kv) = torch.bfloat16, 64, (6, 2)
+    skip_unbuilt(device, dtype, head_dim)
+    seed = page_size + len(mask)
+    lengths_q = [17, 0, 113, 1, 64]
+    lengths_k = [33, 5, 97, 0, 300]
+    k_cache, v_cache, block_table, ks, vs = paged_cache(lengths_k, page_size, heads_kv, head_dim,
+                                                        dtype, seed)
+    qs = [randn((n, heads_q, head_dim), dtype, "cpu", seed + 10 * b) for b, n in
+          enumerate(lengths_q)]
+    q, cu_q = pack(qs)
+    _, cu_k = pack(ks)
+    opts = make_options(mask, heads_q, len(lengths_q), "cpu", seed)
+    poison_cuda_allocator(device)
+    out, lse, _ = flash_attn_varlen_func(
+        q.to(device), k_cache.to(device), v_cache.to(device), cu_q.to(device), cu_k.to(device),
+        max(lengths_q), max(lengths_k), return_attn_probs=True, block_table=block_table.to(device),
+        **opts.kwargs())
+    assert out.shape == q.shape and lse.shape == (heads_q, q.shape[0])
+    seq_opts = Options(**{**opts.__dict__, "window_limit": max(lengths_k)})
+    for b in range(len(lengths_q)):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        ref, lse_ref = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts)
+        lowp, lse_lowp = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts,
+                                       upcast=False)
+        check_close(f"out of sequence {b}", out[rows][None], ref, lowp, 2.0)
+        check_close(f"softmax_lse of sequence {b}", lse[:, rows][None], lse_ref, lse_lowp, 2.0)
+
+
 def test_varlen_matches_fixed_when_lengths_are_equal(device):
     q = randn((3, 50, 4, 64), torch.bfloat16, device, 3)
     k = randn((3, 70, 2, 64), torch.bfloat16, device, 4)
