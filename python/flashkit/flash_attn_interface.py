@@ -383,9 +383,9 @@ def flash_attn_varlen_func(
 def _gather_pages(fn, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_k):
     """A paged cache's keys and values as varlen tensors of max_seqlen_k rows per sequence:
     (k, v [batch * max_seqlen_k, heads_kv, head_dim], their cu_seqlens_k, seqused_k = each
-    sequence's key length from the caller's cu_seqlens_k). Rows past a sequence's length read
-    page 0 (never used); page indices are the caller's promise, as in flash_attn_with_kvcache,
-    clamped into [0, num_blocks) so that a bad one gives wrong rows, not a fault."""
+    sequence's key length from the caller's cu_seqlens_k). The rows past a sequence's length are
+    never read. Page indices are the caller's promise, as in flash_attn_with_kvcache, clamped into
+    [0, num_blocks) so that a bad one gives wrong rows, not a fault."""
     for name, cache in (("k", k_cache), ("v", v_cache)):
         if cache.dim() != 4:
             raise RuntimeError(f"{fn}: with block_table, {name} has shape {list(cache.shape)}; "
@@ -418,13 +418,15 @@ def _gather_pages(fn, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
     if lengths.device.type == "cpu" and batch > 0 and int(lengths.max()) > max_seqlen_k:
         raise RuntimeError(f"{fn}: a sequence has {int(lengths.max())} keys (cu_seqlens_k) but "
                            f"max_seqlen_k is {max_seqlen_k}")
-    keys = torch.arange(max_seqlen_k, device=k_cache.device)
-    pages = block_table.index_select(1, keys // page_size).long()  # [batch, max_seqlen_k]
-    pages = torch.where(keys[None, :] < lengths[:, None], pages, 0).clamp_(0, max(num_blocks - 1, 0))
-    rows = (keys % page_size)[None, :].expand_as(pages)
+    # Whole pages move: index_select copies each page's rows as one contiguous run. A table entry
+    # past a sequence's own pages may hold anything: clamped into range, its rows lie past the
+    # sequence's length, which the kernels never read.
+    pages_per_seq = -(-max_seqlen_k // page_size)
+    pages = block_table[:, :pages_per_seq].clamp(0, max(num_blocks - 1, 0)).flatten().long()
 
     def gather(cache):
-        return cache[pages, rows].reshape(batch * max_seqlen_k, *cache.shape[2:])
+        rows = cache.index_select(0, pages).view(batch, pages_per_seq * page_size, *cache.shape[2:])
+        return rows[:, :max_seqlen_k].reshape(batch * max_seqlen_k, *cache.shape[2:])
 
     padded_cu = torch.arange(batch + 1, device=k_cache.device, dtype=torch.int32) * max_seqlen_k
     return gather(k_cache), gather(v_cache), padded_cu, lengths
