@@ -6,7 +6,7 @@ the calls after warm-up), bf16, causal, on the current GPU.
                                   [--head-dim 128] [--pages 16,256]
 
 Run with the build's python dir on PYTHONPATH (scripts/python_tests.sh shows how). Prints one line
-per layout: ms per call and the ratio to the contiguous call.
+per layout: ms per call, eager and as a CUDA graph's replay, and the ratios to the contiguous call.
 """
 
 from __future__ import annotations
@@ -19,8 +19,17 @@ import torch
 from flashkit import flash_attn_varlen_func
 
 
-def time_ms(call, warmup=5, calls=30):
+def time_ms(call, warmup=5, calls=30, graph=False):
+    """Median ms per call between CUDA events; with graph=True per replay of a CUDA graph of the
+    call (the GPU's time without Python's launch overhead)."""
     for _ in range(warmup):
+        call()
+    if graph:
+        torch.cuda.synchronize()
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            call()
+        call = captured.replay
         call()
     times = []
     for _ in range(calls):
@@ -52,8 +61,12 @@ def main():
     cu_k = torch.arange(b + 1, device=dev, dtype=torch.int32) * sk
     print(f"{torch.cuda.get_device_name()}: batch {b}, {sq} queries over {sk} keys, heads "
           f"{heads_q}/{heads_kv}, d{d}, bf16, causal")
-    contiguous = time_ms(lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, sq, sk, causal=True))
-    print(f"  contiguous        {contiguous:8.3f} ms")
+    def contiguous_call():
+        return flash_attn_varlen_func(q, k, v, cu_q, cu_k, sq, sk, causal=True)
+
+    contiguous = time_ms(contiguous_call)
+    contiguous_graph = time_ms(contiguous_call, graph=True)
+    print(f"  contiguous        {contiguous:8.3f} ms eager {contiguous_graph:8.3f} ms graph")
     for page in (int(x) for x in args.pages.split(",")):
         pages_per_seq = -(-sk // page)
         order = torch.randperm(b * pages_per_seq, device=dev)
@@ -67,10 +80,14 @@ def main():
         out = flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, sq, sk, causal=True,
                                      block_table=table)
         same = torch.equal(out, flash_attn_varlen_func(q, k, v, cu_q, cu_k, sq, sk, causal=True))
-        ms = time_ms(lambda: flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, sq, sk,
-                                                    causal=True, block_table=table))
-        print(f"  paged {page:4d}        {ms:8.3f} ms  {ms / contiguous:5.2f}x contiguous"
-              f"  (output {'bit-identical' if same else 'differs'})")
+        def paged_call():
+            return flash_attn_varlen_func(q, k_cache, v_cache, cu_q, cu_k, sq, sk, causal=True,
+                                          block_table=table)
+
+        ms, ms_graph = time_ms(paged_call), time_ms(paged_call, graph=True)
+        print(f"  paged {page:4d}        {ms:8.3f} ms eager {ms_graph:8.3f} ms graph: "
+              f"{ms / contiguous:5.2f}x / {ms_graph / contiguous_graph:5.2f}x contiguous "
+              f"(output {'bit-identical' if same else 'differs'})")
 
 
 if __name__ == "__main__":

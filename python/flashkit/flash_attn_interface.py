@@ -414,7 +414,7 @@ def _gather_pages(fn, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
                            f"{block_table.shape[1]} pages of {page_size} keys per sequence")
     if max_seqlen_k > 0 and num_blocks == 0:
         raise RuntimeError(f"{fn}: max_seqlen_k is {max_seqlen_k} but the cache has no pages")
-    lengths = (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).to(torch.int32)
+    lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     if lengths.device.type == "cpu" and batch > 0 and int(lengths.max()) > max_seqlen_k:
         raise RuntimeError(f"{fn}: a sequence has {int(lengths.max())} keys (cu_seqlens_k) but "
                            f"max_seqlen_k is {max_seqlen_k}")
@@ -422,13 +422,16 @@ def _gather_pages(fn, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
     # past a sequence's own pages may hold anything: clamped into range, its rows lie past the
     # sequence's length, which the kernels never read.
     pages_per_seq = -(-max_seqlen_k // page_size)
-    pages = block_table[:, :pages_per_seq].clamp(0, max(num_blocks - 1, 0)).flatten().long()
+    pages = block_table[:, :pages_per_seq].clamp(0, max(num_blocks - 1, 0)).reshape(-1)
 
     def gather(cache):
         rows = cache.index_select(0, pages).view(batch, pages_per_seq * page_size, *cache.shape[2:])
         return rows[:, :max_seqlen_k].reshape(batch * max_seqlen_k, *cache.shape[2:])
 
-    padded_cu = torch.arange(batch + 1, device=k_cache.device, dtype=torch.int32) * max_seqlen_k
+    padded_cu = torch.arange(0, (batch + 1) * max_seqlen_k, max(max_seqlen_k, 1), dtype=torch.int32,
+                             device=k_cache.device)
+    if max_seqlen_k == 0:
+        padded_cu = torch.zeros(batch + 1, dtype=torch.int32, device=k_cache.device)
     return gather(k_cache), gather(v_cache), padded_cu, lengths
 
 
