@@ -1,6 +1,7 @@
-"""What flash_attn_varlen_func's block_table costs: the same prefill with its keys and values in a
+"""What flash_attn_varlen_func's block_table costs: the same call with its keys and values in a
 contiguous varlen tensor and in a paged cache (shuffled pages), timed with CUDA events (median of
-the calls after warm-up), bf16, causal, on the current GPU.
+the calls after warm-up), bf16, causal, on the current GPU. Up to 16 queries per sequence the paged
+call reads the pages in place (the decode kernel), longer ones gather them first.
 
     python3 bench/paged_varlen.py [--batch 4] [--seqlen-q 2048] [--seqlen-k 4096] [--heads 32/8]
                                   [--head-dim 128] [--pages 16,256]

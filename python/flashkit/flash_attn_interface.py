@@ -356,9 +356,11 @@ def flash_attn_varlen_func(
             flash_attn 2.6): k and v are then [num_blocks, page_block_size, heads_kv, head_dim]
             and key i of sequence b is row i % page_block_size of page
             block_table[b, i // page_block_size]; cu_seqlens_k still gives the key lengths. Any
-            page_block_size (flash_attn: multiples of 256). flashkit gathers each sequence's
-            keys and values into a [batch x max_seqlen_k] copy (no host synchronisation) and
-            runs the varlen kernels on it, its lengths as seqused_k; gradients reach the cache.
+            page_block_size (flash_attn: multiples of 256). Up to 16 query tokens per sequence
+            (max_seqlen_q), without dropout or gradients, the decode kernel reads the pages in
+            place (flash_attn_with_kvcache's); otherwise flashkit gathers each sequence's keys
+            and values into a [batch x max_seqlen_k] copy and runs the varlen kernels on it,
+            its lengths as seqused_k, and gradients reach the cache. No host synchronisation.
         The rest as flash_attn_func; masks apply per sequence, except that a window side is
         unbounded at or beyond max_seqlen_k (as in flash_attn), not the sequence's own length.
 
@@ -369,8 +371,15 @@ def flash_attn_varlen_func(
     fn = "flash_attn_varlen_func"
     seqused_k = None
     if block_table is not None:
-        k, v, cu_seqlens_k, seqused_k = _gather_pages(fn, k, v, block_table, cu_seqlens_q,
-                                                      cu_seqlens_k, max_seqlen_k)
+        lengths_k = _check_pages(fn, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_k)
+        if (0 < cu_seqlens_q.numel() - 1 and max_seqlen_q <= _PAGED_DECODE_MAX_QUERIES
+                and dropout_p == 0 and not _needs_grad(q, k, v)):
+            out, softmax_lse = _paged_decode(fn, q, k, v, block_table, cu_seqlens_q, lengths_k,
+                                             max_seqlen_q, max_seqlen_k, softmax_scale, causal,
+                                             window_size, softcap, alibi_slopes)
+            return (out, softmax_lse, None) if return_attn_probs else out
+        k, v, cu_seqlens_k = _gather_pages(k, v, block_table, max_seqlen_k)
+        seqused_k = lengths_k
     out, softmax_lse, s_dmask = _varlen_attention(
         fn, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
@@ -380,12 +389,16 @@ def flash_attn_varlen_func(
     return out, _packed_lse(softmax_lse, cu_seqlens_q, q.shape[0]), s_dmask
 
 
-def _gather_pages(fn, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_k):
-    """A paged cache's keys and values as varlen tensors of max_seqlen_k rows per sequence:
-    (k, v [batch * max_seqlen_k, heads_kv, head_dim], their cu_seqlens_k, seqused_k = each
-    sequence's key length from the caller's cu_seqlens_k). The rows past a sequence's length are
-    never read. Page indices are the caller's promise, as in flash_attn_with_kvcache, clamped into
-    [0, num_blocks) so that a bad one gives wrong rows, not a fault."""
+# Up to this many query tokens per sequence, a paged flash_attn_varlen_func call without dropout or
+# gradients runs on the decode kernel, which reads the pages in place (_paged_decode); longer
+# queries gather the pages and run the varlen kernels (_gather_pages), where the copy is small
+# beside the products.
+_PAGED_DECODE_MAX_QUERIES = 16
+
+
+def _check_pages(fn, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_k):
+    """The paged arguments of flash_attn_varlen_func; returns each sequence's key length (int32
+    [batch], from cu_seqlens_k, on the cache's device)."""
     for name, cache in (("k", k_cache), ("v", v_cache)):
         if cache.dim() != 4:
             raise RuntimeError(f"{fn}: with block_table, {name} has shape {list(cache.shape)}; "
@@ -395,17 +408,19 @@ def _gather_pages(fn, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
                            f"{list(v_cache.shape)} must have the same pages, page size and heads")
     if block_table.dtype != torch.int32:
         raise RuntimeError(f"{fn}: block_table has dtype {block_table.dtype}; expected torch.int32")
-    if block_table.device != k_cache.device:
-        raise RuntimeError(f"{fn}: block_table is on {block_table.device} but k is on "
-                           f"{k_cache.device}")
+    for name, tensor in (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q),
+                         ("cu_seqlens_k", cu_seqlens_k)):
+        if tensor.device != k_cache.device:
+            raise RuntimeError(f"{fn}: {name} is on {tensor.device} but k is on {k_cache.device}")
+    for name, tensor in (("cu_seqlens_q", cu_seqlens_q), ("cu_seqlens_k", cu_seqlens_k)):
+        if tensor.dtype != torch.int32 or tensor.dim() != 1:
+            raise RuntimeError(f"{fn}: {name} has dtype {tensor.dtype} and shape "
+                               f"{list(tensor.shape)}; expected int32 [batch + 1]")
     batch = cu_seqlens_q.numel() - 1
     if block_table.dim() != 2 or block_table.shape[0] != batch:
         raise RuntimeError(f"{fn}: block_table has shape {list(block_table.shape)}; expected "
                            f"[batch, max_blocks_per_seq] with batch = {batch} (cu_seqlens_q)")
-    if cu_seqlens_k.device != k_cache.device:
-        raise RuntimeError(f"{fn}: cu_seqlens_k is on {cu_seqlens_k.device} but k is on "
-                           f"{k_cache.device}")
-    if cu_seqlens_k.dim() != 1 or cu_seqlens_k.numel() != batch + 1:
+    if cu_seqlens_k.numel() != batch + 1:
         raise RuntimeError(f"{fn}: cu_seqlens_k has shape {list(cu_seqlens_k.shape)}; expected "
                            f"[batch + 1] = [{batch + 1}]")
     num_blocks, page_size = k_cache.shape[0], k_cache.shape[1]
@@ -418,6 +433,17 @@ def _gather_pages(fn, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
     if lengths.device.type == "cpu" and batch > 0 and int(lengths.max()) > max_seqlen_k:
         raise RuntimeError(f"{fn}: a sequence has {int(lengths.max())} keys (cu_seqlens_k) but "
                            f"max_seqlen_k is {max_seqlen_k}")
+    return lengths
+
+
+def _gather_pages(k_cache, v_cache, block_table, max_seqlen_k):
+    """A paged cache's keys and values as varlen tensors of max_seqlen_k rows per sequence:
+    (k, v [batch * max_seqlen_k, heads_kv, head_dim], their cu_seqlens_k). The rows past a
+    sequence's length are never read (its length goes to the kernels as seqused_k). Page indices
+    are the caller's promise, as in flash_attn_with_kvcache, clamped into [0, num_blocks) so that
+    a bad one gives wrong rows, not a fault."""
+    batch = block_table.shape[0]
+    num_blocks, page_size = k_cache.shape[0], k_cache.shape[1]
     # Whole pages move: index_select copies each page's rows as one contiguous run. A table entry
     # past a sequence's own pages may hold anything: clamped into range, its rows lie past the
     # sequence's length, which the kernels never read.
@@ -432,7 +458,41 @@ def _gather_pages(fn, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
                              device=k_cache.device)
     if max_seqlen_k == 0:
         padded_cu = torch.zeros(batch + 1, dtype=torch.int32, device=k_cache.device)
-    return gather(k_cache), gather(v_cache), padded_cu, lengths
+    return gather(k_cache), gather(v_cache), padded_cu
+
+
+def _paged_decode(fn, q, k_cache, v_cache, block_table, cu_seqlens_q, lengths_k, max_seqlen_q,
+                  max_seqlen_k, softmax_scale, causal, window_size, softcap, alibi_slopes):
+    """Short queries over a paged cache on flash_attn_with_kvcache's operator, which reads the pages
+    in place. Each sequence's queries go right-aligned into a row of a [batch, max_seqlen_q] block,
+    so that its last query meets its last key as the varlen masks align them (the rows before
+    are padding, computed and dropped), and a window side at or beyond max_seqlen_k is made
+    unbounded first (the varlen rule; the kvcache one compares with the cache's capacity). Returns
+    (out [total_q, heads_q, head_dim], softmax_lse [heads_q, total_q]); tokens of no sequence get
+    zero rows and -inf."""
+    total_q, heads_q, head_dim = q.shape
+    batch = cu_seqlens_q.numel() - 1
+    rows = max(max_seqlen_q, 1)
+    lengths_q = cu_seqlens_q[1:] - cu_seqlens_q[:-1]
+    if lengths_q.device.type == "cpu" and batch > 0 and int(lengths_q.max()) > rows:
+        raise RuntimeError(f"{fn}: a sequence has {int(lengths_q.max())} query tokens "
+                           f"(cu_seqlens_q) but max_seqlen_q is {max_seqlen_q}")
+    window = tuple(-1 if side >= max_seqlen_k else side for side in _window(fn, window_size))
+    tokens = torch.arange(total_q, device=q.device, dtype=cu_seqlens_q.dtype)
+    seq = torch.searchsorted(cu_seqlens_q, tokens, right=True) - 1
+    inside = (seq >= 0) & (seq < batch)
+    seq = seq.clamp(0, max(batch - 1, 0))
+    slot = seq * rows + rows - lengths_q[seq] + tokens - cu_seqlens_q[seq]
+    slot = torch.where(inside, slot, batch * rows).long()  # the spare row past the block
+    block = q.new_zeros(batch * rows + 1, heads_q, head_dim).index_copy_(0, slot, q)
+    out, lse = flash_attn_with_kvcache(
+        block[:-1].view(batch, rows, heads_q, head_dim), k_cache, v_cache, cache_seqlens=lengths_k,
+        block_table=block_table, softmax_scale=softmax_scale, causal=causal, window_size=window,
+        softcap=softcap, alibi_slopes=alibi_slopes, return_softmax_lse=True)
+    out = torch.cat((out.reshape(batch * rows, heads_q, head_dim), out.new_zeros(1, heads_q, head_dim)))
+    lse = torch.cat((lse.permute(1, 0, 2).reshape(heads_q, batch * rows),
+                     lse.new_full((heads_q, 1), float("-inf"))), dim=1)
+    return out.index_select(0, slot), lse.index_select(1, slot)
 
 
 def flash_attn_varlen_qkvpacked_func(

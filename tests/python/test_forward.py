@@ -162,15 +162,21 @@ def paged_cache(lengths_k, page_size, heads_kv, head_dim, dtype, seed):
     return k_cache, v_cache, block_table, ks, vs
 
 
-@pytest.mark.parametrize("mask", ["none", "causal", "window"])
+# Query lengths of the paged tests: "prefill" gathers the pages for the varlen kernels, "decode"
+# (at most 16 per sequence) reads them in place on the decode kernel.
+PAGED_QUERIES = {"prefill": [17, 0, 113, 1, 64], "decode": [1, 0, 16, 1, 5]}
+
+
+@pytest.mark.parametrize("queries", list(PAGED_QUERIES))
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "alibi", "softcap"])
 @pytest.mark.parametrize("page_size", [1, 3, 16, 256])
-def test_varlen_paged_kv(device, page_size, mask):
+def test_varlen_paged_kv(device, page_size, mask, queries):
     """flash_attn_varlen_func with a block_table (flash_attn 2.6's paged KV): each sequence against
     the reference on the keys and values its pages hold."""
     dtype, head_dim, (heads_q, heads_kv) = torch.bfloat16, 64, (6, 2)
     skip_unbuilt(device, dtype, head_dim)
-    seed = page_size + len(mask)
-    lengths_q = [17, 0, 113, 1, 64]
+    seed = page_size + len(mask) + len(queries)
+    lengths_q = PAGED_QUERIES[queries]
     lengths_k = [33, 5, 97, 0, 300]
     k_cache, v_cache, block_table, ks, vs = paged_cache(lengths_k, page_size, heads_kv, head_dim,
                                                         dtype, seed)
@@ -179,20 +185,26 @@ def test_varlen_paged_kv(device, page_size, mask):
     q, cu_q = pack(qs)
     _, cu_k = pack(ks)
     opts = make_options(mask, heads_q, len(lengths_q), "cpu", seed)
+    device_opts = Options(**{**opts.__dict__})
+    if opts.alibi_slopes is not None:
+        device_opts.alibi_slopes = opts.alibi_slopes.to(device)
     poison_cuda_allocator(device)
     out, lse, _ = flash_attn_varlen_func(
         q.to(device), k_cache.to(device), v_cache.to(device), cu_q.to(device), cu_k.to(device),
         max(lengths_q), max(lengths_k), return_attn_probs=True, block_table=block_table.to(device),
-        **opts.kwargs())
+        **device_opts.kwargs())
     assert out.shape == q.shape and lse.shape == (heads_q, q.shape[0])
-    seq_opts = Options(**{**opts.__dict__, "window_limit": max(lengths_k)})
     for b in range(len(lengths_q)):
         rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        seq_opts = Options(**{**opts.__dict__, "window_limit": max(lengths_k)})
+        if opts.alibi_slopes is not None and opts.alibi_slopes.dim() == 2:
+            seq_opts.alibi_slopes = opts.alibi_slopes[b]
         ref, lse_ref = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts)
         lowp, lse_lowp = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts,
                                        upcast=False)
-        check_close(f"out of sequence {b}", out[rows][None], ref, lowp, 2.0)
-        check_close(f"softmax_lse of sequence {b}", lse[:, rows][None], lse_ref, lse_lowp, 2.0)
+        factor = 3.0 if opts.softcap > 0 else 2.0
+        check_close(f"out of sequence {b}", out[rows][None], ref, lowp, factor)
+        check_close(f"softmax_lse of sequence {b}", lse[:, rows][None], lse_ref, lse_lowp, factor)
 
 
 def test_varlen_matches_fixed_when_lengths_are_equal(device):
