@@ -100,6 +100,32 @@ def pack(tensors):
     return torch.cat(tensors), cu
 
 
+def on_device(opts: Options, device: str) -> Options:
+    """opts with its ALiBi slopes (drawn on the CPU) on `device`."""
+    moved = Options(**{**opts.__dict__})
+    if opts.alibi_slopes is not None:
+        moved.alibi_slopes = opts.alibi_slopes.to(device)
+    return moved
+
+
+def check_varlen_sequences(out, lse, cu_q, qs, ks, vs, opts):
+    """A varlen call's out [total_q, ...] and softmax_lse [heads_q, total_q], sequence by sequence
+    against the reference on sequence b's qs[b], ks[b], vs[b] (a window side compared with the
+    longest key length, as flash_attn_varlen_func does; [batch, heads] ALiBi slopes by row)."""
+    max_k = max(k.shape[0] for k in ks)
+    for b in range(len(qs)):
+        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
+        seq_opts = Options(**{**opts.__dict__, "window_limit": max_k})
+        if opts.alibi_slopes is not None and opts.alibi_slopes.dim() == 2:
+            seq_opts.alibi_slopes = opts.alibi_slopes[b]
+        ref, lse_ref = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts)
+        lowp, lse_lowp = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts,
+                                       upcast=False)
+        factor = 3.0 if opts.softcap > 0 else 2.0
+        check_close(f"out of sequence {b}", out[rows][None], ref, lowp, factor)
+        check_close(f"softmax_lse of sequence {b}", lse[:, rows][None], lse_ref, lse_lowp, factor)
+
+
 @pytest.mark.parametrize("mask", ["none", "causal", "window", "alibi", "softcap"])
 @pytest.mark.parametrize("head_dim", [40, 64, 128])
 @pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
@@ -119,25 +145,13 @@ def test_varlen(device, dtype, head_dim, mask):
     q, cu_q = pack(qs)
     k, cu_k = pack(ks)
     v, _ = pack(vs)
-    device_opts = Options(**{**opts.__dict__})
-    if opts.alibi_slopes is not None:
-        device_opts.alibi_slopes = opts.alibi_slopes.to(device)
+    device_opts = on_device(opts, device)
     poison_cuda_allocator(device)
     out, lse, _ = flash_attn_varlen_func(q.to(device), k.to(device), v.to(device), cu_q.to(device),
                                          cu_k.to(device), max(lengths_q), max(lengths_k),
                                          return_attn_probs=True, **device_opts.kwargs())
     assert out.shape == q.shape and lse.shape == (heads_q, q.shape[0])
-    for b in range(len(lengths_q)):
-        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-        seq_opts = Options(**{**opts.__dict__, "window_limit": max(lengths_k)})
-        if opts.alibi_slopes is not None and opts.alibi_slopes.dim() == 2:
-            seq_opts.alibi_slopes = opts.alibi_slopes[b]
-        ref, lse_ref = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts)
-        lowp, lse_lowp = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts,
-                                       upcast=False)
-        factor = 3.0 if opts.softcap > 0 else 2.0
-        check_close(f"out of sequence {b}", out[rows][None], ref, lowp, factor)
-        check_close(f"softmax_lse of sequence {b}", lse[:, rows][None], lse_ref, lse_lowp, factor)
+    check_varlen_sequences(out, lse, cu_q, qs, ks, vs, opts)
 
 
 def paged_cache(lengths_k, page_size, heads_kv, head_dim, dtype, seed):
@@ -185,26 +199,14 @@ def test_varlen_paged_kv(device, page_size, mask, queries):
     q, cu_q = pack(qs)
     _, cu_k = pack(ks)
     opts = make_options(mask, heads_q, len(lengths_q), "cpu", seed)
-    device_opts = Options(**{**opts.__dict__})
-    if opts.alibi_slopes is not None:
-        device_opts.alibi_slopes = opts.alibi_slopes.to(device)
+    device_opts = on_device(opts, device)
     poison_cuda_allocator(device)
     out, lse, _ = flash_attn_varlen_func(
         q.to(device), k_cache.to(device), v_cache.to(device), cu_q.to(device), cu_k.to(device),
         max(lengths_q), max(lengths_k), return_attn_probs=True, block_table=block_table.to(device),
         **device_opts.kwargs())
     assert out.shape == q.shape and lse.shape == (heads_q, q.shape[0])
-    for b in range(len(lengths_q)):
-        rows = slice(int(cu_q[b]), int(cu_q[b + 1]))
-        seq_opts = Options(**{**opts.__dict__, "window_limit": max(lengths_k)})
-        if opts.alibi_slopes is not None and opts.alibi_slopes.dim() == 2:
-            seq_opts.alibi_slopes = opts.alibi_slopes[b]
-        ref, lse_ref = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts)
-        lowp, lse_lowp = attention_ref(qs[b][None], ks[b][None], vs[b][None], seq_opts,
-                                       upcast=False)
-        factor = 3.0 if opts.softcap > 0 else 2.0
-        check_close(f"out of sequence {b}", out[rows][None], ref, lowp, factor)
-        check_close(f"softmax_lse of sequence {b}", lse[:, rows][None], lse_ref, lse_lowp, factor)
+    check_varlen_sequences(out, lse, cu_q, qs, ks, vs, opts)
 
 
 def test_varlen_matches_fixed_when_lengths_are_equal(device):
