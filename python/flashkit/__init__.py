@@ -3,9 +3,10 @@
     from flashkit import flash_attn_func   # instead of: from flash_attn import flash_attn_func
 
 CPU tensors run flashkit's fp64 reference backend with the same semantics, so code using flashkit
-runs (slowly) without a GPU. See flashkit.flash_attn_interface for shapes and semantics and
-flashkit.modules for the nn.Module wrappers, and flashkit.nsa for native sparse attention
-(nsa_selection_attn_func, native_sparse_attn_func).
+runs (slowly) without a GPU. See flashkit.flash_attn_interface for shapes and semantics,
+flashkit.modules for the nn.Module wrappers, flashkit.bert_padding for flash_attn's unpad_input /
+pad_input, and flashkit.nsa for native sparse attention (nsa_selection_attn_func,
+native_sparse_attn_func).
 """
 
 import torch  # noqa: F401  (loads libtorch before flashkit._C)
