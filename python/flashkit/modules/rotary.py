@@ -1,4 +1,5 @@
-"""Rotary position embeddings (RoPE) in plain PyTorch, for flashkit.modules.MHA.
+"""Rotary position embeddings (RoPE) in plain PyTorch: flash_attn.layers.rotary's apply_rotary_emb,
+and the RotaryEmbedding of flashkit.modules.MHA.
 
 The first ``rotary_dim`` channels of each head are rotated in pairs by position-dependent angles
 pos * base^(-2i / rotary_dim); the other channels pass through. Pairs are (i, i + rotary_dim / 2)
@@ -7,26 +8,85 @@ pos * base^(-2i / rotary_dim); the other channels pass through. Pairs are (i, i 
 
 from __future__ import annotations
 
+from typing import Optional, Union
+
 import torch
 from torch import nn
 
 
-def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     interleaved: bool = False) -> torch.Tensor:
-    """Rotates ``x`` [..., tokens, heads, head_dim] by ``cos``/``sin`` [tokens, rotary_dim / 2].
-
-    Computed in fp32 and returned in x's dtype.
-    """
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x [..., heads, head_dim] rotated by each token's cos / sin [..., rotary_dim / 2] (the token
+    dims of x, broadcast over heads), in fp32; returns x's first rotary_dim channels rotated, in
+    x's dtype."""
     rotary_dim = cos.shape[-1] * 2
-    rotated, rest = x[..., :rotary_dim].float(), x[..., rotary_dim:]
-    cos, sin = cos[:, None, :], sin[:, None, :]  # broadcast over heads
+    rotated = x[..., :rotary_dim].float()
+    cos, sin = cos[..., None, :].float(), sin[..., None, :].float()
     if interleaved:
         x1, x2 = rotated[..., 0::2], rotated[..., 1::2]
         out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     else:
         x1, x2 = rotated.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return torch.cat((out.to(x.dtype), rest), dim=-1)
+    return out.to(x.dtype)
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     interleaved: bool = False, inplace: bool = False,
+                     seqlen_offsets: Union[int, torch.Tensor] = 0,
+                     cu_seqlens: Optional[torch.Tensor] = None,
+                     max_seqlen: Optional[int] = None) -> torch.Tensor:
+    """flash_attn.layers.rotary.apply_rotary_emb: rotary embeddings from tables.
+
+    x [batch, seqlen, heads, head_dim], or [total, heads, head_dim] packed with cu_seqlens (int32
+    [batch + 1]) and max_seqlen; cos, sin [seqlen_rotary, rotary_dim / 2], rotary_dim <= head_dim.
+    Token s of sequence b is rotated by row s + seqlen_offsets (an int, or int [batch]: one per
+    sequence, as for tokens appended after a KV cache) of the tables; a row past the tables
+    leaves its token unrotated, as flash_attn's kernel does (an int offset that reaches past them
+    is an error, as there). Channels past rotary_dim pass through. Computed in fp32 and returned
+    in x's dtype; with inplace, written into x, which is returned.
+    """
+    fn = "apply_rotary_emb"
+    rows, half = cos.shape
+    if sin.shape != cos.shape:
+        raise ValueError(f"{fn}: cos {list(cos.shape)} and sin {list(sin.shape)} differ")
+    if 2 * half > x.shape[-1]:
+        raise ValueError(f"{fn}: rotary_dim (2 * cos.shape[1]) is {2 * half} but head_dim is "
+                         f"{x.shape[-1]}")
+    if cu_seqlens is None:
+        if x.dim() != 4:
+            raise ValueError(f"{fn}: x has shape {list(x.shape)}; expected [batch, seqlen, heads, "
+                             "head_dim], or [total, heads, head_dim] with cu_seqlens")
+        longest = x.shape[1]
+        positions = torch.arange(longest, device=x.device)[None, :]  # [1, seqlen]
+        if isinstance(seqlen_offsets, torch.Tensor):
+            positions = positions + seqlen_offsets.to(x.device)[:, None]
+    else:
+        if x.dim() != 3 or max_seqlen is None:
+            raise ValueError(f"{fn}: with cu_seqlens, x must be [total, heads, head_dim] "
+                             f"(it has shape {list(x.shape)}) and max_seqlen given")
+        longest = max_seqlen
+        tokens = torch.arange(x.shape[0], device=x.device, dtype=cu_seqlens.dtype)
+        seq = torch.searchsorted(cu_seqlens, tokens, right=True) - 1
+        seq = seq.clamp(0, cu_seqlens.shape[0] - 2)
+        positions = tokens - cu_seqlens[seq]  # [total]
+        if isinstance(seqlen_offsets, torch.Tensor):
+            positions = positions + seqlen_offsets.to(x.device)[seq]
+    if not isinstance(seqlen_offsets, torch.Tensor):
+        if longest + seqlen_offsets > rows:
+            raise ValueError(f"{fn}: tokens up to {longest} past offset {seqlen_offsets} need "
+                             f"{longest + seqlen_offsets} rows of cos / sin; they have {rows}")
+        positions = positions + seqlen_offsets
+    inside = positions < rows
+    index = positions.clamp(0, max(rows - 1, 0)).long()
+    cos_rows = torch.where(inside[..., None], cos[index], 1.0)
+    sin_rows = torch.where(inside[..., None], sin[index], 0.0)
+    if cu_seqlens is None and cos_rows.shape[0] == 1:  # one row of tables for every sequence
+        cos_rows, sin_rows = cos_rows[0], sin_rows[0]
+    rotated = _rotate(x, cos_rows, sin_rows, interleaved)
+    if inplace:
+        x[..., :2 * half] = rotated
+        return x
+    return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
 
 
 class RotaryEmbedding(nn.Module):
@@ -51,5 +111,6 @@ class RotaryEmbedding(nn.Module):
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k [..., tokens, heads, head_dim] rotated for ``positions`` [tokens]."""
         cos, sin = self.cos_sin(positions)
-        return (apply_rotary_emb(q, cos, sin, self.interleaved),
-                apply_rotary_emb(k, cos, sin, self.interleaved))
+        rotary_dim = self.dim
+        return tuple(torch.cat((_rotate(x, cos, sin, self.interleaved), x[..., rotary_dim:]), dim=-1)
+                     for x in (q, k))
