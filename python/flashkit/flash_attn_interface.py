@@ -483,7 +483,9 @@ def _paged_decode(fn, q, k_cache, v_cache, block_table, cu_seqlens_q, lengths_k,
     inside = (seq >= 0) & (seq < batch)
     seq = seq.clamp(0, max(batch - 1, 0))
     slot = seq * rows + rows - lengths_q[seq] + tokens - cu_seqlens_q[seq]
-    slot = torch.where(inside, slot, batch * rows).long()  # the spare row past the block
+    # Tokens of no sequence go to the spare row past the block; the clamp keeps cu_seqlens_q that
+    # break the caller's promise (on CUDA, unchecked) from indexing out of bounds.
+    slot = torch.where(inside, slot, batch * rows).clamp_(0, batch * rows).long()
     block = q.new_zeros(batch * rows + 1, heads_q, head_dim).index_copy_(0, slot, q)
     out, lse = flash_attn_with_kvcache(
         block[:-1].view(batch, rows, heads_q, head_dim), k_cache, v_cache, cache_seqlens=lengths_k,
