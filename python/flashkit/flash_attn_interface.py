@@ -673,3 +673,114 @@ def flash_attn_with_kvcache(
             k_cache.copy_(k_cache_run[..., :head_dim])
             v_cache.copy_(v_cache_run[..., :head_dim])
     return (out, softmax_lse) if return_softmax_lse else out
+
+
+# flash_attn's low-level functions, with flash_attn 2.7's arguments and results: libraries that
+# build their own autograd around the kernels (ring and context-parallel attention) import these
+# from flash_attn.flash_attn_interface. q, k, v, dout are as the functions above take them; the
+# caller passes softmax_scale and the window sides explicitly.
+
+def _empty_s_dmask(q: torch.Tensor, s_dmask: Optional[torch.Tensor]) -> torch.Tensor:
+    return s_dmask if s_dmask is not None else q.new_empty((0,))
+
+
+def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left,
+                        window_size_right, softcap, alibi_slopes, return_softmax):
+    """(out, softmax_lse [batch, heads_q, seqlen_q], S_dmask (empty without return_softmax),
+    rng_state): one forward, no autograd."""
+    fn = "_flash_attn_forward"
+    _check_head_dim(fn, q, k=k, v=v)
+    return_softmax = bool(return_softmax) and dropout_p > 0
+    out, softmax_lse, rng_state, s_dmask = _ops.fwd(
+        _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), alibi_slopes, dropout_p,
+        _softmax_scale(fn, softmax_scale, q.shape[-1]), causal, window_size_left,
+        window_size_right, softcap, return_softmax, None)
+    return out[..., :q.shape[-1]], softmax_lse, _empty_s_dmask(q, s_dmask), rng_state
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                               dropout_p, softmax_scale, causal, window_size_left=-1,
+                               window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                               return_softmax=False, block_table=None, leftpad_k=None,
+                               seqused_k=None, zero_tensors=False, num_splits=0):
+    """(out, softmax_lse [heads_q, total_q] (flash_attn 2.x's varlen layout), S_dmask, rng_state).
+    block_table as flash_attn_varlen_func's gather; leftpad_k is not supported (flash_attn_with_kvcache
+    takes cache_leftpad); zero_tensors and num_splits change nothing here (rows outside every
+    sequence are left unwritten either way; flashkit chooses its own splits)."""
+    fn = "_flash_attn_varlen_forward"
+    if leftpad_k is not None:
+        raise NotImplementedError(f"{fn}: leftpad_k is not supported by flashkit's varlen forward; "
+                                  "flash_attn_with_kvcache takes cache_leftpad")
+    _check_head_dim(fn, q, k=k, v=v)
+    if block_table is not None:
+        lengths_k = _check_pages(fn, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_k)
+        k, v, cu_seqlens_k = _gather_pages(k, v, block_table, max_seqlen_k)
+        seqused_k = lengths_k if seqused_k is None else torch.minimum(seqused_k, lengths_k)
+    return_softmax = bool(return_softmax) and dropout_p > 0
+    out, softmax_lse, rng_state, s_dmask = _ops.varlen_fwd(
+        _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v), cu_seqlens_q, cu_seqlens_k,
+        seqused_k, max_seqlen_q, max_seqlen_k, alibi_slopes, dropout_p,
+        _softmax_scale(fn, softmax_scale, q.shape[-1]), causal, window_size_left,
+        window_size_right, softcap, return_softmax, None)
+    return (out[..., :q.shape[-1]], _packed_lse(softmax_lse, cu_seqlens_q, q.shape[0]),
+            _empty_s_dmask(q, s_dmask), rng_state)
+
+
+def _into(target: Optional[torch.Tensor], grad: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """A gradient written into the caller's preallocated tensor (if any), as flash_attn does."""
+    grad = grad[..., :head_dim]
+    return grad if target is None else target.copy_(grad)
+
+
+def _softmax_d(dout: torch.Tensor, out: torch.Tensor, token_dim: int) -> torch.Tensor:
+    """rowsum(dout * out) in fp32, heads before tokens: what flash_attn's backward returns as
+    softmax_d (flash_attn pads the token dim to a multiple of 128; here it is not padded)."""
+    return (dout.float() * out.float()).sum(-1).transpose(token_dim, token_dim + 1).contiguous()
+
+
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale,
+                         causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                         deterministic, rng_state=None):
+    """The gradients of _flash_attn_forward into dq, dk, dv (allocated when None); returns
+    softmax_d [batch, heads_q, seqlen_q]."""
+    fn = "_flash_attn_backward"
+    head_dim = q.shape[-1]
+    grads = _ops.bwd(_pad_head_dim(dout), _pad_head_dim(q), _pad_head_dim(k), _pad_head_dim(v),
+                     _pad_head_dim(out), softmax_lse, alibi_slopes, dropout_p, rng_state,
+                     _softmax_scale(fn, softmax_scale, head_dim), causal, window_size_left,
+                     window_size_right, softcap, deterministic)
+    for target, grad in zip((dq, dk, dv), grads):
+        _into(target, grad, head_dim)
+    return _softmax_d(dout, out, 1)
+
+
+def _unpacked_lse(softmax_lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  max_seqlen_q: int) -> torch.Tensor:
+    """flash_attn's varlen LSE [heads, total_q] as flashkit's [batch, heads, max_seqlen_q] (the
+    inverse of _packed_lse; rows past a sequence's end repeat a value the kernels never read)."""
+    heads, total_q = softmax_lse.shape
+    batch = cu_seqlens_q.numel() - 1
+    if total_q == 0 or batch == 0 or max_seqlen_q == 0:
+        return softmax_lse.new_full((batch, heads, max_seqlen_q), float("-inf"))
+    rows = torch.arange(max_seqlen_q, device=softmax_lse.device, dtype=cu_seqlens_q.dtype)
+    index = (cu_seqlens_q[:-1, None] + rows[None, :]).clamp(0, total_q - 1).long()
+    return softmax_lse[:, index].permute(1, 0, 2).contiguous()
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q,
+                                cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                                causal, window_size_left, window_size_right, softcap, alibi_slopes,
+                                deterministic, rng_state=None, zero_tensors=False):
+    """The gradients of _flash_attn_varlen_forward (softmax_lse in its [heads_q, total_q] layout)
+    into dq, dk, dv (allocated when None); returns softmax_d [heads_q, total_q]."""
+    fn = "_flash_attn_varlen_backward"
+    head_dim = q.shape[-1]
+    grads = _ops.varlen_bwd(_pad_head_dim(dout), _pad_head_dim(q), _pad_head_dim(k),
+                            _pad_head_dim(v), _pad_head_dim(out),
+                            _unpacked_lse(softmax_lse, cu_seqlens_q, max_seqlen_q), cu_seqlens_q,
+                            cu_seqlens_k, None, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                            dropout_p, rng_state, _softmax_scale(fn, softmax_scale, head_dim),
+                            causal, window_size_left, window_size_right, softcap, deterministic)
+    for target, grad in zip((dq, dk, dv), grads):
+        _into(target, grad, head_dim)
+    return _softmax_d(dout, out, 0)
