@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from flashkit import _ops
+from flashkit._packing import token_sequences
 
 _HEAD_DIM_MULTIPLE = 8
 _MAX_HEAD_DIM = 256
@@ -221,14 +222,8 @@ def _packed_lse(softmax_lse: torch.Tensor, cu_seqlens_q: torch.Tensor,
     batch, heads, max_seqlen_q = softmax_lse.shape
     if batch == 0 or max_seqlen_q == 0:
         return softmax_lse.new_full((heads, total_q), float("-inf"))
-    tokens = torch.arange(total_q, device=softmax_lse.device, dtype=cu_seqlens_q.dtype)
-    # The sequence of each token: how many of cu_seqlens_q[1:] are <= it, counted on the whole
-    # cu_seqlens_q (minus its leading 0): torch.compile's Triton searchsorted ignores the offset
-    # of a sliced boundary tensor and answers off by one (pytorch/pytorch#182343, torch 2.11).
-    seq = torch.searchsorted(cu_seqlens_q, tokens, right=True) - 1
-    in_batch = (seq >= 0) & (seq < batch)
-    seq = seq.clamp(0, batch - 1)
-    row = (tokens - cu_seqlens_q[seq]).clamp(0, max_seqlen_q - 1)
+    seq, row, in_batch = token_sequences(cu_seqlens_q, total_q)
+    row = row.clamp(0, max_seqlen_q - 1)
     # One gather along the flattened (sequence, row) axis of [heads, batch * max_seqlen_q].
     by_head = softmax_lse.permute(1, 0, 2).reshape(heads, batch * max_seqlen_q)
     packed = by_head.index_select(1, seq.long() * max_seqlen_q + row.long())  # [heads, total_q]
@@ -478,11 +473,8 @@ def _paged_decode(fn, q, k_cache, v_cache, block_table, cu_seqlens_q, lengths_k,
         raise RuntimeError(f"{fn}: a sequence has {int(lengths_q.max())} query tokens "
                            f"(cu_seqlens_q) but max_seqlen_q is {max_seqlen_q}")
     window = tuple(-1 if side >= max_seqlen_k else side for side in _window(fn, window_size))
-    tokens = torch.arange(total_q, device=q.device, dtype=cu_seqlens_q.dtype)
-    seq = torch.searchsorted(cu_seqlens_q, tokens, right=True) - 1
-    inside = (seq >= 0) & (seq < batch)
-    seq = seq.clamp(0, max(batch - 1, 0))
-    slot = seq * rows + rows - lengths_q[seq] + tokens - cu_seqlens_q[seq]
+    seq, position, inside = token_sequences(cu_seqlens_q, total_q)
+    slot = seq * rows + rows - lengths_q[seq] + position
     # Tokens of no sequence go to the spare row past the block; the clamp keeps cu_seqlens_q that
     # break the caller's promise (on CUDA, unchecked) from indexing out of bounds.
     slot = torch.where(inside, slot, batch * rows).clamp_(0, batch * rows).long()

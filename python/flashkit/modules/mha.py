@@ -16,6 +16,7 @@ from typing import Optional, Tuple
 import torch
 from torch import nn
 
+from flashkit._packing import token_sequences
 from flashkit.flash_attn_interface import (
     flash_attn_kvpacked_func,
     flash_attn_qkvpacked_func,
@@ -162,10 +163,7 @@ class MHA(nn.Module):
         """The position of each token in its sequence: [seqlen] for a padded batch, [total] packed."""
         if cu_seqlens is None:
             return torch.arange(x.shape[1], device=x.device)
-        tokens = torch.arange(x.shape[0], device=x.device, dtype=cu_seqlens.dtype)
-        seq = torch.searchsorted(cu_seqlens[1:].contiguous(), tokens, right=True)
-        seq = seq.clamp(max=cu_seqlens.shape[0] - 2)
-        return tokens - cu_seqlens[seq]
+        return token_sequences(cu_seqlens, x.shape[0])[1]
 
     def allocate_kv_cache(self, batch: int, max_seqlen: int, dtype: Optional[torch.dtype] = None,
                           device: Optional[torch.device] = None

@@ -13,11 +13,13 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from flashkit._packing import token_sequences
+
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x [..., heads, head_dim] rotated by each token's cos / sin [..., rotary_dim / 2] (the token
-    dims of x, broadcast over heads), in fp32; returns x's first rotary_dim channels rotated, in
-    x's dtype."""
+    """x [..., heads, head_dim] with its first rotary_dim channels rotated by each token's cos /
+    sin [..., rotary_dim / 2] (the token dims of x, broadcast over heads), in fp32, returned in
+    x's dtype; the other channels pass through."""
     rotary_dim = cos.shape[-1] * 2
     rotated = x[..., :rotary_dim].float()
     cos, sin = cos[..., None, :].float(), sin[..., None, :].float()
@@ -27,7 +29,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: 
     else:
         x1, x2 = rotated.chunk(2, dim=-1)
         out = torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
-    return out.to(x.dtype)
+    return torch.cat((out.to(x.dtype), x[..., rotary_dim:]), dim=-1)
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -65,10 +67,7 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             raise ValueError(f"{fn}: with cu_seqlens, x must be [total, heads, head_dim] "
                              f"(it has shape {list(x.shape)}) and max_seqlen given")
         longest = max_seqlen
-        tokens = torch.arange(x.shape[0], device=x.device, dtype=cu_seqlens.dtype)
-        seq = torch.searchsorted(cu_seqlens, tokens, right=True) - 1
-        seq = seq.clamp(0, cu_seqlens.shape[0] - 2)
-        positions = tokens - cu_seqlens[seq]  # [total]
+        seq, positions, _ = token_sequences(cu_seqlens, x.shape[0])  # [total]
         if isinstance(seqlen_offsets, torch.Tensor):
             positions = positions + seqlen_offsets.to(x.device)[seq]
     if not isinstance(seqlen_offsets, torch.Tensor):
@@ -83,10 +82,7 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if cu_seqlens is None and cos_rows.shape[0] == 1:  # one row of tables for every sequence
         cos_rows, sin_rows = cos_rows[0], sin_rows[0]
     rotated = _rotate(x, cos_rows, sin_rows, interleaved)
-    if inplace:
-        x[..., :2 * half] = rotated
-        return x
-    return torch.cat((rotated, x[..., 2 * half:]), dim=-1)
+    return x.copy_(rotated) if inplace else rotated
 
 
 class RotaryEmbedding(nn.Module):
@@ -111,6 +107,4 @@ class RotaryEmbedding(nn.Module):
                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k [..., tokens, heads, head_dim] rotated for ``positions`` [tokens]."""
         cos, sin = self.cos_sin(positions)
-        rotary_dim = self.dim
-        return tuple(torch.cat((_rotate(x, cos, sin, self.interleaved), x[..., rotary_dim:]), dim=-1)
-                     for x in (q, k))
+        return _rotate(q, cos, sin, self.interleaved), _rotate(k, cos, sin, self.interleaved)
