@@ -129,12 +129,18 @@ def main():
         before, after = (summary(f, args.kernel) for f in args.files)
         changed = 0
         for name in sorted(set(before) | set(after)):
-            if before.get(name) != after.get(name):
-                changed += 1
-                print(name)
-                for label, lines in (("before", before.get(name, [])), ("after", after.get(name, []))):
-                    for line in lines:
-                        print(f"  {label:6s} {line}")
+            old, new = before.get(name, []), after.get(name, [])
+            if old == new:
+                continue
+            changed += 1
+            print(name)
+            if len(old) != len(new):
+                print(f"  {len(old)} loops before, {len(new)} after")
+            for i in range(max(len(old), len(new))):  # loop by loop, the ones that differ
+                a = old[i] if i < len(old) else "-"
+                b = new[i] if i < len(new) else "-"
+                if a != b:
+                    print(f"  loop {i}: before {a}\n          after  {b}")
         print(f"{changed} of {len(set(before) | set(after))} kernels' loops differ")
         return
     for path in args.files:
