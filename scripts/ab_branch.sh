@@ -13,6 +13,8 @@
 #      run cut off after $AB_BENCH_TIMEOUT (150) s
 #   4. with $AB_RACECHECK, compute-sanitizer racecheck of B's GPU tests with that filter
 #      (timeout $AB_RACECHECK_TIMEOUT, 60 s)
+# Before the tests it prints, per sm90 kernel object, how many kernels' wgmma loops B moved
+# (scripts/sass_loops.py --diff; the details in ab.tgz's sass-loops-diff.txt).
 # OUT_DIR receives ab.md (per cell: A1 A2 B1 B2 TFLOP/s and B / A of the means), ab.tgz (every log
 # and JSON) and racecheck-B.log.
 #
@@ -35,6 +37,16 @@ rm -rf /tmp/ab-A /tmp/ab-B  # from scratch: a measured pair is built the same wa
 ab_build_tree A "$ROOT" "$WORK" 8 flashkit_bench &
 ab_build_tree B "$ROOT/$AB_B" "$WORK" 8 flashkit_bench flashkit_gpu_tests &
 wait
+
+# Which wgmma kernels' loops the change moved, instance by instance (dropout, split and window
+# instances too: a change can leave every p = 0 loop alone and still move another's schedule).
+for obj in /tmp/ab-A/src/CMakeFiles/flashkit_sm90_kernels.dir/generated/*.o; do
+  other=/tmp/ab-B/src/CMakeFiles/flashkit_sm90_kernels.dir/generated/$(basename "$obj")
+  [ -f "$other" ] || continue
+  echo "== $(basename "$obj")"
+  python3 "$ROOT/scripts/sass_loops.py" --diff "$obj" "$other"
+done >"$WORK/sass-loops-diff.txt" 2>&1
+echo "sass loops (B against A):"; grep -E "^==|kernels' loops differ" "$WORK/sass-loops-diff.txt" | paste - - | sed 's/^/  /'
 
 if [ -n "${AB_TESTS:-}" ]; then
   timeout "${AB_TEST_TIMEOUT:-200}" /tmp/ab-B/tests/cpp/flashkit_gpu_tests --gtest_filter="$AB_TESTS" \

@@ -127,12 +127,13 @@ def main():
         if len(args.files) != 2:
             parser.error("--diff takes BEFORE and AFTER")
         before, after = (summary(f, args.kernel) for f in args.files)
-        changed = 0
+        changed = innermost = 0
         for name in sorted(set(before) | set(after)):
             old, new = before.get(name, []), after.get(name, [])
             if old == new:
                 continue
             changed += 1
+            innermost += old[:1] != new[:1]
             print(name)
             if len(old) != len(new):
                 print(f"  {len(old)} loops before, {len(new)} after")
@@ -141,7 +142,8 @@ def main():
                 b = new[i] if i < len(new) else "-"
                 if a != b:
                     print(f"  loop {i}: before {a}\n          after  {b}")
-        print(f"{changed} of {len(set(before) | set(after))} kernels' loops differ")
+        print(f"{changed} of {len(set(before) | set(after))} kernels' loops differ, "
+              f"{innermost} in the innermost loop")
         return
     for path in args.files:
         for name, lines in summary(path, args.kernel).items():
