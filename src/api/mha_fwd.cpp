@@ -20,6 +20,7 @@
 
 #include "api/dispatch_support.h"
 #include "api/fwd_decode_route.h"
+#include "api/sm90_fwd_dispatch.h"
 #include "api/validate_fwd.h"
 #include "build_config.h"
 #include "cpu/reference_fwd.h"
@@ -46,6 +47,10 @@ using api::debug_enabled;
 
 #ifdef FLASHKIT_WITH_CUDA
 
+using api::plan_sm90;
+using api::sm90_unavailable_reason;
+using api::sm90_workspace_layout;
+
 using RunFwd = void (*)(const FwdProblem&, void*);
 
 // The kernel compiled for (dtype, family), or nullptr when this build left it out. The list of
@@ -55,18 +60,6 @@ RunFwd find_sm80_fwd(DType dtype, int family) {
   if (dtype == DType::kDType && family == kFamily) return &sm80::run_fwd<DType::kDType, kFamily>;
   FLASHKIT_SM80_FWD_INSTANCES
 #undef FLASHKIT_SM80_FWD_INSTANCE
-  return nullptr;
-}
-
-using RunSm90Fwd = void (*)(const FwdProblem&, const sm90::FwdPlan&, void*);
-
-// The sm90 kernel for (dtype, family), or nullptr when this build left it out (a build without
-// sm_90a code has an empty list, hence the maybe-unused parameters).
-RunSm90Fwd find_sm90_fwd([[maybe_unused]] DType dtype, [[maybe_unused]] int family) {
-#define FLASHKIT_SM90_FWD_INSTANCE(kDType, kFamily) \
-  if (dtype == DType::kDType && family == kFamily) return &sm90::run_fwd<DType::kDType, kFamily>;
-  FLASHKIT_SM90_FWD_INSTANCES
-#undef FLASHKIT_SM90_FWD_INSTANCE
   return nullptr;
 }
 
@@ -97,20 +90,6 @@ std::string decode_unavailable_reason(const FwdProblem& problem) {
   return api::fwd_decode_unsupported_reason(problem);
 }
 
-// Why the sm90 kernel cannot run `problem` in this build, or "" when it can (the device aside).
-std::string sm90_unavailable_reason(const FwdProblem& problem) {
-  const int family = sm90::fwd_head_dim_family(problem.head_dim);
-  if (find_sm90_fwd(problem.dtype, family) == nullptr) {
-    return std::string("this build has no sm90 forward kernel for ") +
-           build_dtype_name(problem.dtype) + " head dim " + std::to_string(problem.head_dim) +
-           " (sm90 family " + std::to_string(family) +
-           "; the sm90 families 64, 128 and 256 are built when CMAKE_CUDA_ARCHITECTURES includes "
-           "90 and FLASHKIT_SM90=ON; built head dims " + FLASHKIT_BUILT_HEAD_DIMS + ", dtypes " +
-           FLASHKIT_BUILT_DTYPES + ")";
-  }
-  return sm90::fwd_unsupported_reason(problem);
-}
-
 bool family_built_for_some_dtype(int family) {
   return find_sm80_fwd(DType::kBFloat16, family) != nullptr ||
          find_sm80_fwd(DType::kFloat16, family) != nullptr;
@@ -121,54 +100,6 @@ bool dtype_built_for_some_family(DType dtype) {
     if (find_sm80_fwd(dtype, family) != nullptr) return true;
   }
   return false;
-}
-
-// The sm90 forward's plan for `problem` (which it covers) on cuda:`device` (sm90::plan_fwd): it
-// splits the keys only with a workspace (`has_workspace`; the size query plans with one) and the
-// decode kernel's combine pass in this build.
-static_assert(sm90::kFwdMaxSplits <= sm80::kDecodeMaxSplits, "the combine pass merges the splits");
-
-sm90::FwdPlan plan_sm90(const FwdProblem& problem, int device, bool has_workspace) {
-  const bool can_split = has_workspace && api::decode_kernel_built(problem.dtype, problem.head_dim);
-  return sm90::plan_fwd(problem, api::decode_device_sm_count(device), can_split, sm90::pack_gqa_from_env(),
-                        sm90::forced_splits_from_env());
-}
-
-// Where a plan's split partials go in the workspace: the decode workspace's layout (total 0
-// unsplit), which the combine pass reads.
-sm80::DecodeWorkspaceLayout sm90_workspace_layout(const FwdProblem& problem, const sm90::FwdPlan& plan) {
-  return sm80::decode_workspace_layout(api::decode_view_of_fwd(problem), plan.num_splits);
-}
-
-// Runs `problem` on the sm90 forward as `plan` (plan_sm90's for the caller's workspace) says, then
-// the combine pass when the keys split.
-void run_on_sm90(const char* fn, const FwdProblem& problem, const FwdCommon& params, sm90::FwdPlan plan,
-                 void* stream) {
-  if (plan.num_splits > 1) {
-    const sm80::DecodeWorkspaceLayout layout = sm90_workspace_layout(problem, plan);
-    if (params.workspace_bytes < layout.total_bytes) {
-      throw Error(std::string(fn) + ": workspace_bytes is " + std::to_string(params.workspace_bytes) +
-                  " but this call needs " + std::to_string(layout.total_bytes) + " (" + fn +
-                  "_workspace_size); pass that much, or a null workspace to run without a key split");
-    }
-    api::check_decode_workspace_alignment(fn, params.workspace);
-    char* workspace = static_cast<char*>(params.workspace);
-    plan.split_lse = reinterpret_cast<float*>(workspace);
-    plan.split_out = reinterpret_cast<float*>(workspace + layout.out_offset);
-  }
-  if (debug_enabled()) {
-    std::fprintf(stderr, "flashkit: %s: sm90 forward plan: %d query head(s) per kv head packed into a tile, keys "
-                 "split %d way(s)%s\n", fn, plan.pack_group, plan.num_splits,
-                 plan.num_splits > 1 ? ", then the decode kernel's combine pass" : "");
-  }
-  find_sm90_fwd(problem.dtype, sm90::fwd_head_dim_family(problem.head_dim))(problem, plan, stream);
-  if (plan.num_splits > 1) {
-    KvcacheProblem combine = api::decode_view_of_fwd(problem);
-    combine.num_splits = plan.num_splits;
-    combine.workspace = params.workspace;
-    combine.workspace_bytes = params.workspace_bytes;
-    api::launch_decode_combine(combine, stream);
-  }
 }
 
 // Throws unless the path `requested` can run `problem` in this build (the device aside): a forced
@@ -311,7 +242,7 @@ void run_on_cuda(const char* fn, const FwdProblem& problem, const FwdCommon& par
     }
   }
   if (use_sm90) {
-    run_on_sm90(fn, problem, params, choice.sm90_plan, stream);
+    api::run_on_sm90(fn, problem, params.workspace, params.workspace_bytes, choice.sm90_plan, stream);
   } else {
     find_sm80_fwd(problem.dtype, family)(problem, stream);
   }

@@ -4,16 +4,21 @@
 //
 // CPU views run the reference (src/cpu/reference_kvcache). CUDA views run the sm80 decode kernels
 // of the problem's (dtype, head-dim family) if this build compiled them (build_config.h lists
-// them), planned by decode_dispatch.h. Everything that can be rejected without the GPU is rejected
-// before the first CUDA call.
+// them), planned by decode_dispatch.h; except, on compute capability 9.0, calls with many query
+// tokens that are forward problems (kvcache_fwd_route.h), which run on the sm90 forward. The
+// environment variable FLASHKIT_KVCACHE_PATH=decode|sm90 forces one of the two (tests, bugs).
+// Everything that can be rejected without the GPU is rejected before the first CUDA call.
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "api/decode_dispatch.h"
 #include "api/dispatch_support.h"
+#include "api/kvcache_fwd_route.h"
 #include "api/validate_kvcache.h"
 #include "build_config.h"
 #include "cpu/reference_kvcache.h"
@@ -23,8 +28,10 @@
 #ifdef FLASHKIT_WITH_CUDA
 #include <cuda_runtime.h>
 
+#include "api/sm90_fwd_dispatch.h"
 #include "cuda/cuda_check.h"
 #include "cuda/sm80/decode_sm80.h"
+#include "cuda/sm90/fwd_tile_config_sm90.h"
 #endif
 
 namespace flashkit {
@@ -70,6 +77,49 @@ void check_contents_on_device(const KvcacheProblem& p, void* stream) {
   api::check_kvcache_contents(p, arrays);
 }
 
+enum class KvcachePath { kAuto, kDecode, kSm90 };
+
+// FLASHKIT_KVCACHE_PATH: unset or empty for the automatic choice, "decode" or "sm90" to force one.
+// Read on every call, so a test can switch it between calls.
+KvcachePath requested_kvcache_path() {
+  const char* value = std::getenv("FLASHKIT_KVCACHE_PATH");
+  if (value == nullptr || value[0] == '\0') return KvcachePath::kAuto;
+  if (std::strcmp(value, "decode") == 0) return KvcachePath::kDecode;
+  if (std::strcmp(value, "sm90") == 0) return KvcachePath::kSm90;
+  throw Error(std::string(kFn) + ": FLASHKIT_KVCACHE_PATH is '" + value +
+              "'; it must be decode, sm90 or unset (automatic: the sm90 forward for many query tokens "
+              "where the call is a forward problem, src/api/kvcache_fwd_route.h, else the decode kernel)");
+}
+
+// The sm90 forward's plan when `problem` runs there on cuda:`device`, else nothing: forced by
+// FLASHKIT_KVCACHE_PATH=sm90 (an error where it cannot run), or chosen automatically where the
+// call is a forward problem (no append, a contiguous cache without batch index or left pad), the
+// caller left the split to flashkit (num_splits 0, or 1: the forward then runs unsplit too) and
+// kvcache_prefers_fwd says so. The forward never splits here, so it needs no workspace.
+std::optional<sm90::FwdPlan> sm90_route(const KvcacheProblem& problem, int requested_splits, int device) {
+  const KvcachePath requested = requested_kvcache_path();
+  if (requested == KvcachePath::kDecode) return std::nullopt;
+  const bool forced = requested == KvcachePath::kSm90;
+  std::string why_not = api::kvcache_fwd_unsupported_reason(problem);
+  FwdProblem forward;
+  if (why_not.empty()) {
+    forward = api::fwd_view_of_kvcache(problem);
+    why_not = api::sm90_unavailable_reason(forward);
+  }
+  const int arch = api::decode_device_arch(device);
+  if (why_not.empty() && arch != 90) why_not = "the sm90 forward runs on compute capability 9.0 only";
+  if (forced && !why_not.empty()) {
+    throw Error(std::string(kFn) + ": FLASHKIT_KVCACHE_PATH=sm90 but the sm90 forward cannot run this call: " +
+                why_not + "; unset FLASHKIT_KVCACHE_PATH to let flashkit choose");
+  }
+  if (!why_not.empty() || (!forced && requested_splits > 1)) return std::nullopt;
+  const sm90::FwdPlan plan = api::plan_sm90(forward, device, /*has_workspace=*/false);
+  if (!forced && !api::kvcache_prefers_fwd(problem, api::decode_device_sm_count(device), plan.pack_group)) {
+    return std::nullopt;
+  }
+  return plan;
+}
+
 void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void* stream) {
   const int device = params.q.device.index;
   api::require_decode_kernel(kFn, problem.dtype, problem.head_dim);
@@ -78,6 +128,23 @@ void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void
     throw Error(std::string(kFn) + ": cuda:" + std::to_string(device) + " has compute capability " +
                 std::to_string(arch / 10) + "." + std::to_string(arch % 10) +
                 "; the flashkit CUDA kernels need 8.0 or newer (Ampere, Ada, Hopper)");
+  }
+  if (const std::optional<sm90::FwdPlan> plan = sm90_route(problem, params.num_splits, device)) {
+    const api::CurrentDeviceGuard device_guard(device);
+    if (contents_check_enabled()) check_contents_on_device(problem, stream);
+    const FwdProblem forward = api::fwd_view_of_kvcache(problem);
+    if (debug_enabled()) {
+      const int family = sm90::fwd_head_dim_family(problem.head_dim);
+      const sm90::FwdTileConfig tile = sm90::fwd_tile_config(family);
+      std::fprintf(stderr,
+                   "flashkit: %s: cuda:%d sm90 forward (many query tokens on a contiguous cache), %s head "
+                   "dim %d (family %d), tile %dx%d, batch %d heads %d/%d seqlen_q %d, cache capacity %d\n",
+                   kFn, device, build_dtype_name(problem.dtype), problem.head_dim, family, tile.block_m,
+                   tile.block_n, problem.batch, problem.heads_q, problem.heads_kv, problem.seqlen_q,
+                   problem.cache_capacity);
+    }
+    if (problem.seqlen_q > 0) api::run_on_sm90(kFn, forward, nullptr, 0, *plan, stream);
+    return;
   }
   // Once per call: it runs the split model's loop over split counts (twice for a paged cache), on
   // the host's path to a decode step of a few microseconds.
@@ -136,6 +203,7 @@ SplitPlan plan_splits(const MhaFwdKvcacheParams& params) {
   if (params.q.device.kind == DeviceKind::kCpu) return plan;
 #ifdef FLASHKIT_WITH_CUDA
   api::require_decode_kernel(kFn, problem.dtype, problem.head_dim);
+  if (sm90_route(problem, params.num_splits, params.q.device.index)) return plan;  // unsplit, no workspace
   const api::DecodePlan decode = api::plan_decode(problem, params.q.device.index, params.num_splits);
   plan.num_splits = decode.num_splits;
   plan.workspace_bytes = decode.workspace_bytes;

@@ -40,6 +40,9 @@ struct FwdProblem {
   // Variable length (all null for mha_fwd).
   const int* cu_seqlens_q = nullptr;
   const int* cu_seqlens_k = nullptr;
+  // Varlen: sequence b attends to its first seqused_k[b] keys. Also set, without cu_seqlens, only by
+  // mha_fwd_kvcache's route onto the sm90 forward (api/kvcache_fwd_route.h): batch entry b's cache
+  // holds seqused_k[b] of its seqlen_k rows. No other kernel reads it then.
   const int* seqused_k = nullptr;
   // Varlen: the rows of the packed q (and out) and k (and v), q.size(0) and k.size(0); the extent a
   // kernel reading whole tiles (the sm90 copy engine) may address. 0 for mha_fwd.

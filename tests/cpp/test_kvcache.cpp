@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "api/fwd_decode_route.h"
+#include "api/kvcache_fwd_route.h"
 #include "api/split_heuristic.h"
 #include "api/validate_fwd.h"
 #include "api/validate_kvcache.h"
@@ -828,3 +829,57 @@ TEST(SplitHeuristic, RespectsMaxSplits) {
 
 }  // namespace
 }  // namespace flashkit::test
+
+// mha_fwd_kvcache's many-query route (kvcache_fwd_route.h): which calls are forward problems, the
+// forward view's lengths, and the choice against the decode kernel (mha_fwd's for the same problem).
+TEST(KvcacheFwdRoute, WhichCallsAreForwardProblems) {
+  KvcacheProblem p;
+  p.batch = 4;
+  p.heads_q = 32;
+  p.heads_kv = 8;
+  p.head_dim = 128;
+  p.seqlen_q = 256;
+  p.cache_capacity = 8192;
+  p.cache_seqlen = 8192;
+  p.causal = true;
+  p.window_right = 0;
+  int lengths[4] = {8192, 100, 0, 4000};
+  p.cache_seqlens = lengths;
+  EXPECT_EQ(api::kvcache_fwd_unsupported_reason(p), "");
+  FwdProblem f = api::fwd_view_of_kvcache(p);
+  EXPECT_EQ(f.seqlen_k, 8192);  // the capacity, each entry's length in seqused_k
+  EXPECT_EQ(f.seqused_k, lengths);
+  EXPECT_EQ(f.cu_seqlens_q, nullptr);
+  EXPECT_TRUE(f.causal);
+  EXPECT_EQ(f.window_right, 0);
+  p.cache_seqlens = nullptr;
+  p.cache_seqlen = 300;  // one length for every entry
+  f = api::fwd_view_of_kvcache(p);
+  EXPECT_EQ(f.seqlen_k, 300);
+  EXPECT_EQ(f.seqused_k, nullptr);
+
+  const char bytes[16] = {};
+  KvcacheProblem append = p;
+  append.k_new = bytes;
+  append.v_new = bytes;
+  EXPECT_NE(api::kvcache_fwd_unsupported_reason(append), "");
+  KvcacheProblem paged = p;
+  paged.block_table = lengths;
+  EXPECT_NE(api::kvcache_fwd_unsupported_reason(paged), "");
+  KvcacheProblem indexed = p;
+  indexed.cache_batch_idx = lengths;
+  EXPECT_NE(api::kvcache_fwd_unsupported_reason(indexed), "");
+  KvcacheProblem padded = p;
+  padded.cache_leftpad = lengths;
+  EXPECT_NE(api::kvcache_fwd_unsupported_reason(padded), "");
+
+  // Many tokens: the forward; one token: the decode kernel; 16 tokens of a packed GQA group: the
+  // forward where its tiles fill the GPU (batch 4), the decode kernel where they do not (batch 1).
+  EXPECT_TRUE(api::kvcache_prefers_fwd(p, kH100Sms, 4));
+  p.seqlen_q = 1;
+  EXPECT_FALSE(api::kvcache_prefers_fwd(p, kH100Sms, 4));
+  p.seqlen_q = 16;
+  EXPECT_TRUE(api::kvcache_prefers_fwd(p, kH100Sms, 4));
+  p.batch = 1;
+  EXPECT_FALSE(api::kvcache_prefers_fwd(p, kH100Sms, 4));
+}

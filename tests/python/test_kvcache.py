@@ -404,6 +404,52 @@ def test_empty_sequence_gives_zeros_and_minus_inf(device):
     assert torch.isfinite(lse[1]).all()
 
 
+# Many query tokens against a contiguous cache, nothing appended (chunked prefill, speculative
+# drafts): on compute capability 9.0 the sm90 forward runs these (src/api/kvcache_fwd_route.h);
+# FLASHKIT_KVCACHE_PATH=decode keeps them on the decode kernel. Both against the reference, with an
+# empty cache and one shorter than the queries (causal rows without keys) among the lengths.
+@pytest.mark.parametrize("path", ["auto", "decode"])
+@pytest.mark.parametrize("mask", ["none", "causal", "window", "softcap", "alibi"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_many_query_tokens(device, monkeypatch, head_dim, mask, path):
+    if path == "decode":
+        if device != "cuda":
+            pytest.skip("the path switch is the CUDA dispatcher's")
+        monkeypatch.setenv("FLASHKIT_KVCACHE_PATH", "decode")
+    opts = Options()
+    if mask == "causal":
+        opts.causal = True
+    elif mask == "window":
+        opts.window_size = (40, 0)
+    elif mask == "softcap":
+        opts.softcap, opts.causal = 2.5, True
+    elif mask == "alibi":
+        gen = torch.Generator().manual_seed(5)
+        opts.alibi_slopes = (torch.rand((8,), generator=gen) * 0.3).to(device)
+    run(Case(batch=3, seqlen_q=100, seqlen_new=0, heads=(8, 2), head_dim=head_dim, capacity=300,
+             lengths=(300, 57, 0), opts=opts, seed=53), device)
+
+
+def test_many_query_tokens_one_length(device):
+    run(Case(batch=2, seqlen_q=64, seqlen_new=0, scalar_seqlens=True, heads=(8, 8), head_dim=128,
+             capacity=200, opts=Options(causal=True), seed=59), device)
+
+
+@pytest.mark.skipif(not HAS_CUDA, reason=NO_GPU_REASON)
+def test_kvcache_path_switch(monkeypatch):
+    case = Case(seqlen_q=40, seqlen_new=2, head_dim=128, seed=61)
+    skip_unbuilt_kvcache("cuda", case.dtype, case.head_dim)
+    inputs = make_inputs(case, "cuda")
+    call = lambda: flash_attn_with_kvcache(inputs.q, inputs.k_cache, inputs.v_cache,
+                                           **inputs.kwargs(case, "cuda"))
+    monkeypatch.setenv("FLASHKIT_KVCACHE_PATH", "fast")
+    with pytest.raises(RuntimeError, match="FLASHKIT_KVCACHE_PATH is 'fast'"):
+        call()
+    monkeypatch.setenv("FLASHKIT_KVCACHE_PATH", "sm90")  # an append: only the decode kernel does it
+    with pytest.raises(RuntimeError, match="FLASHKIT_KVCACHE_PATH=sm90 but the sm90 forward cannot"):
+        call()
+
+
 # torch.ops.flashkit.fwd_kvcache as PyTorch sees it: the schema declares the cache mutation, the
 # fake implementation gives the shapes, AOT dispatch handles the mutated inputs.
 OPCHECK_UTILS = ("test_schema", "test_faketensor", "test_aot_dispatch_dynamic")

@@ -323,6 +323,8 @@ struct alignas(16) FwdTile {
       t.k_token = p.cu_seqlens_k[t.batch];
       t.len_q = p.cu_seqlens_q[t.batch + 1] - t.q_token;
       t.len_k = p.seqused_k != nullptr ? p.seqused_k[t.batch] : p.cu_seqlens_k[t.batch + 1] - t.k_token;
+    } else if (p.seqused_k != nullptr) {  // a KV cache's lengths (api/kvcache_fwd_route.h)
+      t.len_k = p.seqused_k[t.batch];
     }
     t.token0 = t.m_block * tokens_per_tile;
     t.tokens = min(tokens_per_tile, t.len_q - t.token0);
