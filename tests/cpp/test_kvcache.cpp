@@ -827,9 +827,6 @@ TEST(SplitHeuristic, RespectsMaxSplits) {
   EXPECT_EQ(api::choose_num_splits(s), 16);
 }
 
-}  // namespace
-}  // namespace flashkit::test
-
 // mha_fwd_kvcache's many-query route (kvcache_fwd_route.h): which calls are forward problems, the
 // forward view's lengths, and the choice against the decode kernel (mha_fwd's for the same problem).
 TEST(KvcacheFwdRoute, WhichCallsAreForwardProblems) {
@@ -883,3 +880,6 @@ TEST(KvcacheFwdRoute, WhichCallsAreForwardProblems) {
   p.batch = 1;
   EXPECT_FALSE(api::kvcache_prefers_fwd(p, kH100Sms, 4));
 }
+
+}  // namespace
+}  // namespace flashkit::test
