@@ -91,12 +91,18 @@ KvcachePath requested_kvcache_path() {
               "where the call is a forward problem, src/api/kvcache_fwd_route.h, else the decode kernel)");
 }
 
-// The sm90 forward's plan when `problem` runs there on cuda:`device`, else nothing: forced by
+// A call as the sm90 forward runs it: the forward view of the problem and the forward's plan.
+struct Sm90Route {
+  FwdProblem forward;
+  sm90::FwdPlan plan;
+};
+
+// The sm90 forward's run when `problem` goes there on cuda:`device`, else nothing: forced by
 // FLASHKIT_KVCACHE_PATH=sm90 (an error where it cannot run), or chosen automatically where the
 // call is a forward problem (no append, a contiguous cache without batch index or left pad), the
 // caller left the split to flashkit (num_splits 0, or 1: the forward then runs unsplit too) and
 // kvcache_prefers_fwd says so. The forward never splits here, so it needs no workspace.
-std::optional<sm90::FwdPlan> sm90_route(const KvcacheProblem& problem, int requested_splits, int device) {
+std::optional<Sm90Route> sm90_route(const KvcacheProblem& problem, int requested_splits, int device) {
   const KvcachePath requested = requested_kvcache_path();
   if (requested == KvcachePath::kDecode) return std::nullopt;
   const bool forced = requested == KvcachePath::kSm90;
@@ -117,7 +123,7 @@ std::optional<sm90::FwdPlan> sm90_route(const KvcacheProblem& problem, int reque
   if (!forced && !api::kvcache_prefers_fwd(problem, api::decode_device_sm_count(device), plan.pack_group)) {
     return std::nullopt;
   }
-  return plan;
+  return Sm90Route{forward, plan};
 }
 
 void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void* stream) {
@@ -129,10 +135,9 @@ void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void
                 std::to_string(arch / 10) + "." + std::to_string(arch % 10) +
                 "; the flashkit CUDA kernels need 8.0 or newer (Ampere, Ada, Hopper)");
   }
-  if (const std::optional<sm90::FwdPlan> plan = sm90_route(problem, params.num_splits, device)) {
+  if (const std::optional<Sm90Route> route = sm90_route(problem, params.num_splits, device)) {
     const api::CurrentDeviceGuard device_guard(device);
     if (contents_check_enabled()) check_contents_on_device(problem, stream);
-    const FwdProblem forward = api::fwd_view_of_kvcache(problem);
     if (debug_enabled()) {
       const int family = sm90::fwd_head_dim_family(problem.head_dim);
       const sm90::FwdTileConfig tile = sm90::fwd_tile_config(family);
@@ -143,7 +148,7 @@ void run_on_cuda(KvcacheProblem problem, const MhaFwdKvcacheParams& params, void
                    tile.block_n, problem.batch, problem.heads_q, problem.heads_kv, problem.seqlen_q,
                    problem.cache_capacity);
     }
-    if (problem.seqlen_q > 0) api::run_on_sm90(kFn, forward, nullptr, 0, *plan, stream);
+    if (problem.seqlen_q > 0) api::run_on_sm90(kFn, route->forward, nullptr, 0, route->plan, stream);
     return;
   }
   // Once per call: it runs the split model's loop over split counts (twice for a paged cache), on
